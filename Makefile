@@ -1,0 +1,46 @@
+# Two commands for a newcomer on a fresh machine (Python 3.11, no GPU needed):
+#   make run    set up the environment and run the quickstart notebook headlessly (outputs under runs/)
+#   make test   set up the environment and run the whole test suite
+# The virtual environment lives outside the clone, keyed by the requirements' hash, so a second call (or a
+# second clone) reuses it. Override its location with TPU_HELPERS_VENV_ROOT.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+REQS := requirements-dev.txt
+VENV_ROOT ?= $(or $(TPU_HELPERS_VENV_ROOT),$(HOME)/.cache/tpu_helpers)
+REQ_HASH := $(shell sha256sum $(REQS) | cut -c1-12)
+VENV := $(VENV_ROOT)/venv-$(REQ_HASH)
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.complete
+DEVICE ?= auto
+PYTEST_ARGS ?=
+
+.PHONY: setup run test lint clean-runs print-venv
+
+setup: $(STAMP)
+
+# The stamp is written last, so an interrupted install never looks complete: the next call rebuilds it.
+$(STAMP):
+	@echo ">> creating $(VENV) (first run only: torch + torch_xla are large, a few minutes)"
+	rm -rf $(VENV)
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r $(REQS)
+	touch $(STAMP)
+
+# The package is installed editable on every call (cheap), so the cached venv always imports this clone.
+run: setup
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m tpu_helpers run notebooks/quickstart.ipynb --target local -p DEVICE $(DEVICE)
+
+test: setup
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m ruff check tpu_helpers tests benchmarks
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(PY) -m ruff check tpu_helpers tests benchmarks
+
+clean-runs:
+	rm -rf runs/
+
+print-venv:
+	@echo $(VENV)

@@ -1,0 +1,50 @@
+"""Command line: `python -m tpu_helpers run NOTEBOOK [NOTEBOOK ...] [--target T] [-p NAME VALUE ...]`.
+
+Several notebooks run one after another, then a summary table; the exit status is non-zero if any failed.
+`python -m tpu_helpers targets` lists the targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tpu_helpers", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="execute notebooks with papermill")
+    run.add_argument("notebooks", nargs="+", help="notebook paths")
+    run.add_argument("--target", default="local", help="parameter preset for a platform (see `targets`)")
+    run.add_argument("-p", "--param", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
+                     help="override a parameter (values are Python literals; anything else is a string)")
+    run.add_argument("--runs-dir", default="runs", help="where run directories are created (default: runs)")
+    run.add_argument("--kernel", default=None, help="Jupyter kernel name (default: the notebook's)")
+    sub.add_parser("targets", help="list the targets")
+    args = parser.parse_args(argv)
+
+    from tpu_helpers.runner import TARGETS, RunError, parse_params, run_notebook, summary_table
+
+    if args.command == "targets":
+        for name, target in TARGETS.items():
+            print(f"{name:14s} {target.description}")
+        return 0
+    try:
+        params = parse_params(args.param)
+        results = []
+        for nb in args.notebooks:
+            print(f">> running {nb} (target {args.target})", flush=True)
+            result = run_notebook(nb, target=args.target, params=params, runs_dir=args.runs_dir, kernel=args.kernel)
+            print(("   ok: " if result.ok else "   FAILED: ") + (result.error or str(result.directory)), flush=True)
+            results.append(result)
+    except RunError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print()
+    print(summary_table(results))
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Pick the device and return the backend object a training loop talks to.
+
+    from tpu_helpers.backend import get_backend
+    backend = get_backend("auto")       # TPU, then CUDA, then CPU
+    print(backend.status())             # e.g. "TPU v6e x1, 31.3 GiB HBM/chip, bf16"
+
+Device names:
+- "auto": a TPU if torch_xla is installed and TPU chips are attached, else a CUDA GPU, else the CPU;
+- "tpu": a TPU through torch_xla, or an error that says what is missing (or, with fallback=True, a warning and
+  the next best device, the behaviour some TPU guides rely on);
+- "cuda", "cpu": those devices;
+- "xla": whatever PJRT device is configured (PJRT_DEVICE=CPU runs the TPU code path on the CPU: tests use it).
+
+Only `tpu_helpers.backend.xla` imports torch_xla, and only when an XLA device is asked for, so the package imports
+fine where torch_xla is absent.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib
+import importlib.metadata
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from tpu_helpers.backend.base import Backend, BackendUnavailable, warn_fallback
+
+DEVICES = ("auto", "tpu", "cuda", "cpu", "xla")
+
+__all__ = ["DEVICES", "Backend", "BackendUnavailable", "get_backend", "tpu_chip_count", "xla_module"]
+
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+_XLA_BACKEND = None  # the XLA runtime is per process: build its backend once and hand the same one out
+
+
+def tpu_chip_count() -> int:
+    """TPU chips attached over PCI (read from sysfs, so no XLA runtime is started)."""
+    count = 0
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            if Path(vendor).read_text().strip() == _GOOGLE_PCI_VENDOR:
+                count += 1
+        except OSError:
+            continue
+    return count
+
+
+def _install_hint() -> str:
+    v = torch.__version__.split("+")[0]
+    return (
+        f"install the torch_xla that matches torch {v}: pip install 'torch=={v}' 'torch_xla[tpu]=={v}' "
+        "(see requirements-tpuvm.txt / requirements-colab.txt)"
+    )
+
+
+def xla_module():
+    """Import the XLA backend module, turning the usual install problems into an actionable message."""
+    try:
+        xla_version = importlib.metadata.version("torch_xla")
+    except importlib.metadata.PackageNotFoundError:
+        raise BackendUnavailable(f"torch_xla is not installed; {_install_hint()}") from None
+    torch_version = torch.__version__.split("+")[0]
+    try:
+        return importlib.import_module("tpu_helpers.backend.xla")
+    except ImportError as err:
+        if "undefined symbol" in str(err) or xla_version.split("+")[0] != torch_version:
+            raise BackendUnavailable(
+                f"torch_xla {xla_version} does not match torch {torch_version} (they must be the same version; "
+                f"the import failed with: {str(err)[:160]}); {_install_hint()}"
+            ) from err
+        raise BackendUnavailable(f"torch_xla {xla_version} failed to import: {err}") from err
+
+
+def _spmd_default(local_devices: int) -> bool:
+    # Inside an xmp.spawn child each process owns one device: SPMD is for a single process that drives them all.
+    spawned = int(os.environ.get("PJRT_LOCAL_PROCESS_COUNT", "1")) > 1
+    return local_devices > 1 and not spawned
+
+
+def _xla_backend(precision: str, spmd: bool | str, pjrt_device: str) -> Backend:
+    global _XLA_BACKEND
+    module = xla_module()
+    os.environ.setdefault("PJRT_DEVICE", pjrt_device)
+    if spmd == "auto":
+        n = tpu_chip_count() if os.environ["PJRT_DEVICE"] == "TPU" else int(os.environ.get("CPU_NUM_DEVICES", "1"))
+        spmd = _spmd_default(n)
+    if _XLA_BACKEND is not None:
+        if _XLA_BACKEND.spmd != spmd:
+            raise BackendUnavailable(
+                f"this process already runs XLA with spmd={_XLA_BACKEND.spmd}; spmd={spmd} needs a fresh process "
+                "(restart the kernel)"
+            )
+        _XLA_BACKEND.precision = _XLA_BACKEND._resolve_precision(precision)
+        return _XLA_BACKEND
+    _XLA_BACKEND = module.XlaBackend(precision, spmd=bool(spmd))
+    return _XLA_BACKEND
+
+
+def _tpu_problem() -> str | None:
+    """Why a TPU cannot be used here, or None when it can."""
+    if tpu_chip_count() == 0 and os.environ.get("PJRT_DEVICE") != "TPU":
+        return "no TPU chips are attached to this machine (none found on the PCI bus)"
+    try:
+        xla_module()
+    except BackendUnavailable as err:
+        return str(err)
+    return None
+
+
+def get_backend(
+    device: str = "auto", *, fallback: bool = False, precision: str = "auto", spmd: bool | str = "auto"
+) -> Backend:
+    """Return the backend for `device` (see the module docstring for the names).
+
+    spmd: on XLA with several local devices (a v5e-8, or CPU_NUM_DEVICES=8), "auto" drives them all from this
+    process as one SPMD program with the batch sharded over a "data" mesh axis; False uses one device per process.
+    """
+    if device not in DEVICES:
+        raise ValueError(f"device={device!r} is not one of {DEVICES}")
+    if spmd not in (True, False, "auto"):
+        raise ValueError(f"spmd={spmd!r} must be True, False or 'auto'")
+    if device == "xla":
+        return _xla_backend(precision, spmd, "TPU" if tpu_chip_count() else "CPU")
+    if device in ("auto", "tpu"):
+        problem = _tpu_problem()
+        if problem is None:
+            return _xla_backend(precision, spmd, "TPU")
+        if device == "tpu" and not fallback:
+            raise BackendUnavailable(f"device='tpu' cannot be used: {problem}. Pass fallback=True to use the next "
+                                     "best device instead, or device='auto'.")
+        if device == "tpu":
+            warn_fallback("tpu", problem, "cuda" if torch.cuda.is_available() else "cpu")
+    if device in ("auto", "tpu", "cuda"):
+        if torch.cuda.is_available():
+            from tpu_helpers.backend.cuda import CudaBackend
+
+            return CudaBackend(precision)
+        if device == "cuda":
+            if not fallback:
+                from tpu_helpers.backend.cuda import CudaBackend
+
+                return CudaBackend(precision)  # raises BackendUnavailable with the reason
+            warn_fallback("cuda", "torch.cuda.is_available() is False", "cpu")
+    if precision == "bf16" and device != "cpu":
+        warnings.warn("bf16 autocast on the CPU is slow; consider precision='fp32' there", stacklevel=2)
+    return Backend(precision)

@@ -1,0 +1,232 @@
+"""The backend interface and its CPU implementation.
+
+A `Backend` gives a training loop everything that differs between TPU, GPU and CPU: the device, rank and world
+size, mixed precision, the optimizer step (with gradient all-reduce and clipping), the per-step sync, loader
+wrapping, gradient checkpointing, memory figures and the hardware description. The loop in `tpu_helpers.trainer`
+only talks to this interface, so the same code runs everywhere. `CudaBackend` and `XlaBackend` override the parts
+that differ; this class is also the CPU backend (optionally multi-process through torchrun and gloo).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import random
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.utils.checkpoint
+
+from tpu_helpers.hardware import HardwareSpec, format_bytes, lookup
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested device cannot be used here; the message says what is missing and how to fix it."""
+
+
+def tree_map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
+    """Apply `fn` to every tensor in nested dicts/lists/tuples (optimizer states, batches)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: tree_map_tensors(fn, v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        mapped = [tree_map_tensors(fn, v) for v in obj]
+        return type(obj)(mapped) if not hasattr(obj, "_fields") else type(obj)(*mapped)
+    return obj
+
+
+class Backend:
+    """CPU backend and the interface every backend implements."""
+
+    name = "cpu"
+    autocast_device_type = "cpu"
+
+    def __init__(self, precision: str = "auto") -> None:
+        self.device = torch.device("cpu")
+        self._init_distributed()
+        self.precision = self._resolve_precision(precision)
+        self.hardware: HardwareSpec = lookup("cpu")
+        self.scaler: torch.amp.GradScaler | None = None
+
+    # ---- topology -------------------------------------------------------------------------------------------
+    def _init_distributed(self) -> None:
+        # torchrun sets WORLD_SIZE/RANK; a plain process is a world of one.
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1 and not dist.is_initialized():
+            dist.init_process_group(backend=self._dist_backend())
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+
+    def _dist_backend(self) -> str:
+        return "gloo"
+
+    @property
+    def is_xla(self) -> bool:
+        return False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def num_replicas(self) -> int:
+        """How many ways each optimizer step's global batch is split (processes, or chips under SPMD)."""
+        return self.world_size
+
+    @property
+    def loader_kind(self) -> str:
+        """Key for `tpu_helpers.data.make_loader` worker settings."""
+        return self.name
+
+    @property
+    def loader_rank_and_world(self) -> tuple[int, int]:
+        """Which shard of the data this process reads; SPMD reads the whole global batch in one process."""
+        return self.rank, self.world_size
+
+    # ---- precision ------------------------------------------------------------------------------------------
+    def _resolve_precision(self, precision: str) -> str:
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision={precision!r} is not one of {PRECISIONS}")
+        if precision == "auto":
+            return "fp32"
+        if precision == "fp16":
+            raise ValueError("precision='fp16' needs a CUDA GPU (it relies on a GradScaler); use 'bf16' or 'fp32'")
+        return precision
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
+        return torch.autocast(self.autocast_device_type, dtype=dtype)
+
+    # ---- model, data, step ------------------------------------------------------------------------------------
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        model = model.to(self.device)
+        if self.world_size > 1:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        return model
+
+    def to_device(self, batch: Any) -> Any:
+        return tree_map_tensors(lambda t: t.to(self.device, non_blocking=True), batch)
+
+    def wrap_loader(self, loader: Iterable) -> Iterable:
+        """Yield batches already on the device (XLA overlaps the transfer with compute on a thread)."""
+        return _DeviceIterable(loader, self.to_device)
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def all_reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Average gradients over processes. DDP already does it during backward, so this is a no-op here."""
+
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, *, clip_norm: float | None = None
+    ) -> torch.Tensor | None:
+        """All-reduce, unscale, clip and step. Returns the gradient norm as a device tensor (never read here)."""
+        self.all_reduce_gradients(optimizer)
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+        norm = None
+        if clip_norm is not None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            norm = torch.nn.utils.clip_grad_norm_(params, clip_norm)
+        if self.scaler is not None:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        else:
+            optimizer.step()
+        return norm
+
+    def sync(self) -> None:
+        """End of an optimizer step: on XLA this cuts and launches the graph; eager backends need nothing."""
+
+    def barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            tensor = tensor.clone()
+            dist.all_reduce(tensor)
+            tensor /= self.world_size
+        return tensor
+
+    def add_step_closure(self, fn: Callable, *args: Any) -> None:
+        """Run `fn(*args)` once the step's values exist; eager backends have them already."""
+        fn(*args)
+
+    def checkpoint_fn(self) -> Callable:
+        """Gradient checkpointing for this backend (torch's, non-reentrant)."""
+        return functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+
+    def to_cpu(self, obj: Any) -> Any:
+        return tree_map_tensors(lambda t: t.detach().cpu(), obj)
+
+    # ---- RNG (exact resume) --------------------------------------------------------------------------------
+    def manual_seed(self, seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+
+    def rng_state(self) -> dict:
+        return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+    def set_rng_state(self, state: dict) -> None:
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+
+    # ---- reporting --------------------------------------------------------------------------------------------
+    def memory_info(self) -> dict | None:
+        """`{"bytes_used", "bytes_limit", "peak_bytes_used"}` where the backend can tell, else None."""
+        return None
+
+    def metrics(self) -> dict:
+        """Backend counters for the run report (XLA: compilations, host transfers, CPU fallbacks)."""
+        return {}
+
+    def reset_metrics(self) -> None:
+        pass
+
+    def status(self) -> str:
+        cores = os.cpu_count() or 1
+        world = f" x{self.world_size} processes" if self.world_size > 1 else ""
+        return f"CPU ({cores} cores){world}, {self.precision}"
+
+    def hbm_summary(self) -> str:
+        hw = self.hardware
+        return f"{format_bytes(hw.hbm_bytes)} HBM/chip" if hw.hbm_bytes else "host memory"
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.status()}>"
+
+
+class _DeviceIterable:
+    """Wrap a loader so iteration yields device batches and `len()` still works for progress bars."""
+
+    def __init__(self, loader: Iterable, to_device: Callable) -> None:
+        self.loader, self._to_device = loader, to_device
+
+    def __iter__(self) -> Iterator:
+        for batch in self.loader:
+            yield self._to_device(batch)
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+
+def warn_fallback(requested: str, reason: str, chosen: str) -> None:
+    warnings.warn(f"device={requested!r} is not available ({reason}); falling back to {chosen!r}", stacklevel=3)

@@ -1,0 +1,220 @@
+"""XLA backend: TPUs through torch_xla (and XLA:CPU, which runs the same code path without a TPU).
+
+This is the only module in the package that imports torch_xla. A new torch_xla API, or a successor such as
+TorchTPU, changes this file and nothing else.
+
+What it does that a hand-written TPU loop must remember:
+- one `torch_xla.sync()` per optimizer step, so each step is one compiled graph that is reused;
+- `zero_grad(set_to_none=False)`: dropping the gradient tensors would make the first step's graph differ from the
+  others and reallocate every step;
+- host reads only through step closures, so the host never stalls the chip waiting for a value;
+- `MpDeviceLoader`, which copies the next batches to the device on a background thread (and, under SPMD, shards
+  each global batch over the mesh's data axis);
+- bf16 autocast on TPU (no GradScaler: bf16 has fp32's exponent range);
+- torch_xla's own gradient checkpointing (torch's saves nothing or fails on XLA);
+- gradient all-reduce across processes before clipping, so every replica clips the same averaged gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import torch
+import torch_xla
+import torch_xla.core.xla_model as xm
+import torch_xla.debug.metrics as met
+import torch_xla.distributed.parallel_loader as pl
+import torch_xla.runtime as xr
+import torch_xla.utils.checkpoint as xla_checkpoint
+
+from tpu_helpers.backend.base import Backend, tree_map_tensors
+from tpu_helpers.hardware import detect_tpu, format_bytes, lookup
+
+_CACHE_INITIALISED: str | None = None
+
+
+def initialize_compile_cache(path: str, *, per_process: bool = False, readonly: bool = False) -> str:
+    """Turn on the persistent compilation cache; must run before the first XLA computation of the process.
+
+    With several processes each gets its own subdirectory (they would otherwise race on the same files).
+    Returns the directory used. Calling it again with the same path is a no-op; another path is an error,
+    because XLA reads the setting once.
+    """
+    global _CACHE_INITIALISED
+    if per_process:
+        path = os.path.join(path, f"process-{os.environ.get('LOCAL_RANK', os.getpid())}")
+    if _CACHE_INITIALISED is not None:
+        if os.path.abspath(_CACHE_INITIALISED) != os.path.abspath(path):
+            raise RuntimeError(
+                f"the XLA compile cache is already at {_CACHE_INITIALISED!r} in this process; it cannot move to "
+                f"{path!r} (restart the kernel to change it)"
+            )
+        return path
+    os.makedirs(path, exist_ok=True)
+    xr.initialize_cache(path, readonly=readonly)
+    _CACHE_INITIALISED = path
+    return path
+
+
+class XlaBackend(Backend):
+    name = "xla"
+    autocast_device_type = "xla"
+
+    def __init__(self, precision: str = "auto", *, spmd: bool = False) -> None:
+        self.spmd = spmd
+        if spmd:
+            # Must come before any XLA tensor exists; one process then drives every chip as one virtual device.
+            xr.use_spmd()
+        self.device = torch_xla.device()
+        self.device_type = xr.device_type() or "CPU"
+        self.world_size = 1 if spmd else xr.world_size()
+        self.rank = 0 if spmd else xr.global_ordinal()
+        self.local_rank = 0 if spmd else xr.local_ordinal()
+        self.mesh = None
+        if spmd:
+            import torch_xla.distributed.spmd as xs
+
+            n = xr.global_runtime_device_count()
+            self.mesh = xs.Mesh(np.arange(n), (n,), ("data",))
+            self._input_sharding = xs.ShardingSpec(self.mesh, ("data", None))
+        self.hardware = self._detect_hardware()
+        self.precision = self._resolve_precision(precision)
+        self.scaler = None
+
+    def _detect_hardware(self):
+        if self.device_type != "TPU":
+            return lookup("cpu")
+        kind = os.environ.get("TPU_ACCELERATOR_TYPE", "")
+        with contextlib.suppress(Exception):
+            kind = xm.xla_device_kind(self.device) or kind
+        return detect_tpu(kind)
+
+    @property
+    def is_xla(self) -> bool:
+        return True
+
+    @property
+    def on_tpu(self) -> bool:
+        return self.device_type == "TPU"
+
+    @property
+    def num_replicas(self) -> int:
+        return int(self.mesh.size()) if self.mesh is not None else self.world_size
+
+    @property
+    def loader_kind(self) -> str:
+        return "tpu" if self.on_tpu else "xla"
+
+    def _resolve_precision(self, precision: str) -> str:
+        if precision == "auto":
+            # bf16 is native on the TPU's MXU; XLA:CPU emulates it slowly, so tests default to fp32 there.
+            return "bf16" if self.on_tpu else "fp32"
+        return super()._resolve_precision(precision)
+
+    # ---- model, data, step ------------------------------------------------------------------------------------
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        # Parameters stay replicated under SPMD (pure data parallel); the compiler inserts the all-reduce.
+        return model.to(self.device)
+
+    def wrap_loader(self, loader: Iterable) -> Iterable:
+        kwargs = {"input_sharding": self._input_sharding} if self.mesh is not None else {}
+        return pl.MpDeviceLoader(loader, self.device, **kwargs)
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=False)
+
+    def all_reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        # Under SPMD the compiler already sums gradients over the mesh; across processes we must do it.
+        if self.mesh is None and self.world_size > 1:
+            xm.reduce_gradients(optimizer)
+
+    def sync(self) -> None:
+        torch_xla.sync()
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            xm.rendezvous("tpu_helpers.barrier")
+
+    def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.mesh is None and self.world_size > 1:
+            return xm.all_reduce(xm.REDUCE_SUM, tensor, scale=1.0 / self.world_size)
+        return tensor
+
+    def add_step_closure(self, fn: Callable, *args: Any) -> None:
+        xm.add_step_closure(fn, args)
+
+    def checkpoint_fn(self) -> Callable:
+        return xla_checkpoint.checkpoint
+
+    def to_cpu(self, obj: Any) -> Any:
+        # One batched device-to-host transfer for the whole state instead of one per tensor.
+        try:
+            return xm._maybe_convert_to_cpu(obj, convert=True)
+        except Exception:  # private helper; fall back to per-tensor copies if it moves
+            return tree_map_tensors(lambda t: t.detach().cpu(), obj)
+
+    # ---- RNG ----------------------------------------------------------------------------------------------------
+    def manual_seed(self, seed: int) -> None:
+        super().manual_seed(seed)
+        xm.set_rng_state(seed, self.device)
+
+    def rng_state(self) -> dict:
+        return {**super().rng_state(), "xla": xm.get_rng_state(self.device)}
+
+    def set_rng_state(self, state: dict) -> None:
+        super().set_rng_state(state)
+        if "xla" in state:
+            xm.set_rng_state(int(state["xla"]), self.device)
+
+    # ---- reporting ----------------------------------------------------------------------------------------------
+    def memory_info(self) -> dict | None:
+        try:  # not implemented on XLA:CPU nor on the SPMD virtual device
+            info = xm.get_memory_info(self.device)
+        except Exception:
+            return None
+        return {k: info[k] for k in ("bytes_used", "bytes_limit", "peak_bytes_used") if k in info}
+
+    def metrics(self) -> dict:
+        return xla_metrics()
+
+    def reset_metrics(self) -> None:
+        met.clear_all()
+
+    def status(self) -> str:
+        if not self.on_tpu:
+            layout = f" x{self.num_replicas} (SPMD)" if self.mesh is not None else f" x{self.world_size}"
+            return f"XLA:{self.device_type}{layout}, {self.precision}"
+        mem = self.memory_info()
+        hbm = mem["bytes_limit"] if mem and mem.get("bytes_limit") else self.hardware.hbm_bytes
+        layout = " (SPMD)" if self.mesh is not None else ""
+        return f"{self.hardware.name} x{self.num_replicas}{layout}, {format_bytes(hbm)} HBM/chip, {self.precision}"
+
+
+def xla_metrics() -> dict:
+    """The counters that tell whether a loop is XLA-clean: compilations, host transfers, CPU fallbacks."""
+    compile_data = met.metric_data("CompileTime")
+    transfer_data = met.metric_data("TransferFromDeviceTime")
+    return {
+        "compilations": int(compile_data[0]) if compile_data else 0,
+        "compile_seconds": float(compile_data[1]) / 1e9 if compile_data else 0.0,
+        "uncached_compiles": int(met.counter_value("UncachedCompile") or 0),
+        "cached_compiles": int(met.counter_value("CachedCompile") or 0),
+        "device_to_host_transfers": int(transfer_data[0]) if transfer_data else 0,
+        # aten::_local_scalar_dense is .item() itself (counted as a transfer above), not a missing XLA kernel.
+        "cpu_fallback_ops": {
+            name: int(met.counter_value(name) or 0)
+            for name in met.counter_names()
+            if name.startswith("aten::") and name != "aten::_local_scalar_dense"
+        },
+        "persistent_cache_hits": int(met.counter_value("PersistentCacheHit") or 0),
+        "persistent_cache_misses": int(met.counter_value("PersistentCacheMiss") or 0),
+        "persistent_cache_deserialize_failures": int(met.counter_value("PersistentCacheDeserializeFailure") or 0),
+    }
+
+
+def is_tpu_runtime() -> bool:
+    return xr.device_type() == "TPU"

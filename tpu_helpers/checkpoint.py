@@ -1,0 +1,394 @@
+"""Crash-safe training checkpoints: a run killed at any moment never damages one, and a rerun resumes.
+
+Preemptible TPUs and Colab disconnects stop a process mid-write. Every file here is written to a temp file in
+the same directory, fsynced and renamed over the final name, so a reader sees the old file or the new one,
+never half of one. Each ``ckpt-00001200.pt`` gets a ``ckpt-00001200.json`` manifest (sha256 and size of the
+``.pt``) renamed into place last: a checkpoint counts only when its manifest exists and matches.
+
+Usage (the trainer moves tensors to the CPU first; this module never touches torch_xla)::
+
+    mgr = CheckpointManager("runs/exp1/ckpt", keep_last=3, is_main=(rank == 0))
+    resumed = mgr.load_latest()          # None on a fresh run; warns about and skips damaged checkpoints
+    if resumed is not None:
+        step, state = resumed
+        model.load_state_dict(state["model"])
+    ...
+    mgr.save(step, {"model": model.state_dict(), "optim": opt.state_dict()}, meta={"loss": 0.31})
+
+Checkpoints are loaded with ``torch.load(weights_only=False)`` because states hold optimizer and RNG objects
+that the safe loader refuses. That unpickles arbitrary objects: only load checkpoints you wrote yourself.
+
+``atomic_write_bytes`` / ``atomic_write_text`` give other modules the same no-half-written-file guarantee.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = 1
+_CKPT_RE = re.compile(r"^ckpt-(\d{8,})\.(pt|json)$")
+_DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint exists but is incomplete or damaged."""
+
+
+@dataclass
+class CheckpointInfo:
+    path: Path
+    step: int
+    valid: bool
+    reason: str | None
+
+
+class _SinkWriter:
+    """File-like sink for torch.save that writes through ``os.write`` and hashes and counts what it wrote.
+
+    torch.save turns an exception from ``write`` into an opaque RuntimeError, so the OSError is kept here to
+    report "disk full" properly. Going through ``os.write`` also gives tests one place to simulate ENOSPC.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.sha = hashlib.sha256()
+        self.size = 0
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        if self.error is not None:  # torch keeps writing after a failure; don't let a later write "succeed"
+            raise self.error
+        rest = view = memoryview(data).cast("B")
+        try:
+            while rest:
+                rest = rest[os.write(self.fd, rest) :]  # os.write may write less than asked (large buffers)
+        except OSError as e:
+            self.error = e
+            raise
+        self.sha.update(view)
+        self.size += len(view)
+        return len(view)
+
+    def flush(self) -> None:  # nothing is buffered in user space; fsync happens after the last write
+        pass
+
+
+def _fsync_dir(directory: Path) -> None:
+    # Makes the rename itself durable. Best effort: Windows and some FUSE mounts (Drive, gcsfuse) refuse it.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+def _write_temp(path: Path, produce: Callable[[_SinkWriter], None]) -> tuple[Path, _SinkWriter]:
+    """Write a fsynced temp file next to ``path``; the caller renames it. Removes it on any failure."""
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = Path(name)
+    os.chmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; results and checkpoints should read like any file
+    writer = _SinkWriter(fd)
+    try:
+        try:
+            produce(writer)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, Exception) and writer.error is not None and writer.error is not e:
+            raise writer.error from None  # the real cause (e.g. ENOSPC), not torch's opaque wrapper
+        raise
+    return tmp, writer
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers (and a rerun after a crash) see the old or new file only."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp, _ = _write_temp(path, lambda w: w.write(data))
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def atomic_write_text(path: str | Path, text: str, encoding: str = "utf-8") -> None:
+    """Text version of :func:`atomic_write_bytes`."""
+    atomic_write_bytes(path, text.encode(encoding))
+
+
+def _sha256_file(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def _tensor_bytes(obj: Any, seen: set[int] | None = None) -> int:
+    """Rough size of the tensors in a state, to tell the user how much space a failed save needed."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()  # views and tied weights share one storage, which is saved once
+        new = storage.data_ptr() not in seen
+        seen.add(storage.data_ptr())
+        return storage.nbytes() if new else 0
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return sum(_tensor_bytes(v, seen) for v in items)
+
+
+class CheckpointManager:
+    """Saves, verifies, prunes and loads ``ckpt-{step:08d}.pt`` checkpoints in one directory.
+
+    Every process may read; only the one with ``is_main=True`` writes or deletes, so all ranks of a
+    multi-process run can share the code path without racing on the files.
+    """
+
+    def __init__(self, directory: str | Path, keep_last: int = 3, *, is_main: bool = True) -> None:
+        if not isinstance(keep_last, int) or keep_last < 1:
+            raise ValueError(f"keep_last must be an int >= 1 (something to resume from), got {keep_last!r}")
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+        self.is_main = is_main
+        self.run_info_path = self.directory / "run.json"
+
+    def path_for(self, step: int) -> Path:
+        return self.directory / f"ckpt-{step:08d}.pt"
+
+    def save(self, step: int, state: dict, meta: dict | None = None) -> Path:
+        """Atomically write checkpoint ``step`` and its manifest, then prune. Raises CheckpointError."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        path = self.path_for(step)
+        if not self.is_main:
+            return path
+        manifest_path = path.with_suffix(".json")
+        started = time.time()
+        temps: list[Path] = []
+        try:
+            meta_json = json.loads(json.dumps(meta or {}))  # fail before writing gigabytes, not after
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp_pt, writer = _write_temp(path, lambda w: torch.save(state, w))
+            temps.append(tmp_pt)
+            created = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            manifest = {
+                "format": FORMAT,
+                "step": step,
+                "sha256": writer.sha.hexdigest(),
+                "bytes": writer.size,
+                "created": created,
+                "meta": meta_json,
+            }
+            text = json.dumps(manifest, indent=2) + "\n"
+            tmp_json, _ = _write_temp(manifest_path, lambda w: w.write(text.encode()))
+            temps.append(tmp_json)
+            # Everything that can run out of space is done; only renames are left. Dropping an old manifest
+            # of the same step first means a crash between the renames reads as "interrupted", not as rot.
+            manifest_path.unlink(missing_ok=True)
+            os.replace(tmp_pt, path)
+            os.replace(tmp_json, manifest_path)
+            _fsync_dir(self.directory)
+        except Exception as e:
+            raise CheckpointError(self._save_failure(step, state, e)) from e
+        finally:
+            for tmp in temps:
+                tmp.unlink(missing_ok=True)
+        try:
+            self._prune(just_written=step, temps_before=started)
+        except OSError as e:  # the new checkpoint is safe; a failed cleanup must not look like a failed save
+            warnings.warn(f"saved {path} but could not prune old checkpoints: {e}", stacklevel=2)
+        return path
+
+    def _save_failure(self, step: int, state: dict, exc: BaseException) -> str:
+        where = f"checkpoint step {step} could not be saved to {self.directory}"
+        if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
+            needed = _tensor_bytes(state)
+            try:
+                free = f", {shutil.disk_usage(self.directory).free:,} bytes free"
+            except OSError:
+                free = ""
+            return (
+                f"{where}: the disk is full ({exc.strerror}) while writing about {needed:,} bytes of tensors"
+                f"{free}. Earlier checkpoints are untouched; free some space or lower keep_last."
+            )
+        return f"{where}: {type(exc).__name__}: {exc}. Earlier checkpoints are untouched."
+
+    def prune(self) -> None:
+        """Delete checkpoints beyond ``keep_last`` (also done after every save)."""
+        self._prune(just_written=None, temps_before=None)
+
+    def _prune(self, just_written: int | None, temps_before: float | None) -> None:
+        if not self.is_main:
+            return
+        # Anchor on the checkpoint just written (known good) or else the newest valid one. Damaged ones newer
+        # than the anchor are left for inspection; older damaged ones can never be resumed from.
+        anchor = just_written
+        kept = 0
+        for step in sorted(self._steps(), reverse=True):
+            if step == just_written:
+                kept += 1
+                continue
+            if anchor is not None and step < anchor and kept >= self.keep_last:
+                self._delete(step)  # beyond the quota either way: no need to hash it
+                continue
+            valid = self._verify(self.path_for(step)).valid
+            if anchor is None and valid:
+                anchor = step
+            if anchor is None or step > anchor:
+                continue
+            if valid and kept < self.keep_last:
+                kept += 1
+            else:
+                self._delete(step)
+        if temps_before is None:
+            return
+        # Leftovers of writes killed before they could clean up (a live save's temps are newer than ours).
+        for tmp in [*self.directory.glob(".ckpt-*.tmp"), *self.directory.glob(".run.json.*.tmp")]:
+            try:
+                if tmp.stat().st_mtime < temps_before:
+                    tmp.unlink()
+            except OSError:
+                pass
+
+    def _delete(self, step: int) -> None:
+        path = self.path_for(step)
+        # Manifest first: a crash in between leaves a .pt that reads as invalid, never a half-valid pair.
+        path.with_suffix(".json").unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
+
+    def _steps(self) -> set[int]:
+        if not self.directory.is_dir():
+            return set()
+        return {int(m.group(1)) for p in self.directory.iterdir() if (m := _CKPT_RE.match(p.name))}
+
+    def _verify(self, path: Path) -> CheckpointInfo:
+        m = _CKPT_RE.match(path.name)
+        if m is None or m.group(2) != "pt":
+            raise ValueError(f"{path} is not a checkpoint file (expected a name like ckpt-00000012.pt)")
+        step = int(m.group(1))
+
+        def bad(reason: str) -> CheckpointInfo:
+            return CheckpointInfo(path, step, False, reason)
+
+        manifest_path = path.with_suffix(".json")
+        if not path.exists():
+            return bad("data file missing (only the manifest exists)")
+        if not manifest_path.exists():
+            return bad("no manifest (save interrupted?)")
+        try:
+            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+            expected_size, expected_sha = int(manifest["bytes"]), str(manifest["sha256"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return bad(f"unreadable manifest: {e}")
+        if manifest.get("format") != FORMAT:
+            return bad(f"unsupported manifest format {manifest.get('format')!r}")
+        if manifest.get("step") != step:
+            return bad(f"manifest says step {manifest.get('step')!r} but the file name says {step}")
+        try:  # a dying disk fails reads with EIO: that is damage to report, not a crash of the caller
+            size = path.stat().st_size
+            if size < expected_size:
+                return bad(f"truncated: {size} of {expected_size} bytes")
+            if size != expected_size:
+                return bad(f"size mismatch: {size} bytes, manifest says {expected_size}")
+            if _sha256_file(path) != expected_sha:
+                return bad("checksum mismatch")
+        except OSError as e:
+            return bad(f"unreadable: {e}")
+        return CheckpointInfo(path, step, True, None)
+
+    def list(self) -> list[CheckpointInfo]:
+        """All checkpoints (complete or not) sorted by step, each verified against its manifest."""
+        return [self._verify(self.path_for(s)) for s in sorted(self._steps())]
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest valid checkpoint, or None."""
+        for step in sorted(self._steps(), reverse=True):
+            info = self._verify(self.path_for(step))
+            if info.valid:
+                return info
+        return None
+
+    def _torch_load(self, path: Path, map_location: Any) -> dict:
+        # weights_only=False: optimizer and RNG states are arbitrary objects; these are our own trusted files.
+        return torch.load(path, map_location=map_location, weights_only=False)
+
+    def load(self, step_or_path: int | str | Path, map_location: Any = "cpu") -> dict:
+        """Verify then load one checkpoint; raises CheckpointCorrupt naming the file and what is wrong."""
+        path = self.path_for(step_or_path) if isinstance(step_or_path, int) else Path(step_or_path)
+        if not path.exists() and not path.with_suffix(".json").exists():
+            raise FileNotFoundError(f"no checkpoint {path}")
+        info = self._verify(path)
+        if not info.valid:
+            raise CheckpointCorrupt(f"checkpoint {path} is damaged: {info.reason}")
+        try:
+            return self._torch_load(path, map_location)
+        except Exception as e:
+            raise CheckpointCorrupt(
+                f"checkpoint {path} matches its manifest but torch.load failed: {e}"
+            ) from e
+
+    def load_latest(self, map_location: Any = "cpu") -> tuple[int, dict] | None:
+        """(step, state) of the newest checkpoint that verifies and loads, or None if there is none.
+
+        Each newer damaged checkpoint is reported with a warning and skipped, so a run killed mid-save
+        resumes from the one before.
+        """
+        damaged = 0
+        for step in sorted(self._steps(), reverse=True):
+            info = self._verify(self.path_for(step))
+            if info.valid:
+                try:
+                    return step, self._torch_load(info.path, map_location)
+                except Exception as e:
+                    info.reason = f"torch.load failed: {type(e).__name__}: {e}"
+            damaged += 1
+            msg = (
+                f"checkpoint {info.path} is damaged ({info.reason}); falling back to the previous checkpoint"
+            )
+            warnings.warn(msg, stacklevel=2)
+        if damaged:
+            warnings.warn(f"no valid checkpoint in {self.directory} ({damaged} damaged)", stacklevel=2)
+        return None
+
+    def write_run_info(self, info: dict) -> None:
+        """Store a JSON fingerprint of the run (config hash, model name...) so a rerun can check it."""
+        if self.is_main:
+            atomic_write_text(self.run_info_path, json.dumps(info, indent=2, sort_keys=True) + "\n")
+
+    def read_run_info(self) -> dict | None:
+        """The stored fingerprint, or None if none was written."""
+        if not self.run_info_path.exists():
+            return None
+        try:
+            return json.loads(self.run_info_path.read_text(encoding="utf-8"))
+        except ValueError as e:
+            raise CheckpointCorrupt(f"{self.run_info_path} is not valid JSON: {e}") from e

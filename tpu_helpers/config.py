@@ -1,0 +1,200 @@
+"""One configuration object for a training run, and the validation of notebook parameters against it.
+
+`TrainConfig` has full-size defaults (GPT-2 small on a TPU chip); tests and quick runs shrink it with
+`dataclasses.replace` or keyword overrides. Every field is checked when the object is built, so a wrong value
+fails before any compile or download, with a message that names the value and what is allowed.
+
+Notebooks keep their parameters as UPPER_CASE globals in the cell tagged `parameters` (papermill overrides them);
+`config_from_parameters(globals())` maps each UPPER_CASE name to the field of the same lower-case name and rejects
+names it does not know and values of the wrong type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from tpu_helpers.backend import DEVICES
+from tpu_helpers.backend.base import PRECISIONS
+
+OPTIMIZERS = ("adamw", "sgd")
+
+
+class ConfigError(ValueError):
+    """A configuration or notebook parameter value that cannot be used."""
+
+
+@dataclass
+class TrainConfig:
+    # device and precision
+    device: str = "auto"  # auto | tpu | cuda | cpu | xla
+    fallback: bool = False  # when the requested device is missing: warn and use the next best instead of failing
+    precision: str = "auto"  # auto (bf16 on TPU, bf16/fp16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16
+    spmd: bool | str = "auto"  # XLA with several local chips: one process drives all of them, batch sharded
+    # model
+    preset: str = "small"  # GPT size: tiny | mini | small | medium
+    gradient_checkpointing: bool = False  # recompute activations in backward to save memory
+    # data
+    dataset: str = "embedded"  # "embedded" (generated, offline), a local file/dir, or a hub dataset name
+    text_field: str = "text"
+    tokenizer: str = "byte"  # "byte" (no download) or a tokenizer name
+    max_chars: int | None = None  # cap the text read from a large dataset
+    seq_len: int = 256
+    val_fraction: float = 0.05
+    # optimisation
+    batch_size: int = 32  # per chip (per device); the global batch is this x chips x grad_accum
+    grad_accum: int = 1
+    steps: int = 2000  # optimizer steps
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1  # cosine decays to lr x this
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    grad_clip: float | None = 1.0
+    optimizer: str = "adamw"
+    # evaluation, logging, checkpoints
+    eval_every: int = 200
+    eval_batches: int = 20
+    log_every: int = 10  # the loss is read on the host only at these steps
+    out_dir: str = "runs/quickstart"
+    save_every: int = 500
+    keep_last: int = 3
+    resume: bool = True  # continue from the newest good checkpoint in out_dir
+    seed: int = 0
+    extra: dict = field(default_factory=dict)  # free-form values a notebook wants recorded with the run
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _choice("device", self.device, DEVICES)
+        _choice("precision", self.precision, PRECISIONS)
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        if self.spmd not in (True, False, "auto"):
+            raise ConfigError(f"spmd={self.spmd!r} must be True, False or 'auto'")
+        for name in ("seq_len", "batch_size", "grad_accum", "steps", "eval_every", "eval_batches", "log_every",
+                     "save_every", "keep_last"):
+            _positive(name, getattr(self, name))
+        for name in ("warmup_steps", "seed"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 0")
+        if self.max_chars is not None:
+            _positive("max_chars", self.max_chars)
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError(f"val_fraction={self.val_fraction!r} must be between 0 and 1 (exclusive)")
+        if not self.lr > 0:
+            raise ConfigError(f"lr={self.lr!r} must be > 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"min_lr_ratio={self.min_lr_ratio!r} must be between 0 and 1")
+        if self.weight_decay < 0:
+            raise ConfigError(f"weight_decay={self.weight_decay!r} must be >= 0")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ConfigError(f"grad_clip={self.grad_clip!r} must be > 0, or None to disable clipping")
+        if not self.dataset:
+            raise ConfigError("dataset='' is empty: use 'embedded', a local path, or a hub dataset name")
+        if not self.out_dir:
+            raise ConfigError("out_dir='' is empty: give a directory for checkpoints and results")
+        if self.device == "cpu" and self.precision == "fp16":
+            raise ConfigError("precision='fp16' needs a CUDA GPU; on device='cpu' use 'fp32' or 'bf16'")
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        unknown = sorted(set(changes) - {f.name for f in fields(self)})
+        if unknown:
+            raise ConfigError(f"unknown TrainConfig field(s) {unknown}; known: {sorted(f.name for f in fields(self))}")
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _choice(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r} is not one of {allowed}")
+
+
+def _positive(name: str, value: int) -> None:
+    if value < 1:
+        raise ConfigError(f"{name}={value!r} must be >= 1")
+
+
+def _type_ok(value: Any, annotation: Any) -> bool:
+    """Check a value against a simple annotation (int, float, str, bool, dict, unions, None, literals)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, arg) for arg in typing.get_args(annotation))
+    if annotation is type(None) or annotation is None:
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    if origin is not None:
+        return isinstance(value, origin)
+    return isinstance(value, annotation)
+
+
+def _type_name(annotation: Any) -> str:
+    text = str(annotation).replace("typing.", "")
+    return text.replace("<class '", "").replace("'>", "")
+
+
+def _check_types(cfg: Any) -> None:
+    hints = typing.get_type_hints(type(cfg))
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if not _type_ok(value, hints[f.name]):
+            raise ConfigError(
+                f"{f.name}={value!r} has type {type(value).__name__}; expected {_type_name(hints[f.name])}"
+            )
+        # A float that holds an integer is fine where a float is expected; normalise it for the checks above.
+        if hints[f.name] is float and isinstance(value, int):
+            setattr(cfg, f.name, float(value))
+
+
+_UPPER = re.compile(r"^[A-Z][A-Z0-9_]*$")
+
+
+def notebook_parameters(namespace: dict) -> dict[str, Any]:
+    """The UPPER_CASE names of a notebook's namespace (its parameters cell and papermill's injected cell)."""
+    return {k: v for k, v in namespace.items() if _UPPER.match(k) and not isinstance(v, types.ModuleType)}
+
+
+def config_from_parameters(
+    namespace: dict, *, base: TrainConfig | None = None, extra: dict[str, type | tuple] | None = None
+) -> TrainConfig:
+    """Build a TrainConfig from a notebook's UPPER_CASE parameters.
+
+    `extra` declares notebook-only parameters (e.g. {"MOUNT_DRIVE": bool}); they are type-checked and stored in
+    `config.extra` under their lower-case names. Any other UPPER_CASE name is an error listing the known ones,
+    which catches a misspelt `-p` override that papermill would otherwise inject and ignore.
+    """
+    base = base or TrainConfig()
+    extra = extra or {}
+    known = {f.name.upper() for f in fields(TrainConfig) if f.name != "extra"}
+    params = notebook_parameters(namespace)
+    unknown = sorted(set(params) - known - set(extra))
+    if unknown:
+        allowed = ", ".join(sorted(known | set(extra)))
+        raise ConfigError(f"unknown notebook parameter(s) {unknown}; allowed: {allowed}")
+    changes: dict[str, Any] = {}
+    extras = dict(base.extra)
+    for name, value in params.items():
+        if name in extra:
+            expected = extra[name]
+            if not isinstance(value, expected) or (expected in (int, float) and isinstance(value, bool)):
+                raise ConfigError(f"{name}={value!r} has type {type(value).__name__}; expected {expected}")
+            extras[name.lower()] = value
+        else:
+            changes[name.lower()] = value
+    try:
+        return base.replace(extra=extras, **changes)
+    except ConfigError as err:
+        # Re-word field names as the notebook spells them, so the message matches what the user typed.
+        message = re.sub(r"\b([a-z][a-z0-9_]*)=", lambda m: f"{m.group(1).upper()}=" if m.group(1).upper()
+                         in known else m.group(0), str(err))
+        raise ConfigError(message) from None
