@@ -38,6 +38,20 @@ from tpu_helpers.run_state import RunState
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
+class Callback:
+    """Hooks into `Trainer.fit`. They run on the host between steps and must not read device tensors."""
+
+    def on_fit_start(self, trainer: Trainer) -> None: ...
+
+    def on_step_end(self, trainer: Trainer) -> None:
+        """After the step's sync; `trainer.step` is the number of finished steps."""
+
+    def on_log(self, trainer: Trainer, record: dict) -> None:
+        """After a log record was read from the device (inside the step closure)."""
+
+    def on_fit_end(self, trainer: Trainer, report: RunReport) -> None: ...
+
+
 def warmup_cosine(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
     """LR multiplier: linear warmup from 1/warmup (never 0), then cosine down to `min_ratio` (kept above 0)."""
     if warmup and step < warmup:
@@ -61,12 +75,15 @@ class Trainer:
         loss_fn: LossFn | None = None,
         run_identity: dict | None = None,
         progress: bool = True,
+        callbacks: list[Callback] | None = None,
     ) -> None:
         self.config = cfg = config or TrainConfig()
         self.backend = backend or get_backend(cfg.device, fallback=cfg.fallback, precision=cfg.precision,
                                               spmd=cfg.spmd)
         self.loss_fn = loss_fn
         self.progress = progress
+        self.callbacks: list[Callback] = list(callbacks or [])
+        self.stop_reason: str | None = None  # set (e.g. by a signal handler) to end after the current step
         if cfg.gradient_checkpointing:
             if not hasattr(model, "set_gradient_checkpointing"):
                 raise ConfigError(
@@ -193,7 +210,9 @@ class Trainer:
         window_start = (self.step, time.perf_counter())
         batches = self._batches()
         self.model.train()
-        while self.step < cfg.steps:
+        for cb in self.callbacks:
+            cb.on_fit_start(self)
+        while self.step < cfg.steps and self.stop_reason is None:
             loss, grad_norm = self.train_step(batches)
             # Loss and gradient norm summed on the device in one tensor: one host transfer per log interval.
             norm = grad_norm.float() if grad_norm is not None else torch.zeros_like(loss, dtype=torch.float32)
@@ -213,10 +232,15 @@ class Trainer:
                 self.history.log_eval(self.step, val)
                 if val is not None:
                     bar.set_postfix_str(f"val {val:.3f}", refresh=False)
-            if self.step % cfg.save_every == 0 or self.step == cfg.steps:
+            for cb in self.callbacks:
+                cb.on_step_end(self)
+            if self.step % cfg.save_every == 0 or self.step == cfg.steps or self.stop_reason is not None:
                 self.state.save()
         bar.close()
-        return self.state.report(start_step, time.perf_counter() - t_start)
+        report = self.state.report(start_step, time.perf_counter() - t_start)
+        for cb in self.callbacks:
+            cb.on_fit_end(self, report)
+        return report
 
     def _zero_window(self) -> torch.Tensor:
         # Made on the host and copied over, so it enters the next graph as data exactly like the running sum does
@@ -233,6 +257,8 @@ class Trainer:
         tok_s = steps * self.tokens_per_step / seconds
         norm = norm_sum / steps if self.config.grad_clip is not None else None
         self.history.log_train(step, loss=loss, lr=lr, tokens_per_s=tok_s, grad_norm=norm)
+        for cb in self.callbacks:
+            cb.on_log(self, self.history.train[-1])
         bar.set_postfix_str(f"loss {loss:.3f} | {tok_s:,.0f} tok/s", refresh=False)
 
 
