@@ -10,7 +10,8 @@ REQ_HASH := $(shell sha256sum $(REQS) | cut -c1-12)
 VENV := $(VENV_ROOT)/venv-$(REQ_HASH)
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.complete
-DEVICE ?= auto
+TARGET ?= auto
+DEVICE ?=
 PYTEST_ARGS ?=
 
 .PHONY: setup run test lint clean-runs print-venv
@@ -29,7 +30,7 @@ $(STAMP):
 # The package is installed editable on every call (cheap), so the cached venv always imports this clone.
 run: setup
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
-	$(PY) -m tpu_helpers run notebooks/quickstart.ipynb --target local -p DEVICE $(DEVICE)
+	$(PY) -m tpu_helpers run notebooks/quickstart.ipynb --target $(TARGET) $(if $(DEVICE),-p DEVICE $(DEVICE))
 
 test: setup
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .

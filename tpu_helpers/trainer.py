@@ -80,6 +80,11 @@ class Trainer:
         self.config = cfg = config or TrainConfig()
         self.backend = backend or get_backend(cfg.device, fallback=cfg.fallback, precision=cfg.precision,
                                               spmd=cfg.spmd)
+        if cfg.precision not in ("auto", self.backend.precision):
+            raise ConfigError(
+                f"precision={cfg.precision!r} conflicts with the backend passed in, which runs "
+                f"{self.backend.precision!r}; create it with get_backend(..., precision={cfg.precision!r})"
+            )
         self.loss_fn = loss_fn
         self.progress = progress
         self.callbacks: list[Callback] = list(callbacks or [])
