@@ -29,11 +29,11 @@ $(STAMP):
 
 # The package is installed editable on every call (cheap), so the cached venv always imports this clone.
 run: setup
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m tpu_helpers run notebooks/quickstart.ipynb --target $(TARGET) $(if $(DEVICE),-p DEVICE $(DEVICE))
 
 test: setup
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m ruff check tpu_helpers tests benchmarks
 	$(PY) -m pytest $(PYTEST_ARGS)
 
