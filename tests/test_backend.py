@@ -142,3 +142,13 @@ def test_mismatched_torch_and_torch_xla_are_reported_with_the_fix():
     out = run_python(code).stdout
     assert "ERR torch_xla 2.9.0 does not match torch 2.8.0" in out
     assert "pip install 'torch==2.8.0' 'torch_xla[tpu]==2.8.0'" in out
+
+
+@pytest.mark.xla
+def test_save_moves_xla_tensors_to_the_cpu_and_writes_atomically(tmp_path):
+    backend = XLA_BACKEND
+    state = {"w": torch.arange(4.0, device=backend.device), "step": 3}
+    backend.save(state, tmp_path / "s.pt")
+    loaded = torch.load(tmp_path / "s.pt")
+    assert loaded["step"] == 3 and loaded["w"].device.type == "cpu" and loaded["w"].tolist() == [0, 1, 2, 3]
+    assert [p.name for p in tmp_path.iterdir()] == ["s.pt"]  # no temporary file left behind

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import os
 import random
 import warnings
@@ -174,6 +175,17 @@ class Backend:
 
     def to_cpu(self, obj: Any) -> Any:
         return tree_map_tensors(lambda t: t.detach().cpu(), obj)
+
+    def save(self, obj: Any, path: str | os.PathLike) -> None:
+        """Write `obj` once (main process only), tensors moved to the CPU first, atomically; all ranks wait."""
+        from tpu_helpers.checkpoint import atomic_write_bytes
+
+        cpu_obj = self.to_cpu(obj)  # every rank takes part: on XLA this is a collective-free device read
+        if self.is_main:
+            buffer = io.BytesIO()
+            torch.save(cpu_obj, buffer)
+            atomic_write_bytes(path, buffer.getvalue())
+        self.barrier()
 
     # ---- RNG (exact resume) --------------------------------------------------------------------------------
     def manual_seed(self, seed: int) -> None:
