@@ -108,11 +108,14 @@ def missing_requirements(path: str | Path) -> list[str]:
     return missing
 
 
-def install_missing(path: str | Path = "requirements-colab.txt", *, dry_run: bool = False) -> list[str]:
+def install_missing(path: str | Path | None = None, *, dry_run: bool = False) -> list[str]:
     """pip-install what `path` lists and this runtime lacks; a no-op when everything is there (as in CI).
 
+    `path` defaults to requirements-colab.txt of the checkout this package was imported from.
     Returns the requirements installed (or, with dry_run, that would be). Never touches torch or torch_xla.
     """
+    if path is None:
+        path = Path(__file__).resolve().parents[1] / "requirements-colab.txt"
     missing = missing_requirements(path)
     if missing and not dry_run:
         proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", *missing], capture_output=True,
