@@ -1,7 +1,8 @@
 """Saving and resuming a Trainer's whole state, and refusing to mix two runs in one directory.
 
-A checkpoint holds the model, optimizer, scheduler, step, data position (epoch and batches consumed) and every RNG
-stream, so a resumed run continues the same run. Checkpoints live in `<out_dir>/checkpoints/` and are written by
+A checkpoint holds the model, optimizer, scheduler, step, data position (epoch and samples of the global order
+consumed) and every RNG stream, so a resumed run continues the same run, on any number of chips or processes that
+keeps the global batch (per-chip batch x chips x accumulation). Checkpoints live in `<out_dir>/checkpoints/` and are written by
 `tpu_helpers.checkpoint.CheckpointManager` (atomic, checksummed). `<out_dir>/checkpoints/run.json` records what
 identifies the run (model, data, batch, seed); resuming with a different identity is an error rather than a
 silent mix of two runs.
@@ -20,8 +21,9 @@ if TYPE_CHECKING:
     from tpu_helpers.trainer import Trainer
 
 # Fields that define which run a checkpoint belongs to. Steps, logging and evaluation may change on resume.
+# The batch enters as the global batch (recorded separately), so the chip count may change between runs.
 IDENTITY_FIELDS = ("preset", "dataset", "text_field", "tokenizer", "max_chars", "seq_len", "val_fraction",
-                   "batch_size", "grad_accum", "optimizer", "seed")
+                   "optimizer", "seed")
 
 
 class RunState:
@@ -33,6 +35,7 @@ class RunState:
         model = trainer.raw_model
         self.identity = {
             **{k: getattr(cfg, k) for k in IDENTITY_FIELDS},
+            "global_batch": cfg.batch_size * trainer.backend.num_replicas * cfg.grad_accum,
             "model": type(model).__name__,
             "parameters": sum(p.numel() for p in model.parameters()),
             **(run_identity or {}),
@@ -44,11 +47,14 @@ class RunState:
         stored = self.manager.read_run_info()
         if stored is None:
             return
-        diff = {k: (stored.get(k), v) for k, v in self.identity.items() if stored.get(k) != v}
+        # Keys an older run.json lacks are not compared, so its checkpoints stay resumable.
+        diff = {k: (stored[k], v) for k, v in self.identity.items() if k in stored and stored[k] != v}
         if diff:
             details = ", ".join(f"{k}: {old!r} there vs {new!r} now" for k, (old, new) in sorted(diff.items()))
+            hint = (" (global_batch = batch_size x chips x grad_accum: keep it to resume on another number of "
+                    "chips, e.g. batch_size = global_batch / (chips x grad_accum))" if "global_batch" in diff else "")
             raise ConfigError(
-                f"out_dir={str(self.trainer.config.out_dir)!r} holds checkpoints of a different run ({details}); "
+                f"out_dir={str(self.trainer.config.out_dir)!r} holds checkpoints of a different run ({details}){hint}; "
                 "choose another out_dir, or delete that directory to start over"
             )
 
@@ -81,6 +87,7 @@ class RunState:
             "step": t.step,
             "epoch": t.epoch,
             "batches_in_epoch": t.batches_in_epoch,
+            "samples_in_epoch": t.samples_in_epoch,
             "model": model.state_dict(),
             "optimizer": t.optimizer.state_dict(),
             "scheduler": t.scheduler.state_dict(),
@@ -94,7 +101,11 @@ class RunState:
         getattr(t.model, "module", t.model).load_state_dict(state["model"])
         t.optimizer.load_state_dict(state["optimizer"])
         t.scheduler.load_state_dict(state["scheduler"])
-        t.step, t.epoch, t.batches_in_epoch = state["step"], state["epoch"], state["batches_in_epoch"]
+        t.step, t.epoch = state["step"], state["epoch"]
+        # Older checkpoints counted loader batches of this process; convert them to samples of the global order.
+        samples = state.get("samples_in_epoch", state["batches_in_epoch"] * t.samples_per_batch)
+        t.samples_in_epoch = samples
+        t.batches_in_epoch = samples // t.samples_per_batch
         t.history = History.from_dict(state["history"])
         t.history.truncate(t.step)
         t.backend.set_rng_state(state["rng"])

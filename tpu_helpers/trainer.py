@@ -110,6 +110,9 @@ class Trainer:
         self.step = 0
         self.epoch = 0
         self.batches_in_epoch = 0
+        # The data position in samples of the global order (not loader batches), so a checkpoint resumes at the
+        # same sample on any number of chips or processes with the same global batch.
+        self.samples_in_epoch = 0
 
     # ---- construction steps (override to customise) ------------------------------------------------------------
     @property
@@ -186,20 +189,28 @@ class Trainer:
             raise ConfigError("the validation set is smaller than one batch; lower batch_size or val_fraction")
         return float(self.backend.all_reduce_mean(total / n).item())
 
+    @property
+    def samples_per_batch(self) -> int:
+        """Samples of the global data order one loader batch consumes, over all processes."""
+        return (self.train_loader.batch_size or 1) * self.backend.loader_rank_and_world[1]
+
     def _batches(self) -> Iterator:
         """Endless device batches across epochs; counts what the loop consumed (prefetching runs ahead)."""
         while True:
             sampler = getattr(self.train_loader, "sampler", None)
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(self.epoch)
-            if self.batches_in_epoch and hasattr(sampler, "load_state_dict"):
-                sampler.load_state_dict({"epoch": self.epoch,
-                                         "index": self.batches_in_epoch * self.train_loader.batch_size})
+            if self.samples_in_epoch and hasattr(sampler, "load_state_dict"):
+                # Each process's sampler takes every world-th sample of the global order (ResumableSampler).
+                world = self.backend.loader_rank_and_world[1]
+                sampler.load_state_dict({"epoch": self.epoch, "index": self.samples_in_epoch // world})
             for batch in self.backend.wrap_loader(self.train_loader):
                 self.batches_in_epoch += 1
+                self.samples_in_epoch += self.samples_per_batch
                 yield batch
             self.epoch += 1
             self.batches_in_epoch = 0
+            self.samples_in_epoch = 0
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def fit(self) -> RunReport:

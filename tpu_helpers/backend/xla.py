@@ -218,3 +218,36 @@ def xla_metrics() -> dict:
 
 def is_tpu_runtime() -> bool:
     return xr.device_type() == "TPU"
+
+
+def sharding_spec(tensor: torch.Tensor) -> str:
+    """XLA's sharding annotation of a device tensor, e.g. "{devices=[8,1]0,1,2,3,4,5,6,7}" for a batch split 8
+    ways on its first axis; "" when it carries none (a single-device or replicated tensor)."""
+    return torch_xla._XLAC._get_xla_sharding_spec(tensor)
+
+
+def runtime_initialized() -> bool:
+    """Whether this process has started the XLA runtime (after which it can no longer spawn XLA processes)."""
+    return bool(torch_xla._XLAC._xla_runtime_is_initialized())
+
+
+def spawn(fn: Callable, args: tuple = (), *, nprocs: int | None = None, start_method: str = "fork") -> None:
+    """Run `fn(index, *args)` in one process per chip with `xmp.spawn` (the multi-process alternative to SPMD).
+
+    `fn` must be importable from a module (a notebook's own functions do not pickle into new processes), and the
+    calling process must not have touched the XLA device yet. "fork" is the start method that works inside
+    Jupyter. torch_xla accepts nprocs 1 (run `fn` here, in this process) or None (every local chip).
+    """
+    import torch_xla.distributed.xla_multiprocessing as xmp
+
+    if nprocs not in (1, None):
+        raise ValueError(f"nprocs={nprocs!r}: torch_xla spawns either 1 process or one per chip (None); to use "
+                         "fewer chips set TPU_NUM_DEVICES (CPU_NUM_DEVICES on XLA:CPU) before starting Python")
+    if start_method not in ("fork", "spawn", "forkserver"):
+        raise ValueError(f"start_method={start_method!r} is not one of 'fork', 'spawn', 'forkserver'")
+    if runtime_initialized() and nprocs != 1:
+        raise RuntimeError(
+            "the XLA runtime is already running in this process, so torch_xla cannot spawn one process per chip; "
+            "restart the kernel and spawn before anything touches the XLA device (or use SPMD in this process)"
+        )
+    xmp.spawn(fn, args=args, nprocs=nprocs, start_method=start_method)
