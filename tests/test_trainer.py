@@ -82,7 +82,7 @@ def test_resume_refuses_another_runs_checkpoints_and_resume_false(tmp_path, tiny
     train, _, _ = tiny_data
     cfg = tiny_config(tmp_path, steps=2)
     fit(tiny_gpt(), train, config=cfg, progress=False)
-    with pytest.raises(ConfigError, match=r"holds checkpoints of a different run \(batch_size: 8 there vs 4 now"):
+    with pytest.raises(ConfigError, match=r"holds checkpoints of a different run \(global_batch: 8 there vs 4 now"):
         fit(tiny_gpt(), train, config=cfg.replace(batch_size=4), progress=False)
     with pytest.raises(ConfigError, match=r"already holds checkpoints \(newest: step 2\) and resume=False"):
         fit(tiny_gpt(), train, config=cfg.replace(resume=False), progress=False)
