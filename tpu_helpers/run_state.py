@@ -127,4 +127,5 @@ class RunState:
             precision=t.backend.precision,
             xla=t.backend.metrics() if t.backend.is_xla else {},
             memory=t.backend.memory_info(),
+            stop_reason=t.stop_reason,
         )

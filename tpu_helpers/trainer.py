@@ -34,6 +34,7 @@ from tpu_helpers.config import ConfigError, TrainConfig
 from tpu_helpers.data import make_loader
 from tpu_helpers.history import History, RunReport
 from tpu_helpers.run_state import RunState
+from tpu_helpers.signals import stop_on_signals
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -168,6 +169,10 @@ class Trainer:
         if self.val_loader is None:
             return None
         self.model.eval()
+        # The same fixed batches every time: a loop broken off after eval_batches would otherwise leave the
+        # sampler mid-pass, so the next evaluation (and a resumed run's) would read other batches.
+        if hasattr(getattr(self.val_loader, "sampler", None), "load_state_dict"):
+            self.val_loader.sampler.load_state_dict({"epoch": 0, "index": 0})
         total, n = torch.zeros((), device=self.backend.device), 0
         for batch in self.backend.wrap_loader(self.val_loader):
             with self.backend.autocast():
@@ -198,6 +203,11 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def fit(self) -> RunReport:
+        """Train to `config.steps`, resuming from out_dir's checkpoints; SIGTERM/Ctrl-C stop cleanly (signals.py)."""
+        with stop_on_signals(self):
+            return self._fit()
+
+    def _fit(self) -> RunReport:
         cfg, b = self.config, self.backend
         self.state.resume_or_start()
         start_step, t_start = self.step, time.perf_counter()
