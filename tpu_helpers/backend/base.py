@@ -185,8 +185,10 @@ class Backend:
         return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
 
     def set_rng_state(self, state: dict) -> None:
-        random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
+        # Tuples come back as lists from XLA's batched to_cpu (xm._maybe_convert_to_cpu): restore them.
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        np.random.set_state(tuple(state["numpy"]))
         torch.set_rng_state(state["torch"])
 
     # ---- reporting --------------------------------------------------------------------------------------------
