@@ -35,6 +35,7 @@ from tpu_helpers.data import make_loader
 from tpu_helpers.history import History, RunReport
 from tpu_helpers.run_state import RunState
 from tpu_helpers.signals import stop_on_signals
+from tpu_helpers.validation import check_trainer_args
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -78,6 +79,8 @@ class Trainer:
         progress: bool = True,
         callbacks: list[Callback] | None = None,
     ) -> None:
+        check_trainer_args(model=model, train_data=train_data, val_data=val_data, config=config, backend=backend,
+                           loss_fn=loss_fn, callbacks=callbacks, run_identity=run_identity, progress=progress)
         self.config = cfg = config or TrainConfig()
         self.backend = backend or get_backend(cfg.device, fallback=cfg.fallback, precision=cfg.precision,
                                               spmd=cfg.spmd)
