@@ -170,11 +170,27 @@ def test_sigkill_at_20_random_moments_then_resume_gives_identical_weights(forkse
     assert leftovers == [], f"temp files of killed saves were not cleaned up: {leftovers}"
 
 
-def _script(out_dir: Path, steps: int, save_every: int) -> subprocess.Popen:
+def _script(out_dir: Path, steps: int, save_every: int, device: str = "cpu") -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen([sys.executable, str(SCRIPT), str(out_dir), "--steps", str(steps), "--save-every",
-                             str(save_every)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=ROOT)
+                             str(save_every), "--device", device], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=ROOT)
+
+
+def _signal_at(proc: subprocess.Popen, sig: int, after_step: int) -> tuple[int, int, str]:
+    """Send `sig` once the run reports `after_step`; returns (step the signal arrived at, last step, stderr)."""
+    for line in proc.stdout:
+        if line.startswith(f"step {after_step}"):
+            break
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, f"exit code {proc.returncode}\n{stderr[-3000:]}"
+    received = [line for line in stderr.splitlines() if f"received {sig.name} at step" in line]
+    assert len(received) == 1, stderr[-3000:]
+    at_step = int(received[0].split(" at step ")[1].split(":")[0])
+    done = stdout.strip().splitlines()[-1]
+    assert done.startswith("done ") and f"signal {sig.name} at step {at_step}" in done, stdout[-2000:]
+    return at_step, int(done.split()[1]), stderr
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -185,19 +201,8 @@ def test_signal_saves_within_one_step_exits_0_and_the_rerun_finishes(forkserver,
 
     out = tmp_path / "run"
     proc = _script(out, SIGNAL_STEPS, save_every=10)  # a fresh interpreter, as a user's script runs
-    for line in proc.stdout:
-        if line.startswith("step 7"):  # between regular saves (10, 20): the stop must add its own save
-            break
-    proc.send_signal(sig)
-    stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 0, f"exit code {proc.returncode}\n{stderr[-3000:]}"
-    name = sig.name
-    received = [line for line in stderr.splitlines() if f"received {name} at step" in line]
-    assert len(received) == 1, stderr[-3000:]
-    at_step = int(received[0].split(" at step ")[1].split(":")[0])
-    done = stdout.strip().splitlines()[-1]
-    assert done.startswith("done ") and f"signal {name} at step {at_step}" in done, stdout[-2000:]
-    stopped = int(done.split()[1])
+    # At step 7, between regular saves (10, 20): the stop must add a save of its own.
+    at_step, stopped, stderr = _signal_at(proc, sig, after_step=7)
     assert at_step <= stopped <= at_step + 1, f"signal at step {at_step}, stopped at step {stopped}"
     assert stopped < SIGNAL_STEPS
     latest = CheckpointManager(out / "checkpoints").latest()
@@ -209,3 +214,17 @@ def test_signal_saves_within_one_step_exits_0_and_the_rerun_finishes(forkserver,
     assert child.wait_for("ready") == stopped
     assert child.finish() == f"done {SIGNAL_STEPS} None"
     _assert_same_training_state(_final_state(out, SIGNAL_STEPS), reference)
+
+
+@pytest.mark.xla
+@pytest.mark.slow
+def test_sigterm_on_xla_cpu_saves_exits_0_and_resumes(tmp_path: Path) -> None:
+    """The same on the XLA path: the handler runs between graph executions, the step still ends in one save."""
+    pytest.importorskip("torch_xla")
+    out = tmp_path / "run"
+    at_step, stopped, _ = _signal_at(_script(out, 12, save_every=10, device="xla"), signal.SIGTERM, after_step=3)
+    assert at_step <= stopped <= at_step + 1 and CheckpointManager(out / "checkpoints").latest().step == stopped
+    proc = _script(out, 12, save_every=10, device="xla")
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert f"ready {stopped}" in stdout and stdout.strip().endswith("done 12 None")
