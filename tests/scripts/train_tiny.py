@@ -4,7 +4,8 @@
 
 It resumes from OUT_DIR's checkpoints like any rerun would, and prints one line per event on stdout (flushed) so a
 test can time its signals: "ready STEP" once resumed, "step N" after each step, "saving N" just before each
-checkpoint save, "done STEP REASON" at the end (`child` sends the same events through a pipe instead). The model has dropout, so exact resume also covers the RNG streams.
+checkpoint save, "done STEP REASON" at the end (`child` sends the same events through a pipe instead). The
+model has dropout, so exact resume also covers the RNG streams.
 """
 
 from __future__ import annotations
