@@ -123,8 +123,12 @@ def _interrupted_and_uninterrupted(data, tmp_path: Path, stops: list[int], **ove
 
 
 def test_exact_resume_cpu_is_bitwise(tiny_data, tmp_path: Path) -> None:
-    # Stops off the save/log/eval grid on purpose: the resumed run must rebuild every position itself.
-    full, part, t_full, t_part = _interrupted_and_uninterrupted(tiny_data, tmp_path, [3, 8, 9])
+    # 40 training samples = 5 batches per epoch: 16 steps cross three epoch boundaries, and the stop at step 10
+    # falls exactly on one. The other stops are off the save/log/eval grid on purpose.
+    train, val, tok = tiny_data
+    data = (torch.utils.data.Subset(train, range(40)), val, tok)
+    full, part, t_full, t_part = _interrupted_and_uninterrupted(data, tmp_path, [3, 8, 10, 11])
+    assert t_part.epoch == t_full.epoch == 3
     for name in full:
         assert torch.equal(full[name], part[name]), name
     assert t_full.history.eval == t_part.history.eval

@@ -68,6 +68,8 @@ class _Guard:
 def resume_hint(trainer: Any) -> str:
     """The message printed after a signal-stopped run: where it stopped and how to continue it."""
     cfg = trainer.config
+    if trainer.step >= cfg.steps:
+        return f"{trainer.stop_reason} came after the last step: the run is complete ({cfg.steps} steps)"
     path = getattr(trainer.state, "last_path", None)
     saved = f"checkpoint {path}" if path is not None else "no new checkpoint (no step finished)"
     return (

@@ -193,11 +193,14 @@ class Trainer:
         """Endless device batches across epochs; counts what the loop consumed (prefetching runs ahead)."""
         while True:
             sampler = getattr(self.train_loader, "sampler", None)
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(self.epoch)
+            # Position first, then set_epoch: resumed exactly at the end of an epoch, set_epoch(current) makes the
+            # sampler yield the (empty) rest of it, so the loop moves to the next epoch with its own counters in
+            # step. The other order let the sampler start the next epoch by itself while self.epoch stayed behind.
             if self.batches_in_epoch and hasattr(sampler, "load_state_dict"):
                 sampler.load_state_dict({"epoch": self.epoch,
                                          "index": self.batches_in_epoch * self.train_loader.batch_size})
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(self.epoch)
             for batch in self.backend.wrap_loader(self.train_loader):
                 self.batches_in_epoch += 1
                 yield batch
