@@ -144,3 +144,20 @@ def test_exact_resume_xla(tiny_data, tmp_path: Path) -> None:
     # (weights, optimizer state and the XLA RNG seed restored exactly), and XLA:CPU is deterministic. Were a
     # compiler change to fuse the first resumed step differently, differences would stay at float rounding.
     assert worst == 0.0
+
+
+@pytest.mark.parametrize("damage", ["truncate", "bitflip"])
+def test_rerun_over_a_damaged_newest_checkpoint_resumes_from_the_one_before(tiny_data, tmp_path: Path,
+                                                                          damage: str) -> None:
+    cfg = tiny_config(tmp_path, steps=6, save_every=2, keep_last=3)
+    _trainer(tiny_data, cfg).fit()
+    newest = tmp_path / "run" / "checkpoints" / "ckpt-00000006.pt"
+    data = newest.read_bytes()
+    newest.write_bytes(data[: len(data) // 3] if damage == "truncate" else
+                       data[:100] + bytes([data[100] ^ 0x10]) + data[101:])
+    reason = "truncated" if damage == "truncate" else "checksum mismatch"
+    with pytest.warns(UserWarning, match=rf"ckpt-00000006\.pt is damaged \({reason}.*falling back"):
+        report = _trainer(tiny_data, cfg.replace(steps=8)).fit()
+    assert report.resumed_from == 4 and report.steps == 8
+    infos = CheckpointManager(tmp_path / "run" / "checkpoints").list()
+    assert [(i.step, i.valid) for i in infos] == [(4, True), (6, True), (8, True)]  # step 6 re-done and replaced
