@@ -223,9 +223,9 @@ def test_sigterm_on_xla_cpu_saves_exits_0_and_resumes(tmp_path: Path) -> None:
     """The same on the XLA path: the handler runs between graph executions, the step still ends in one save."""
     pytest.importorskip("torch_xla")
     out = tmp_path / "run"
-    at_step, stopped, _ = _signal_at(_script(out, 12, save_every=10, device="xla"), signal.SIGTERM, after_step=3)
+    at_step, stopped, _ = _signal_at(_script(out, 8, save_every=5, device="xla"), signal.SIGTERM, after_step=2)
     assert at_step <= stopped <= at_step + 1 and CheckpointManager(out / "checkpoints").latest().step == stopped
-    proc = _script(out, 12, save_every=10, device="xla")
+    proc = _script(out, 8, save_every=5, device="xla")
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
-    assert f"ready {stopped}" in stdout and stdout.strip().endswith("done 12 None")
+    assert f"ready {stopped}" in stdout and stdout.strip().endswith("done 8 None")
