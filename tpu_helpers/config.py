@@ -20,6 +20,7 @@ from typing import Any
 
 from tpu_helpers.backend import DEVICES
 from tpu_helpers.backend.base import PRECISIONS
+from tpu_helpers.model import PRESETS
 
 OPTIMIZERS = ("adamw", "sgd")
 
@@ -97,6 +98,17 @@ class TrainConfig:
             raise ConfigError("out_dir='' is empty: give a directory for checkpoints and results")
         if self.device == "cpu" and self.precision == "fp16":
             raise ConfigError("precision='fp16' needs a CUDA GPU; on device='cpu' use 'fp32' or 'bf16'")
+        # ---- added for issue 6 (bad input): choices the backend or model would only reject later ----
+        _choice("preset", self.preset, tuple(PRESETS))
+        if self.device in ("tpu", "xla") and self.precision == "fp16":
+            raise ConfigError(f"precision='fp16' needs a CUDA GPU; on device={self.device!r} use 'bf16' (native "
+                              "on TPUs) or 'fp32'")
+        if self.spmd is True and self.device in ("cpu", "cuda"):
+            raise ConfigError(f"spmd=True drives several XLA devices from one process; device={self.device!r} "
+                              "is not XLA (use device='tpu' or 'xla', or spmd='auto')")
+        for name in ("text_field", "tokenizer"):
+            if not getattr(self, name).strip():
+                raise ConfigError(f"{name}={getattr(self, name)!r} is empty")
 
     def replace(self, **changes: Any) -> TrainConfig:
         unknown = sorted(set(changes) - {f.name for f in fields(self)})
@@ -173,8 +185,17 @@ def config_from_parameters(
     `config.extra` under their lower-case names. Any other UPPER_CASE name is an error listing the known ones,
     which catches a misspelt `-p` override that papermill would otherwise inject and ignore.
     """
+    if not isinstance(namespace, dict):
+        raise TypeError(f"namespace must be a dict such as globals(), got {type(namespace).__name__}")
+    if base is not None and not isinstance(base, TrainConfig):
+        raise TypeError(f"base must be a TrainConfig or None, got {type(base).__name__}")
     base = base or TrainConfig()
     extra = extra or {}
+    for name, expected in extra.items():
+        kinds = expected if isinstance(expected, tuple) else (expected,)
+        if not _UPPER.match(name) or not all(isinstance(k, type) for k in kinds):
+            raise ConfigError(f"extra={{{name!r}: {expected!r}}}: keys must be UPPER_CASE parameter names and "
+                              "values a type or a tuple of types, e.g. {'MOUNT_DRIVE': bool}")
     known = {f.name.upper() for f in fields(TrainConfig) if f.name != "extra"}
     params = notebook_parameters(namespace)
     unknown = sorted(set(params) - known - set(extra))

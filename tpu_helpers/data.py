@@ -329,6 +329,9 @@ def make_loader(
         num_workers=num_workers,
         pin_memory=backend_kind == "cuda",
         persistent_workers=num_workers > 0,
+        # Its own generator: without one, every new iterator (each epoch, each evaluation, a resume) draws
+        # its worker seed from the global torch RNG, which shifts the dropout stream and breaks exact resume.
+        generator=torch.Generator().manual_seed(seed),
     )
 
 

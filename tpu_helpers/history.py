@@ -81,6 +81,7 @@ class RunReport:
     precision: str
     xla: dict = field(default_factory=dict)  # compilations, transfers, CPU fallbacks (XLA only)
     memory: dict | None = None
+    stop_reason: str | None = None  # why the run ended before `steps` (a signal, a callback), else None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -111,4 +112,6 @@ class RunReport:
             lines.append("cpu fallbacks " + (", ".join(f"{k} x{v}" for k, v in fallbacks.items()) or "none"))
         if self.checkpoint:
             lines.append(f"checkpoint    {self.checkpoint}")
+        if self.stop_reason:
+            lines.append(f"stopped early {self.stop_reason}")
         return "\n".join(lines)

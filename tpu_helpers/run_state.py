@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from tpu_helpers.checkpoint import CheckpointManager
 from tpu_helpers.config import ConfigError
 from tpu_helpers.history import History, RunReport
+from tpu_helpers.validation import check_out_dir
 
 if TYPE_CHECKING:
     from tpu_helpers.trainer import Trainer
@@ -60,6 +61,8 @@ class RunState:
 
     def resume_or_start(self) -> None:
         t = self.trainer
+        if t.backend.is_main:
+            check_out_dir(t.config.out_dir)  # now, not at the first save an hour into the run
         self._check_identity()
         latest = self.manager.latest()
         if latest is not None and not t.config.resume:
@@ -138,4 +141,5 @@ class RunState:
             precision=t.backend.precision,
             xla=t.backend.metrics() if t.backend.is_xla else {},
             memory=t.backend.memory_info(),
+            stop_reason=t.stop_reason,
         )

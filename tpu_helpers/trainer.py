@@ -34,6 +34,8 @@ from tpu_helpers.config import ConfigError, TrainConfig
 from tpu_helpers.data import make_loader
 from tpu_helpers.history import History, RunReport
 from tpu_helpers.run_state import RunState
+from tpu_helpers.signals import stop_on_signals
+from tpu_helpers.validation import check_trainer_args
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -77,6 +79,8 @@ class Trainer:
         progress: bool = True,
         callbacks: list[Callback] | None = None,
     ) -> None:
+        check_trainer_args(model=model, train_data=train_data, val_data=val_data, config=config, backend=backend,
+                           loss_fn=loss_fn, callbacks=callbacks, run_identity=run_identity, progress=progress)
         self.config = cfg = config or TrainConfig()
         self.backend = backend or get_backend(cfg.device, fallback=cfg.fallback, precision=cfg.precision,
                                               spmd=cfg.spmd)
@@ -176,6 +180,10 @@ class Trainer:
         if self.val_loader is None:
             return None
         self.model.eval()
+        # The same fixed batches every time: a loop broken off after eval_batches would otherwise leave the
+        # sampler mid-pass, so the next evaluation (and a resumed run's) would read other batches.
+        if hasattr(getattr(self.val_loader, "sampler", None), "load_state_dict"):
+            self.val_loader.sampler.load_state_dict({"epoch": 0, "index": 0})
         total, n = torch.zeros((), device=self.backend.device), 0
         for batch in self.backend.wrap_loader(self.val_loader):
             with self.backend.autocast():
@@ -198,12 +206,15 @@ class Trainer:
         """Endless device batches across epochs; counts what the loop consumed (prefetching runs ahead)."""
         while True:
             sampler = getattr(self.train_loader, "sampler", None)
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(self.epoch)
+            # Position first, then set_epoch: resumed exactly at the end of an epoch, set_epoch(current) makes the
+            # sampler yield the (empty) rest of it, so the loop moves to the next epoch with its own counters in
+            # step. The other order let the sampler start the next epoch by itself while self.epoch stayed behind.
             if self.samples_in_epoch and hasattr(sampler, "load_state_dict"):
                 # Each process's sampler takes every world-th sample of the global order (ResumableSampler).
                 world = self.backend.loader_rank_and_world[1]
                 sampler.load_state_dict({"epoch": self.epoch, "index": self.samples_in_epoch // world})
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(self.epoch)
             for batch in self.backend.wrap_loader(self.train_loader):
                 self.batches_in_epoch += 1
                 self.samples_in_epoch += self.samples_per_batch
@@ -214,6 +225,11 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def fit(self) -> RunReport:
+        """Train to `config.steps`, resuming from out_dir's checkpoints; SIGTERM/Ctrl-C stop cleanly (signals.py)."""
+        with stop_on_signals(self):
+            return self._fit()
+
+    def _fit(self) -> RunReport:
         cfg, b = self.config, self.backend
         self.state.resume_or_start()
         start_step, t_start = self.step, time.perf_counter()

@@ -197,7 +197,7 @@ class Backend:
         return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
 
     def set_rng_state(self, state: dict) -> None:
-        # A state that went through XLA's batched device-to-host copy has its tuples turned into lists.
+        # Tuples come back as lists from XLA's batched to_cpu (xm._maybe_convert_to_cpu): restore them.
         version, internal, gauss = state["python"]
         random.setstate((version, tuple(internal), gauss))
         np.random.set_state(tuple(state["numpy"]))

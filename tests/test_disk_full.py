@@ -1,0 +1,72 @@
+"""A real full disk: a 2 MiB tmpfs mounted in a user+mount namespace (`unshare -rm`, no root needed).
+
+tests/test_checkpoint.py simulates ENOSPC with a write hook; this test lets the kernel refuse the write instead,
+during a real training run: the step-1 checkpoint (about 1.4 MB) fits, the step-2 save cannot, so fit must stop
+with a CheckpointError that says the disk is full, and the step-1 checkpoint must still load. Skipped where
+unprivileged user namespaces are disabled (some CI kernels, Ubuntu's AppArmor policy).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CODE = r"""
+import sys, torch
+from tpu_helpers.checkpoint import CheckpointError, CheckpointManager
+from tpu_helpers.config import TrainConfig
+from tpu_helpers.data import build_datasets
+from tpu_helpers.model import GPT, gpt_config
+from tpu_helpers.trainer import Trainer
+
+out = sys.argv[1]
+cfg = TrainConfig(device="cpu", preset="tiny", steps=4, batch_size=4, seq_len=32, eval_every=100, log_every=1,
+                  save_every=1, keep_last=1, out_dir=out, max_chars=20_000)
+train, val, tok = build_datasets("embedded", "byte", block_size=32, max_chars=20_000)
+torch.manual_seed(0)
+model = GPT(gpt_config("tiny", vocab_size=tok.vocab_size, block_size=32))
+trainer = Trainer(model, train, val, config=cfg, progress=False)
+try:
+    trainer.fit()
+except CheckpointError as err:
+    print("ERROR", err)
+mgr = CheckpointManager(out + "/checkpoints")
+print("CHECKPOINTS", [(i.step, i.valid) for i in mgr.list()])
+print("LOADS", mgr.load(mgr.latest().step)["step"])
+print("FILES", sorted(p.name for p in mgr.directory.iterdir()))
+"""
+
+
+def _namespaces_work() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt || exit 1"],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _namespaces_work(), reason="cannot mount a tmpfs in an unprivileged user namespace here")
+def test_full_disk_during_training_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    mount = tmp_path / "small_disk"
+    mount.mkdir()
+    script = tmp_path / "run.py"
+    script.write_text(CODE)
+    shell = f"mount -t tmpfs -o size=2m tmpfs {mount} && exec {sys.executable} {script} {mount}/run"
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", shell], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.split(" ", 1)[0].isupper())
+    assert "checkpoint step 2 could not be saved" in out["ERROR"]
+    assert "the disk is full (No space left on device)" in out["ERROR"]
+    assert "Earlier checkpoints are untouched" in out["ERROR"]
+    assert out["CHECKPOINTS"] == "[(1, True)]"
+    assert out["LOADS"] == "1"
+    assert not [n for n in ast.literal_eval(out["FILES"]) if n.endswith(".tmp")]  # no half-written temp left

@@ -1,0 +1,106 @@
+"""Stop a training run cleanly on SIGTERM or Ctrl-C / the notebook's stop button, losing no finished step.
+
+A preemptible TPU VM gets SIGTERM about 30 s before it is taken away; `kill PID`, Slurm and Kubernetes send it
+too; Jupyter's stop button sends SIGINT to the kernel. `Trainer.fit` runs inside `stop_on_signals(trainer)`:
+
+- first signal: `trainer.stop_reason` is set (e.g. "signal SIGTERM at step 41") and a line says so; the loop
+  finishes the step it is in, saves a checkpoint and returns normally; then a message says how to resume;
+- second signal: stop at once. SIGINT raises KeyboardInterrupt, SIGTERM raises SystemExit(143) (128 + 15, the
+  status a process killed by SIGTERM reports). Checkpoints are written atomically, so stopping in the middle of
+  a save loses only that save: the previous checkpoint is intact and the rerun resumes from it.
+
+Exit status of scripts: after the first signal `fit` returns its report (with `report.stop_reason` set), so a
+script that ends after `fit` exits 0. Preemption is not a failure: a supervisor that restarts failed jobs should
+rerun the same command, which resumes. A script that wants to tell "finished" from "stopped" checks
+`report.stop_reason` (or `report.steps < config.steps`).
+
+In a notebook, a stop during `fit` likewise returns the partial run, so the following cells can still show its
+loss curve and save results; rerunning the notebook (resume=True, the same out_dir) continues it.
+
+Handlers are installed only for the duration of `fit`, only from the main thread (Python delivers signals
+there; `fit` in another thread keeps the process's handlers untouched), and the previous handlers, e.g. the
+Jupyter kernel's or one set to SIG_IGN, are put back afterwards. A handler runs between Python bytecodes: while
+the main thread waits inside a long XLA compile or device sync, the signal takes effect when that returns.
+
+Several processes (torchrun): each rank stops after the step in which *it* saw the signal; ranks that see it
+at different steps would disagree on the last step. Preemption signals every host at once, and the checkpoint
+that counts is rank 0's; synchronising the flag would cost a collective per step, which this module avoids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), signal.SIGINT) if s is not None)
+_PREFIX = "signal "
+
+
+def _say(message: str) -> None:
+    # stderr, flushed: the line must be out before a supervisor's SIGKILL follows the SIGTERM.
+    print(f"[tpu_helpers] {message}", file=sys.stderr, flush=True)
+
+
+class _Guard:
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.received: list[int] = []
+
+    def handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        self.received.append(signum)
+        if len(self.received) == 1:
+            step = getattr(self.trainer, "step", 0)
+            self.trainer.stop_reason = f"{_PREFIX}{name} at step {step}"
+            _say(f"received {name} at step {step}: finishing this step, saving a checkpoint and stopping "
+                 f"(send it again to stop at once)")
+            return
+        _say(f"received {name} again: stopping now (the last saved checkpoint is intact)")
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+
+def resume_hint(trainer: Any) -> str:
+    """The message printed after a signal-stopped run: where it stopped and how to continue it."""
+    cfg = trainer.config
+    if trainer.step >= cfg.steps:
+        return f"{trainer.stop_reason} came after the last step: the run is complete ({cfg.steps} steps)"
+    path = getattr(trainer.state, "last_path", None)
+    saved = f"checkpoint {path}" if path is not None else "no new checkpoint (no step finished)"
+    return (
+        f"stopped at step {trainer.step} of {cfg.steps} ({trainer.stop_reason}); {saved}. "
+        f"To continue, run the same notebook or command again with out_dir={str(cfg.out_dir)!r} and "
+        f"resume=True: it resumes from the newest good checkpoint."
+    )
+
+
+@contextlib.contextmanager
+def stop_on_signals(trainer: Any) -> Iterator[None]:
+    """Route SIGTERM/SIGINT to `trainer.stop_reason` while the block runs (see the module docstring)."""
+    if isinstance(trainer.stop_reason, str) and trainer.stop_reason.startswith(_PREFIX):
+        trainer.stop_reason = None  # a signal that stopped an earlier fit must not stop this one
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    guard = _Guard(trainer)
+    previous = {s: signal.getsignal(s) for s in SIGNALS}
+    for s in SIGNALS:
+        signal.signal(s, guard.handle)
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            # None means the handler was not installed from Python; the default action is the closest match.
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+    if guard.received:
+        _say(resume_hint(trainer))
+
+
+def is_signal_stop(reason: str | None) -> bool:
+    """Whether a `stop_reason` came from a signal (rather than a callback)."""
+    return isinstance(reason, str) and reason.startswith(_PREFIX)
