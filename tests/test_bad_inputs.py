@@ -171,7 +171,7 @@ CASES = [
     # ---- out_dir conflicts (checked at fit start, before any step) ----
     ("out_dir is a file", _out_dir_is_a_file, ConfigError, r"is a file, not a directory; choose another out_dir"),
     ("other run's checkpoints", _other_run_in_out_dir, ConfigError,
-     r"holds checkpoints of a different run \(batch_size: 4 there vs 2 now\)"),
+     r"holds checkpoints of a different run \(global_batch: 4 there vs 2 now\)"),
     ("resume=False over checkpoints", _restart_without_resume, ConfigError,
      r"already holds checkpoints \(newest: step 1\) and resume=False"),
 ]

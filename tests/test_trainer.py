@@ -94,7 +94,7 @@ def test_any_module_with_a_loss_function(tmp_path):
     y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
     data = TensorDataset(x, y)
     model = torch.nn.Linear(4, 1)
-    cfg = tiny_config(tmp_path, steps=60, lr=0.05, warmup_steps=0, weight_decay=0.0, eval_every=60)
+    cfg = tiny_config(tmp_path, steps=120, lr=0.2, warmup_steps=0, weight_decay=0.0, eval_every=120)
     trainer, report = fit(model, data, data, config=cfg, loss_fn=F.mse_loss, progress=False)
     assert report.final_val_loss < 0.1 * report.first_val_loss
 
