@@ -34,6 +34,7 @@ from tpu_helpers.config import ConfigError, TrainConfig
 from tpu_helpers.data import make_loader
 from tpu_helpers.history import History, RunReport
 from tpu_helpers.run_state import RunState
+from tpu_helpers.step_timing import StepTimer
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -42,6 +43,9 @@ class Callback:
     """Hooks into `Trainer.fit`. They run on the host between steps and must not read device tensors."""
 
     def on_fit_start(self, trainer: Trainer) -> None: ...
+
+    def on_batch(self, trainer: Trainer, batch: Any) -> None:
+        """Each training batch as the step takes it (a device batch: read shapes and dtypes only, not values)."""
 
     def on_step_end(self, trainer: Trainer) -> None:
         """After the step's sync; `trainer.step` is the number of finished steps."""
@@ -79,10 +83,18 @@ class Trainer:
     ) -> None:
         self.config = cfg = config or TrainConfig()
         self.backend = backend or get_backend(cfg.device, fallback=cfg.fallback, precision=cfg.precision,
-                                              spmd=cfg.spmd)
+                                              spmd=cfg.spmd, compile_cache_dir=cfg.compile_cache_dir)
         self.loss_fn = loss_fn
         self.progress = progress
         self.callbacks: list[Callback] = list(callbacks or [])
+        # ---- XLA diagnostics (issue 5): the problem detector runs by default on XLA ----
+        if self.backend.is_xla and cfg.xla_checks != "off":
+            from tpu_helpers.diagnostics import XlaDetector
+
+            if not any(isinstance(c, XlaDetector) for c in self.callbacks):
+                self.callbacks.append(XlaDetector(strict=cfg.xla_checks == "strict"))
+        self.timer = StepTimer()
+        # ---- end XLA diagnostics ----
         self.stop_reason: str | None = None  # set (e.g. by a signal handler) to end after the current step
         if cfg.gradient_checkpointing:
             if not hasattr(model, "set_gradient_checkpointing"):
@@ -192,6 +204,8 @@ class Trainer:
                                          "index": self.batches_in_epoch * self.train_loader.batch_size})
             for batch in self.backend.wrap_loader(self.train_loader):
                 self.batches_in_epoch += 1
+                for cb in self.callbacks:
+                    cb.on_batch(self, batch)
                 yield batch
             self.epoch += 1
             self.batches_in_epoch = 0
@@ -208,11 +222,12 @@ class Trainer:
                    desc="train", unit="step", dynamic_ncols=True)
         window = self._zero_window()
         window_start = (self.step, time.perf_counter())
-        batches = self._batches()
+        batches = self.timer.wrap(self._batches())  # step timing: data wait is the time spent in next()
         self.model.train()
         for cb in self.callbacks:
             cb.on_fit_start(self)
         while self.step < cfg.steps and self.stop_reason is None:
+            self.timer.begin()
             loss, grad_norm = self.train_step(batches)
             # Loss and gradient norm summed on the device in one tensor: one host transfer per log interval.
             norm = grad_norm.float() if grad_norm is not None else torch.zeros_like(loss, dtype=torch.float32)
@@ -221,11 +236,11 @@ class Trainer:
             if self.step % cfg.log_every == 0 or self.step == cfg.steps:
                 lr = self.optimizer.param_groups[0]["lr"]
                 b.add_step_closure(self._on_log, self.step, window, window_start, lr, bar)
-                b.sync()
+                self.timer.sync(b.sync)
                 window = self._zero_window()
                 window_start = (self.step, time.perf_counter())
             else:
-                b.sync()
+                self.timer.sync(b.sync)
             bar.update(1)
             if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
                 val = self.evaluate()
@@ -236,8 +251,10 @@ class Trainer:
                 cb.on_step_end(self)
             if self.step % cfg.save_every == 0 or self.step == cfg.steps or self.stop_reason is not None:
                 self.state.save()
+            self.timer.end()
         bar.close()
         report = self.state.report(start_step, time.perf_counter() - t_start)
+        self.timer.fill_report(self, report)
         for cb in self.callbacks:
             cb.on_fit_end(self, report)
         return report
