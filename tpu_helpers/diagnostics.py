@@ -130,7 +130,8 @@ class XlaDetector(Callback):
         if not self.active:
             return
         self._reported: set = set()
-        self._seen_shapes: set = set()
+        self._seen_shapes: set = set()  # batch shapes of steady-state steps
+        self._all_shapes: set = set()
         self._step_shapes: list = []
         self._first_step = trainer.step  # a resumed run warms up again
         self._eval_seen = False
@@ -140,6 +141,7 @@ class XlaDetector(Callback):
     def on_batch(self, trainer, batch: Any) -> None:
         if self.active:
             self._step_shapes.append(_shapes(batch))
+            self._all_shapes.add(self._step_shapes[-1])
 
     def on_step_end(self, trainer) -> None:
         if not self.active:
@@ -148,9 +150,12 @@ class XlaDetector(Callback):
         now = trainer.backend.metrics()
         last, self._last = self._last, now
         shapes, self._step_shapes = self._step_shapes, []
+        in_warmup = step - self._first_step <= self.warmup_steps
+        # Shapes are compared with those of steady-state steps: a warm-up step's graph differs anyway (no
+        # optimizer state yet), so a shape first seen in warm-up still compiles once more afterwards.
         new_shapes = [s for s in dict.fromkeys(shapes) if s not in self._seen_shapes]
-        had_shapes = bool(self._seen_shapes)
-        self._seen_shapes.update(shapes)
+        if not in_warmup:
+            self._seen_shapes.update(shapes)
         is_eval = step % cfg.eval_every == 0 or step == cfg.steps
         is_log = step % cfg.log_every == 0 or step == cfg.steps
         saved_before, self._saved_before = self._saved_before, step % cfg.save_every == 0
@@ -165,12 +170,12 @@ class XlaDetector(Callback):
                 self._report("cpu_fallback", name, step, CAUSES["cpu_fallback"].format(detail=name, hint=hint))
 
         compiled = now["compilations"] - last["compilations"]
-        in_warmup = step - self._first_step <= self.warmup_steps
         first_eval = is_eval and trainer.val_loader is not None and not self._eval_seen
         self._eval_seen |= is_eval and trainer.val_loader is not None
         if compiled > 0 and not in_warmup and not first_eval:
-            if new_shapes and had_shapes:
-                detail = f"new {', '.join(map(str, new_shapes))}; seen before {sorted(self._seen_shapes - set(new_shapes))[:3]}"
+            seen = sorted(self._seen_shapes - set(new_shapes))[:3]
+            if new_shapes and (seen or self._all_shapes - set(new_shapes)):
+                detail = f"new {', '.join(map(str, new_shapes))}; earlier {seen or sorted(self._all_shapes)[:3]}"
                 self._report("shape_change", None, step, CAUSES["shape_change"].format(detail=detail))
             else:
                 detail = f"{compiled} new graph(s) at step {step}"
