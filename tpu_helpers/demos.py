@@ -96,8 +96,9 @@ def run_loop(config: TrainConfig, *, backend: Backend, patterns: Iterable[str] =
     torch.manual_seed(config.seed)
     model = model or GPT(gpt_config(config.preset, vocab_size=tok.vocab_size, block_size=config.seq_len))
     train_data = _ragged_loader(train, config.batch_size, config.seq_len) if "shapes" in patterns else train
-    cls = BadLoopTrainer if patterns else Trainer
-    kwargs = {"patterns": patterns} if patterns else {}
+    # A model other than the GPT returns bare logits: BadLoopTrainer's loss (patterns=() adds nothing) handles it.
+    cls = BadLoopTrainer if patterns or not isinstance(model, GPT) else Trainer
+    kwargs = {"patterns": patterns} if cls is BadLoopTrainer else {}
     detector = XlaDetector(strict=config.xla_checks == "strict")
     trainer = cls(model, train_data, val, config=config, backend=backend, progress=progress,
                   callbacks=[detector], **kwargs)

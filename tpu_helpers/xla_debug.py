@@ -113,7 +113,8 @@ def summarize_xla_debug(log_file: str | Path) -> DebugSummary:
 def _user_frame(frames: list[tuple[str, str, str]]) -> str:
     """The innermost frame outside torch, torch_xla and this package's plumbing: the user's line."""
     for func, path, line in frames:
-        if not any(part in path for part in ("site-packages", "dist-packages", "/torch/", "torch_xla")):
+        plumbing = ("site-packages", "dist-packages", "/torch/", "torch_xla", "tpu_helpers/backend/")
+        if not any(part in path for part in plumbing):
             return f"{os.path.basename(path)}:{line} ({func})"
     func, path, line = frames[0]
     return f"{os.path.basename(path)}:{line} ({func})"
