@@ -13,8 +13,12 @@ The fixed loop is the package's own `Trainer` on fixed-shape batches.
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import warnings
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,10 +26,12 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from tpu_helpers.backend import Backend
+from tpu_helpers.checkpoint import atomic_write_text
 from tpu_helpers.config import ConfigError, TrainConfig
 from tpu_helpers.data import build_datasets
 from tpu_helpers.diagnostics import XlaDetector, XlaPerformanceWarning, detector_for
 from tpu_helpers.model import GPT, gpt_config
+from tpu_helpers.recipes import RUN_DIR_ENV
 from tpu_helpers.trainer import Trainer
 
 PATTERNS = ("shapes", "value", "item", "fallback")
@@ -124,12 +130,27 @@ def run_loop(config: TrainConfig, *, backend: Backend, patterns: Iterable[str] =
 
 
 def compare_loops(config: TrainConfig, *, backend: Backend, patterns: Iterable[str] = PATTERNS) -> list[dict]:
-    """The bad loop then the fixed one on the same model, data and steps (separate out_dirs: no resume)."""
+    """The bad loop then the fixed one on the same model, data and steps.
+
+    They run in `<out_dir>/bad` and `<out_dir>/fixed`, emptied first: a demo starts from scratch every time."""
+    for sub in ("bad", "fixed"):
+        shutil.rmtree(Path(config.out_dir) / sub, ignore_errors=True)
     data = build_datasets(config.dataset, config.tokenizer, block_size=config.seq_len,
                           val_fraction=config.val_fraction, seed=config.seed, max_chars=config.max_chars)
     bad = run_loop(config.replace(out_dir=f"{config.out_dir}/bad"), backend=backend, patterns=patterns, data=data)
     good = run_loop(config.replace(out_dir=f"{config.out_dir}/fixed"), backend=backend, data=data)
     return [bad, good]
+
+
+def save_comparison(rows: list[dict], out_dir: str | Path, **extra: Any) -> Path:
+    """Write `<out_dir>/results.json` (both loops' figures and findings), atomically; also into the runner's
+    run directory when run by `python -m tpu_helpers run`."""
+    text = json.dumps({"loops": rows, **extra}, indent=2, default=str)
+    targets = [Path(out_dir)] + ([Path(os.environ[RUN_DIR_ENV])] if os.environ.get(RUN_DIR_ENV) else [])
+    for directory in targets:
+        directory.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(directory / "results.json", text)
+    return Path(out_dir) / "results.json"
 
 
 def format_comparison(rows: list[dict]) -> str:
