@@ -20,7 +20,7 @@ counters (never a device tensor), after each step's sync, and tells apart:
   ways each time); `FALLBACK_HINTS` names XLA-friendly replacements, e.g. `xla_safe_kl_div`.
 
 Warm-up (`warmup_steps`, default 2) may compile: the first step has no optimizer state, the second is the steady
-state; the first evaluation compiles its own graph. Why a graph was compiled, in XLA's own words, is what
+state; a resumed run's first evaluation compiles its own graph (a fresh run evaluates before step 1). Why a graph was compiled, in XLA's own words, is what
 `tpu_helpers.xla_debug` collects (PT_XLA_DEBUG_LEVEL).
 """
 
@@ -134,7 +134,21 @@ class XlaDetector(Callback):
         self._all_shapes: set = set()
         self._step_shapes: list = []
         self._first_step = trainer.step  # a resumed run warms up again
-        self._eval_seen = False
+        self._evals, self._eval_compiled = 0, 0
+        # Count evaluation's compilations apart from the step's (evaluate runs between the step's sync and this
+        # callback); the instance attribute shadows the method for this fit only.
+        trainer.__dict__.pop("evaluate", None)  # a fit that raised may have left the previous wrapper
+        original = trainer.evaluate
+
+        def evaluate(*args: Any, **kwargs: Any) -> Any:
+            before = trainer.backend.metrics()["compilations"]
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._evals += 1
+                self._eval_compiled += trainer.backend.metrics()["compilations"] - before
+
+        trainer.evaluate = evaluate
         self._saved_before = False
         self._last = trainer.backend.metrics()
 
@@ -170,9 +184,12 @@ class XlaDetector(Callback):
                 self._report("cpu_fallback", name, step, CAUSES["cpu_fallback"].format(detail=name, hint=hint))
 
         compiled = now["compilations"] - last["compilations"]
-        first_eval = is_eval and trainer.val_loader is not None and not self._eval_seen
-        self._eval_seen |= is_eval and trainer.val_loader is not None
-        if compiled > 0 and not in_warmup and not first_eval:
+        # The first evaluation of a fit may compile its graph; compilations inside later ones count as problems.
+        eval_compiled, self._eval_compiled = self._eval_compiled, 0
+        if self._evals > 1 or not eval_compiled:
+            eval_compiled = 0
+        compiled -= eval_compiled
+        if compiled > 0 and not in_warmup:
             seen = sorted(self._seen_shapes - set(new_shapes))[:3]
             if new_shapes and (seen or self._all_shapes - set(new_shapes)):
                 detail = f"new {', '.join(map(str, new_shapes))}; earlier {seen or sorted(self._all_shapes)[:3]}"
@@ -187,6 +204,7 @@ class XlaDetector(Callback):
 
     def on_fit_end(self, trainer, report) -> None:
         if self.active:
+            trainer.__dict__.pop("evaluate", None)
             report.xla["problems"] = [f.to_dict() for f in self.findings]
 
     # ---- reporting ---------------------------------------------------------------------------------------------
