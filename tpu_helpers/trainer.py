@@ -180,7 +180,9 @@ class Trainer:
         if self.val_loader is None:
             return None
         self.model.eval()
-        total, n = torch.zeros((), device=self.backend.device), 0
+        # The running total starts as data copied from the host, shape (1,) (XLA turns a 0-d zero into a constant,
+        # i.e. a graph of its own), and the mean is taken on the host: every evaluation batch runs one same graph.
+        total, n = torch.zeros(1).to(self.backend.device), 0
         for batch in self.backend.wrap_loader(self.val_loader):
             with self.backend.autocast():
                 total = total + self.compute_loss(batch).float()
@@ -191,7 +193,7 @@ class Trainer:
         self.model.train()
         if n == 0:
             raise ConfigError("the validation set is smaller than one batch; lower batch_size or val_fraction")
-        return float(self.backend.all_reduce_mean(total / n).item())
+        return float(self.backend.all_reduce_mean(total).item()) / n
 
     def _batches(self) -> Iterator:
         """Endless device batches across epochs; counts what the loop consumed (prefetching runs ahead)."""
