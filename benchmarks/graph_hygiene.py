@@ -59,10 +59,10 @@ def main() -> None:
                     config=cfg, backend=backend, progress=False, callbacks=[probe])
     report = trainer.fit()
     samples = probe.samples
-    compiles_by_step = [(s, m["compilations"] - p["compilations"]) for (s, m), (_, p) in zip(samples[1:], samples)]
+    compiles_by_step = [(s, m["compilations"] - p["compilations"]) for (s, m), (_, p) in zip(samples[1:], samples, strict=False)]
     last_compile = max((s for s, c in compiles_by_step if c), default=0)
     quiet = []
-    for (s, m), (_, p) in zip(samples[1:], samples):
+    for (s, m), (_, p) in zip(samples[1:], samples, strict=False):
         expected = (s % cfg.log_every == 0 or s % cfg.eval_every == 0 or s == cfg.steps
                     or (s - 1) % cfg.save_every == 0 and s > 1)
         if not expected:
