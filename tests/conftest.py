@@ -29,7 +29,8 @@ except BackendUnavailable:
     XLA_BACKEND = None
 
 # Short names for the notebooks the tests execute (microsoft/recommenders style).
-NOTEBOOKS = {name: ROOT / "notebooks" / f"{name}.ipynb" for name in ("quickstart", "colab_tpu", "tpuvm_v5e8", "gpu_fallback")}
+NOTEBOOKS = {name: ROOT / "notebooks" / f"{name}.ipynb" for name in (
+    "quickstart", "colab_tpu", "tpuvm_v5e8", "gpu_fallback", "xla_debugging")}
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,7 @@ from tpu_helpers.backend.base import PRECISIONS
 from tpu_helpers.model import PRESETS
 
 OPTIMIZERS = ("adamw", "sgd")
+XLA_CHECKS = ("warn", "strict", "off")
 
 
 class ConfigError(ValueError):
@@ -65,6 +66,9 @@ class TrainConfig:
     keep_last: int = 3
     resume: bool = True  # continue from the newest good checkpoint in out_dir
     seed: int = 0
+    # XLA performance (see tpu_helpers.diagnostics)
+    compile_cache_dir: str | None = "default"  # persistent XLA compile cache: "default" (on TPU), a dir, or None
+    xla_checks: str = "warn"  # recompilation / host-read / CPU-fallback detector on XLA: warn | strict | off
     extra: dict = field(default_factory=dict)  # free-form values a notebook wants recorded with the run
 
     def __post_init__(self) -> None:
@@ -72,6 +76,9 @@ class TrainConfig:
         _choice("device", self.device, DEVICES)
         _choice("precision", self.precision, PRECISIONS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("xla_checks", self.xla_checks, XLA_CHECKS)
+        if self.compile_cache_dir == "":
+            raise ConfigError("compile_cache_dir='' is empty: use 'default', a directory, or None to turn it off")
         if self.spmd not in (True, False, "auto"):
             raise ConfigError(f"spmd={self.spmd!r} must be True, False or 'auto'")
         for name in ("seq_len", "batch_size", "grad_accum", "steps", "eval_every", "eval_batches", "log_every",

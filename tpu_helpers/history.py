@@ -82,6 +82,8 @@ class RunReport:
     xla: dict = field(default_factory=dict)  # compilations, transfers, CPU fallbacks (XLA only)
     memory: dict | None = None
     stop_reason: str | None = None  # why the run ended before `steps` (a signal, a callback), else None
+    timing: dict = field(default_factory=dict)  # step time split, steady tokens/s (tpu_helpers.step_timing)
+    mfu: float | None = None  # model FLOPs utilisation against the catalog's bf16 peak (TPU/GPU only)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -110,8 +112,29 @@ class RunReport:
                          f"({self.xla.get('compile_seconds', 0.0):.1f} s compiling)")
             lines.append(f"host reads    {self.xla.get('device_to_host_transfers')} device-to-host transfers")
             lines.append("cpu fallbacks " + (", ".join(f"{k} x{v}" for k, v in fallbacks.items()) or "none"))
+            lines += _xla_extra_lines(self.xla)
+        if self.timing:
+            from tpu_helpers.step_timing import format_timing
+
+            lines.append(format_timing(self.timing))
         if self.checkpoint:
             lines.append(f"checkpoint    {self.checkpoint}")
         if self.stop_reason:
             lines.append(f"stopped early {self.stop_reason}")
         return "\n".join(lines)
+
+
+def _xla_extra_lines(xla: dict) -> list[str]:
+    """Compile-cache outcome and detected problems (tpu_helpers.diagnostics), in plain words."""
+    lines = []
+    if xla.get("compile_cache_dir"):
+        hits, misses = xla.get("persistent_cache_hits", 0), xla.get("persistent_cache_misses", 0)
+        failures = xla.get("persistent_cache_deserialize_failures", 0)
+        line = f"compile cache {hits} hits, {misses} misses, {failures} failed loads ({xla['compile_cache_dir']})"
+        if failures:
+            line += ("; this torch_xla could not load its cached executables here (known on TPU with 2.9), so the "
+                     "cache saved no compile time")
+        lines.append(line)
+    for problem in xla.get("problems") or []:
+        lines.append(f"XLA problem   step {problem['step']}: {problem['message']}")
+    return lines

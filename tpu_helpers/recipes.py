@@ -51,7 +51,7 @@ class GptRun:
 
 def build_gpt_run(config: TrainConfig, *, backend: Backend | None = None, progress: bool = True) -> GptRun:
     backend = backend or get_backend(config.device, fallback=config.fallback, precision=config.precision,
-                                     spmd=config.spmd)
+                                     spmd=config.spmd, compile_cache_dir=config.compile_cache_dir)
     try:
         model_cfg = gpt_config(config.preset)
     except ValueError as err:

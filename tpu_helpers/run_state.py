@@ -139,7 +139,8 @@ class RunState:
             checkpoint=str(self.last_path) if self.last_path else None,
             parameters=sum(p.numel() for p in t.raw_model.parameters()),
             precision=t.backend.precision,
-            xla=t.backend.metrics() if t.backend.is_xla else {},
+            xla={**t.backend.metrics(), "compile_cache_dir": getattr(t.backend, "compile_cache_dir", None)}
+            if t.backend.is_xla else {},
             memory=t.backend.memory_info(),
             stop_reason=t.stop_reason,
         )

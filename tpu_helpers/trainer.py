@@ -20,6 +20,7 @@ XLA hygiene is built in rather than left to the user:
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +36,7 @@ from tpu_helpers.data import make_loader
 from tpu_helpers.history import History, RunReport
 from tpu_helpers.run_state import RunState
 from tpu_helpers.signals import stop_on_signals
+from tpu_helpers.step_timing import StepTimer
 from tpu_helpers.validation import check_trainer_args
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -44,6 +46,9 @@ class Callback:
     """Hooks into `Trainer.fit`. They run on the host between steps and must not read device tensors."""
 
     def on_fit_start(self, trainer: Trainer) -> None: ...
+
+    def on_batch(self, trainer: Trainer, batch: Any) -> None:
+        """Each training batch as the step takes it (a device batch: read shapes and dtypes only, not values)."""
 
     def on_step_end(self, trainer: Trainer) -> None:
         """After the step's sync; `trainer.step` is the number of finished steps."""
@@ -83,7 +88,7 @@ class Trainer:
                            loss_fn=loss_fn, callbacks=callbacks, run_identity=run_identity, progress=progress)
         self.config = cfg = config or TrainConfig()
         self.backend = backend or get_backend(cfg.device, fallback=cfg.fallback, precision=cfg.precision,
-                                              spmd=cfg.spmd)
+                                              spmd=cfg.spmd, compile_cache_dir=cfg.compile_cache_dir)
         if cfg.precision not in ("auto", self.backend.precision):
             raise ConfigError(
                 f"precision={cfg.precision!r} conflicts with the backend passed in, which runs "
@@ -92,6 +97,14 @@ class Trainer:
         self.loss_fn = loss_fn
         self.progress = progress
         self.callbacks: list[Callback] = list(callbacks or [])
+        # ---- XLA diagnostics (issue 5): the problem detector runs by default on XLA ----
+        if self.backend.is_xla and cfg.xla_checks != "off":
+            from tpu_helpers.diagnostics import XlaDetector
+
+            if not any(isinstance(c, XlaDetector) for c in self.callbacks):
+                self.callbacks.append(XlaDetector(strict=cfg.xla_checks == "strict"))
+        self.timer = StepTimer()
+        # ---- end XLA diagnostics ----
         self.stop_reason: str | None = None  # set (e.g. by a signal handler) to end after the current step
         if cfg.gradient_checkpointing:
             if not hasattr(model, "set_gradient_checkpointing"):
@@ -184,18 +197,20 @@ class Trainer:
         # sampler mid-pass, so the next evaluation (and a resumed run's) would read other batches.
         if hasattr(getattr(self.val_loader, "sampler", None), "load_state_dict"):
             self.val_loader.sampler.load_state_dict({"epoch": 0, "index": 0})
-        total, n = torch.zeros((), device=self.backend.device), 0
-        for batch in self.backend.wrap_loader(self.val_loader):
+        # The running total starts as data copied from the host, shape (1,) (XLA turns a 0-d zero into a constant,
+        # i.e. a graph of its own), and the mean is taken on the host: every evaluation batch runs one same graph.
+        total, n = torch.zeros(1).to(self.backend.device), 0
+        # Cap the host loader rather than break out of the device loader: MpDeviceLoader's feeder thread fails
+        # when its consumer walks away mid-iteration.
+        for batch in self.backend.wrap_loader(_Take(self.val_loader, self.config.eval_batches)):
             with self.backend.autocast():
                 total = total + self.compute_loss(batch).float()
             self.backend.sync()
             n += 1
-            if n >= self.config.eval_batches:
-                break
         self.model.train()
         if n == 0:
             raise ConfigError("the validation set is smaller than one batch; lower batch_size or val_fraction")
-        return float(self.backend.all_reduce_mean(total / n).item())
+        return float(self.backend.all_reduce_mean(total).item()) / n
 
     @property
     def samples_per_batch(self) -> int:
@@ -218,6 +233,8 @@ class Trainer:
             for batch in self.backend.wrap_loader(self.train_loader):
                 self.batches_in_epoch += 1
                 self.samples_in_epoch += self.samples_per_batch
+                for cb in self.callbacks:
+                    cb.on_batch(self, batch)
                 yield batch
             self.epoch += 1
             self.batches_in_epoch = 0
@@ -240,11 +257,12 @@ class Trainer:
                    desc="train", unit="step", dynamic_ncols=True)
         window = self._zero_window()
         window_start = (self.step, time.perf_counter())
-        batches = self._batches()
+        batches = self.timer.wrap(self._batches())  # step timing: data wait is the time spent in next()
         self.model.train()
         for cb in self.callbacks:
             cb.on_fit_start(self)
         while self.step < cfg.steps and self.stop_reason is None:
+            self.timer.begin()
             loss, grad_norm = self.train_step(batches)
             # Loss and gradient norm summed on the device in one tensor: one host transfer per log interval.
             norm = grad_norm.float() if grad_norm is not None else torch.zeros_like(loss, dtype=torch.float32)
@@ -253,11 +271,11 @@ class Trainer:
             if self.step % cfg.log_every == 0 or self.step == cfg.steps:
                 lr = self.optimizer.param_groups[0]["lr"]
                 b.add_step_closure(self._on_log, self.step, window, window_start, lr, bar)
-                b.sync()
+                self.timer.sync(b.sync)
                 window = self._zero_window()
                 window_start = (self.step, time.perf_counter())
             else:
-                b.sync()
+                self.timer.sync(b.sync)
             bar.update(1)
             if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
                 val = self.evaluate()
@@ -268,8 +286,10 @@ class Trainer:
                 cb.on_step_end(self)
             if self.step % cfg.save_every == 0 or self.step == cfg.steps or self.stop_reason is not None:
                 self.state.save()
+            self.timer.end()
         bar.close()
         report = self.state.report(start_step, time.perf_counter() - t_start)
+        self.timer.fill_report(self, report)
         for cb in self.callbacks:
             cb.on_fit_end(self, report)
         return report
@@ -292,6 +312,19 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_log(self, self.history.train[-1])
         bar.set_postfix_str(f"loss {loss:.3f} | {tok_s:,.0f} tok/s", refresh=False)
+
+
+class _Take:
+    """The first `n` batches of a loader, with a length (MpDeviceLoader and progress bars ask for one)."""
+
+    def __init__(self, loader: DataLoader, n: int) -> None:
+        self.loader, self.n = loader, n
+
+    def __iter__(self) -> Iterator:
+        return itertools.islice(iter(self.loader), self.n)
+
+    def __len__(self) -> int:
+        return min(self.n, len(self.loader))
 
 
 def fit(model: torch.nn.Module, train_data: Dataset, val_data: Dataset | None = None, *,

@@ -30,10 +30,31 @@ from tpu_helpers.backend.base import Backend, BackendUnavailable, warn_fallback
 
 DEVICES = ("auto", "tpu", "cuda", "cpu", "xla")
 
-__all__ = ["DEVICES", "Backend", "BackendUnavailable", "get_backend", "tpu_chip_count", "xla_module"]
+__all__ = ["DEFAULT_COMPILE_CACHE", "DEVICES", "Backend", "BackendUnavailable", "get_backend", "resolve_compile_cache",
+           "tpu_chip_count", "xla_module"]
 
 _GOOGLE_PCI_VENDOR = "0x1ae0"
 _XLA_BACKEND = None  # the XLA runtime is per process: build its backend once and hand the same one out
+
+# ---- persistent compile cache (issue 5) ----------------------------------------------------------------------------
+DEFAULT_COMPILE_CACHE = "~/.cache/tpu_helpers/xla_cache"  # $TPU_HELPERS_XLA_CACHE moves it (e.g. to Drive)
+
+
+def resolve_compile_cache(setting: str | None, pjrt_device: str) -> str | None:
+    """The directory the persistent XLA compile cache should use, or None for no cache.
+
+    "default" is on for TPUs only: torch_xla 2.9 cannot deserialise executables on XLA:CPU ("Deserializing
+    serialized executable not supported"), so a cache there costs a write and never saves a compile. A path turns
+    it on on any XLA device (tests do so to check the mechanism).
+    """
+    if setting is None:
+        return None
+    if setting == "default":
+        if pjrt_device == "CPU":
+            return None
+        setting = os.environ.get("TPU_HELPERS_XLA_CACHE") or DEFAULT_COMPILE_CACHE
+    return os.path.abspath(os.path.expanduser(setting))
+# ---- end compile cache ---------------------------------------------------------------------------------------------
 
 
 def tpu_chip_count() -> int:
@@ -80,10 +101,11 @@ def _spmd_default(local_devices: int) -> bool:
     return local_devices > 1 and not spawned
 
 
-def _xla_backend(precision: str, spmd: bool | str, pjrt_device: str) -> Backend:
+def _xla_backend(precision: str, spmd: bool | str, pjrt_device: str, compile_cache_dir: str | None) -> Backend:
     global _XLA_BACKEND
     module = xla_module()
     os.environ.setdefault("PJRT_DEVICE", pjrt_device)
+    cache = resolve_compile_cache(compile_cache_dir, os.environ["PJRT_DEVICE"])
     if spmd == "auto":
         n = tpu_chip_count() if os.environ["PJRT_DEVICE"] == "TPU" else int(os.environ.get("CPU_NUM_DEVICES", "1"))
         spmd = _spmd_default(n)
@@ -94,8 +116,17 @@ def _xla_backend(precision: str, spmd: bool | str, pjrt_device: str) -> Backend:
                 "(restart the kernel)"
             )
         _XLA_BACKEND.precision = _XLA_BACKEND._resolve_precision(precision)
+        active = _XLA_BACKEND.compile_cache_dir
+        same = active is not None and cache in (active, os.path.dirname(active))  # per-process subdirectory
+        if cache is not None and not same:
+            warnings.warn(f"compile_cache_dir={compile_cache_dir!r} is ignored: XLA already runs in this process with "
+                          f"the compile cache {'off' if active is None else 'at ' + repr(active)}; restart the kernel "
+                          "to change it", stacklevel=3)
         return _XLA_BACKEND
+    # The cache must be set before the runtime runs its first computation, so before the backend exists.
+    active = module.initialize_compile_cache(cache) if cache is not None else None
     _XLA_BACKEND = module.XlaBackend(precision, spmd=bool(spmd))
+    _XLA_BACKEND.compile_cache_dir = active
     return _XLA_BACKEND
 
 
@@ -111,23 +142,27 @@ def _tpu_problem() -> str | None:
 
 
 def get_backend(
-    device: str = "auto", *, fallback: bool = False, precision: str = "auto", spmd: bool | str = "auto"
+    device: str = "auto", *, fallback: bool = False, precision: str = "auto", spmd: bool | str = "auto",
+    compile_cache_dir: str | None = "default",
 ) -> Backend:
     """Return the backend for `device` (see the module docstring for the names).
 
     spmd: on XLA with several local devices (a v5e-8, or CPU_NUM_DEVICES=8), "auto" drives them all from this
     process as one SPMD program with the batch sharded over a "data" mesh axis; False uses one device per process.
+    compile_cache_dir: XLA's persistent compile cache, set when this process first creates its XLA backend:
+    "default" (TPU only, see `resolve_compile_cache`), a directory (one subdirectory per process when several
+    run), or None for none. Ignored on CPU and CUDA.
     """
     if device not in DEVICES:
         raise ValueError(f"device={device!r} is not one of {DEVICES}")
     if spmd not in (True, False, "auto"):
         raise ValueError(f"spmd={spmd!r} must be True, False or 'auto'")
     if device == "xla":
-        return _xla_backend(precision, spmd, "TPU" if tpu_chip_count() else "CPU")
+        return _xla_backend(precision, spmd, "TPU" if tpu_chip_count() else "CPU", compile_cache_dir)
     if device in ("auto", "tpu"):
         problem = _tpu_problem()
         if problem is None:
-            return _xla_backend(precision, spmd, "TPU")
+            return _xla_backend(precision, spmd, "TPU", compile_cache_dir)
         if device == "tpu" and not fallback:
             raise BackendUnavailable(f"device='tpu' cannot be used: {problem}. Pass fallback=True to use the next "
                                      "best device instead, or device='auto'.")

@@ -37,16 +37,21 @@ from tpu_helpers.hardware import detect_tpu, format_bytes, lookup
 _CACHE_INITIALISED: str | None = None
 
 
-def initialize_compile_cache(path: str, *, per_process: bool = False, readonly: bool = False) -> str:
+def initialize_compile_cache(path: str, *, per_process: bool | None = None, readonly: bool = False) -> str:
     """Turn on the persistent compilation cache; must run before the first XLA computation of the process.
 
-    With several processes each gets its own subdirectory (they would otherwise race on the same files).
-    Returns the directory used. Calling it again with the same path is a no-op; another path is an error,
-    because XLA reads the setting once.
+    With several processes on one host (`per_process`, by default detected from the launcher's environment) each
+    gets its own subdirectory named by its local rank, stable from run to run (they would otherwise race on the
+    same files). Returns the directory used. Calling it again with the same path is a no-op; another path is an
+    error, because XLA reads the setting once.
     """
     global _CACHE_INITIALISED
+    if per_process is None:
+        per_process = int(os.environ.get("PJRT_LOCAL_PROCESS_COUNT", "1")) > 1 or \
+            int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1
     if per_process:
-        path = os.path.join(path, f"process-{os.environ.get('LOCAL_RANK', os.getpid())}")
+        rank = os.environ.get("PJRT_LOCAL_PROCESS_RANK") or os.environ.get("LOCAL_RANK") or f"pid{os.getpid()}"
+        path = os.path.join(path, f"process-{rank}")
     if _CACHE_INITIALISED is not None:
         if os.path.abspath(_CACHE_INITIALISED) != os.path.abspath(path):
             raise RuntimeError(
@@ -60,9 +65,19 @@ def initialize_compile_cache(path: str, *, per_process: bool = False, readonly: 
     return path
 
 
+def runtime_started() -> bool:
+    """Whether this process's XLA runtime already exists (debug env vars and the cache are read before that)."""
+    try:
+        return bool(torch_xla._XLAC._xla_runtime_is_initialized())
+    except AttributeError:  # older/newer names: assume started, the safe answer for callers that must refuse
+        return True
+
+
 class XlaBackend(Backend):
     name = "xla"
     autocast_device_type = "xla"
+
+    compile_cache_dir: str | None = None  # set by get_backend when it turned the persistent cache on
 
     def __init__(self, precision: str = "auto", *, spmd: bool = False) -> None:
         self.spmd = spmd
