@@ -69,6 +69,24 @@ def build_on_meta(model: ModelSpec) -> torch.nn.Module:
     return built
 
 
+def _materialize_fake(module: torch.nn.Module) -> torch.nn.Module:
+    """Give every meta parameter and buffer a fake CPU twin, keeping shared (tied) tensors shared.
+
+    ``Module.to_empty`` would give the second name of a tied weight a storage of its own and count it twice.
+    """
+    twins: dict[int, torch.Tensor] = {}
+    for mod in module.modules():
+        for table in (mod._parameters, mod._buffers):
+            for name, t in list(table.items()):
+                if t is None:
+                    continue
+                if id(t) not in twins:
+                    new = torch.empty_like(t, device="cpu")
+                    twins[id(t)] = torch.nn.Parameter(new, t.requires_grad) if isinstance(t, torch.nn.Parameter) else new
+                table[name] = twins[id(t)]
+    return module
+
+
 def traced_estimate(
     model: ModelSpec,
     batch_fn: BatchFn,
@@ -94,7 +112,7 @@ def traced_estimate(
 
         meta.set_gradient_checkpointing(default_checkpoint_fn())
     with FakeTensorMode(allow_non_fake_inputs=True):
-        module = meta.to_empty(device="cpu")
+        module = _materialize_fake(meta)
         if precision == "pure-bf16":
             module = module.to(torch.bfloat16)
         module.train()
