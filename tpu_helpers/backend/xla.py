@@ -170,6 +170,16 @@ class XlaBackend(Backend):
         if "xla" in state:
             xm.set_rng_state(int(state["xla"]), self.device)
 
+    # ---- out of memory ----------------------------------------------------------------------------------------------
+    # TPU: "RESOURCE_EXHAUSTED: ... Ran out of memory in memory space hbm" at compile time, a ValueError since 2.8;
+    # XLA:CPU: RuntimeError("... Out of memory allocating N bytes."). Both surface at sync() or a host read.
+    _OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory allocating", "Ran out of memory")
+
+    def is_out_of_memory(self, err: BaseException) -> bool:
+        if super().is_out_of_memory(err):
+            return True
+        return isinstance(err, (ValueError, RuntimeError)) and any(m in str(err) for m in self._OOM_MARKERS)
+
     # ---- reporting ----------------------------------------------------------------------------------------------
     def memory_info(self) -> dict | None:
         try:  # not implemented on XLA:CPU nor on the SPMD virtual device
