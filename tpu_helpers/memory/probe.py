@@ -68,7 +68,8 @@ class _Snapshot:
     def restore(self) -> None:
         # copy_ into every parameter also replaces an XLA tensor's pending (failed) graph with fresh device data.
         self.model.load_state_dict(self.model_state)
-        self.optimizer.load_state_dict(self.opt_state)
+        # load_state_dict may adopt the given tensors as the live state (same device): hand it a fresh copy.
+        self.optimizer.load_state_dict(tree_map_tensors(lambda t: t.clone(), self.opt_state))
         for p, g in zip(self.model.parameters(), self.grads, strict=True):
             p.grad = None if g is None else g.to(p.device)
         self.model.train(self.training)
