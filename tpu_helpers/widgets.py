@@ -17,6 +17,8 @@ renders the same figures without widgets (papermill runs).
 from __future__ import annotations
 
 import dataclasses
+import io
+from pathlib import Path
 from typing import Any
 
 from tpu_helpers.hardware import CATALOG
@@ -25,7 +27,7 @@ from tpu_helpers.memory.report import MemoryReport, memory_report, resolve_hardw
 from tpu_helpers.memory.step import OPTIMIZERS, PRECISIONS
 from tpu_helpers.model import PRESETS, flops_per_token
 
-HARDWARE_CHOICES = tuple(k for k in CATALOG if k != "cpu")
+HARDWARE_CHOICES = tuple(CATALOG)
 
 
 @dataclasses.dataclass
@@ -143,8 +145,13 @@ class TuningPanel:
         self.figure()
         return self.result()
 
-    def probe(self, backend, *, max_tries: int = 6, **kwargs: Any):
-        """Build the configured GPT on ``backend`` and probe the largest batch that runs there."""
+    def probe(self, backend, *, max_tries: int = 6, max_batch_size: int = 1024,
+              cpu_limit_bytes: int | None = 1 << 30, **kwargs: Any):
+        """Build the configured GPT on ``backend`` and probe the largest batch that runs there.
+
+        On the CPU, where running out of memory means the OS kills the process rather than an error, the tries run
+        under a :class:`~tpu_helpers.memory.live.LiveBytes` limit of ``cpu_limit_bytes`` (None: no limit).
+        """
         import torch
 
         from tpu_helpers.memory.probe import probe_batch_size
@@ -159,10 +166,12 @@ class TuningPanel:
         if self.state.gradient_checkpointing:
             model.set_gradient_checkpointing(backend.checkpoint_fn())
         opt = make_optimizer(self.state.optimizer, model.parameters())
-        start = max(1, min(self._result["max_batch_size"] or self.state.batch_size, kwargs.pop("max_batch_size",
-                                                                                               1 << 16)))
+        start = max(1, min(self._result["max_batch_size"] or self.state.batch_size, max_batch_size))
+        if backend.device.type == "cpu" and cpu_limit_bytes is not None:
+            kwargs.setdefault("memory_limit_bytes", cpu_limit_bytes)
         self.probe_result = probe_batch_size(model, opt, gpt_batch(self.state.seq_len, cfg.vocab_size), backend,
-                                             start=start, max_tries=max_tries, **kwargs)
+                                             start=start, max_tries=max_tries, max_batch_size=max_batch_size,
+                                             **kwargs)
         return self.probe_result
 
     def widget(self, backend=None):
@@ -216,3 +225,42 @@ class TuningPanel:
             items += [button, probe_out]
         redraw()
         return w.VBox(items)
+
+
+def panel_from_config(config) -> TuningPanel:
+    """A panel from a notebook's validated TrainConfig (``config.extra`` holds the tuning-only parameters)."""
+    ex = config.extra
+    precision = {"auto": "bf16", "fp16": "bf16"}.get(config.precision, config.precision)
+    if precision == "bf16" and ex.get("pure_bf16", False):
+        precision = "pure-bf16"
+    return TuningPanel(preset=config.preset, seq_len=config.seq_len, batch_size=config.batch_size,
+                       accumulation=config.grad_accum, precision=precision,
+                       gradient_checkpointing=config.gradient_checkpointing, optimizer=config.optimizer,
+                       hardware=ex.get("hardware", "v5e"), chips=ex.get("chips", 8), mfu=ex.get("mfu", 0.4),
+                       steps=config.steps, safety_margin=ex.get("safety_margin", 0.1))
+
+
+def save_tuning_results(panel: TuningPanel, out_dir: str, **extra: Any) -> Path:
+    """Write ``results.json`` (the panel's figures, the probe's if run, ``extra``) and ``memory.png``, atomically,
+    into ``out_dir`` and, under ``python -m tpu_helpers run``, the run's directory."""
+    import json
+    import os
+
+    import matplotlib.pyplot as plt
+
+    from tpu_helpers.checkpoint import atomic_write_bytes, atomic_write_text
+    from tpu_helpers.recipes import RUN_DIR_ENV
+
+    results = {**panel.result(), "probe": panel.probe_result.to_dict() if panel.probe_result else None, **extra}
+    text = json.dumps(results, indent=2, default=str)
+    fig = panel.figure()
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=110, format="png")
+    plt.close(fig)
+    targets = [Path(out_dir)] + ([Path(os.environ[RUN_DIR_ENV])] if os.environ.get(RUN_DIR_ENV) else [])
+    for directory in targets:
+        directory.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(directory / "results.json", text)
+        atomic_write_bytes(directory / "memory.png", buf.getvalue())
+    return Path(out_dir) / "results.json"
+

@@ -1,8 +1,8 @@
 """Find the largest per-chip batch that really runs on this device, in a few tries, without harming the run.
 
 Each try runs ``steps_per_try`` full training steps (the first creates the optimizer state, the second is the
-steady state) at one batch size, ending with the backend's sync: on XLA a graph only runs, and fails for lack of
-memory, then. Sizes: start from ``start`` (the estimate), double while it fits (halve while it does not), then
+steady state) at one batch size, each ending with the backend's sync, then reads the loss on the host: XLA compiles
+at the sync but runs the graph asynchronously, and an allocation failure surfaces only when something waits for it. Sizes: start from ``start`` (the estimate), double while it fits (halve while it does not), then
 bisect between the last size that ran and the first that did not, stopping after ``max_tries``. Out-of-memory is
 recognised by ``backend.is_out_of_memory`` (CUDA's ``torch.OutOfMemoryError``, TPU's ``RESOURCE_EXHAUSTED``
 ``ValueError``, XLA:CPU's "Out of memory allocating"); anything else is re-raised. After every try the model's and
@@ -110,8 +110,11 @@ def probe_batch_size(
         try:
             with limit:
                 for _ in range(steps_per_try):
-                    training_step(model, optimizer, batch, precision=precision, loss_fn=loss_fn,
-                                  device_type=backend.autocast_device_type, sync=backend.sync)
+                    loss = training_step(model, optimizer, batch, precision=precision, loss_fn=loss_fn,
+                                         device_type=backend.autocast_device_type, sync=backend.sync)
+                # XLA runs the graph asynchronously after sync(): only a host read waits for it, and is where an
+                # allocation failure surfaces.
+                loss.float().cpu()
         except Exception as err:  # noqa: BLE001 - filtered just below
             if not backend.is_out_of_memory(err):
                 snap.restore()
