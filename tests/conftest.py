@@ -29,7 +29,7 @@ except BackendUnavailable:
     XLA_BACKEND = None
 
 # Short names for the notebooks the tests execute (microsoft/recommenders style).
-NOTEBOOKS = {name: ROOT / "notebooks" / f"{name}.ipynb" for name in ("quickstart",)}
+NOTEBOOKS = {name: ROOT / "notebooks" / f"{name}.ipynb" for name in ("quickstart", "batch_size_tuning")}
 
 
 @pytest.fixture(scope="session")

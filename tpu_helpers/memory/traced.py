@@ -24,7 +24,14 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tpu_helpers.memory.report import MemoryEstimate
-from tpu_helpers.memory.step import LossFn, check_choice, check_positive, make_optimizer, training_step, PRECISIONS
+from tpu_helpers.memory.step import (
+    PRECISIONS,
+    LossFn,
+    check_choice,
+    check_positive,
+    make_optimizer,
+    training_step,
+)
 
 ModelSpec = Callable[[], torch.nn.Module] | torch.nn.Module
 BatchFn = Callable[[int], Any]
@@ -129,14 +136,12 @@ def traced_estimate(
                               accumulation=accumulation, device_type="cpu")
                 if i == 0:
                     tracker.reset_mod_stats()
-                    first = tracker.get_tracker_snapshot("peak")
-                    # Second step's peak only: restart the peak from the current (steady-state) snapshot.
+                    # Second step's peak only: restart the peak from the current (steady-state) snapshot. MemTracker
+                    # has no public reset for it (torch 2.9); these two attributes are what __enter__ sets.
                     tracker._peak_mem_snap = tracker.get_tracker_snapshot("current")
                     tracker._peak_mem = {dev: s["Total"] for dev, s in tracker._peak_mem_snap.items()}
         snap = tracker.get_tracker_snapshot("peak")
     dev_snap = next(iter(snap.values()))
-    first_total = next(iter(first.values()))["Total"]
-    del first_total
     return MemoryEstimate.from_categories(
         "traced",
         batch_size,
