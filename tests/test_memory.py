@@ -212,3 +212,10 @@ def test_compiled_estimate_reads_xla_memory_report():
 def test_gpt_config_rejects_heads_that_do_not_divide_width():
     with pytest.raises(ValueError, match="65"):
         GPTConfig(n_embd=65, n_head=2)
+
+
+@pytest.mark.xla
+def test_xla_prepare_model_keeps_tied_weights_tied():
+    model = get_backend("xla", spmd=False).prepare_model(GPT(TINY))
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert model.lm_head.weight.device.type == "xla"

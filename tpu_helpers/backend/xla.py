@@ -118,7 +118,19 @@ class XlaBackend(Backend):
     # ---- model, data, step ------------------------------------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         # Parameters stay replicated under SPMD (pure data parallel); the compiler inserts the all-reduce.
-        return model.to(self.device)
+        # Module.to() gives every module slot of a shared (tied) parameter its own new Parameter when moving to XLA
+        # (CPU and XLA tensors cannot swap data in place), silently untying e.g. GPT's embedding and lm head: re-tie.
+        slots: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+        for module in model.modules():
+            for name, param in module._parameters.items():
+                if param is not None:
+                    slots.setdefault(id(param), []).append((module, name))
+        model = model.to(self.device)
+        for shared in slots.values():
+            first = shared[0][0]._parameters[shared[0][1]]
+            for module, name in shared[1:]:
+                module._parameters[name] = first
+        return model
 
     def wrap_loader(self, loader: Iterable) -> Iterable:
         kwargs = {"input_sharding": self._input_sharding} if self.mesh is not None else {}

@@ -135,7 +135,7 @@ def _child(spec: dict) -> dict:
         model.set_gradient_checkpointing(backend.checkpoint_fn())
     if spec["precision"] == "pure-bf16":
         model = model.to(torch.bfloat16)
-    model = model.to(backend.device)
+    model = backend.prepare_model(model)
     opt = make_optimizer(spec["optimizer"], model.parameters())
     batch = backend.to_device(batch)
     for _ in range(2):
