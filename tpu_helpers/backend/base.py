@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import io
 import os
 import random
@@ -202,6 +203,15 @@ class Backend:
         random.setstate((version, tuple(internal), gauss))
         np.random.set_state(tuple(state["numpy"]))
         torch.set_rng_state(state["torch"])
+
+    # ---- out of memory (the batch-size probe) ---------------------------------------------------------------------
+    def is_out_of_memory(self, err: BaseException) -> bool:
+        """Whether `err` means the step did not fit in device memory (the probe's signal to try a smaller batch)."""
+        return isinstance(err, (torch.OutOfMemoryError, MemoryError))
+
+    def free_memory(self) -> None:
+        """Return what a failed or finished attempt left behind, so the next one starts clean."""
+        gc.collect()
 
     # ---- reporting --------------------------------------------------------------------------------------------
     def memory_info(self) -> dict | None:

@@ -54,6 +54,10 @@ class CudaBackend(Backend):
         super().manual_seed(seed)
         torch.cuda.manual_seed_all(seed)
 
+    def free_memory(self) -> None:
+        super().free_memory()
+        torch.cuda.empty_cache()  # hand cached blocks back, so the next try sees the whole GPU
+
     def memory_info(self) -> dict | None:
         free, total = torch.cuda.mem_get_info(self.device)
         return {

@@ -133,7 +133,19 @@ class XlaBackend(Backend):
     # ---- model, data, step ------------------------------------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         # Parameters stay replicated under SPMD (pure data parallel); the compiler inserts the all-reduce.
-        return model.to(self.device)
+        # Module.to() gives every module slot of a shared (tied) parameter its own new Parameter when moving to XLA
+        # (CPU and XLA tensors cannot swap data in place), silently untying e.g. GPT's embedding and lm head: re-tie.
+        slots: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+        for module in model.modules():
+            for name, param in module._parameters.items():
+                if param is not None:
+                    slots.setdefault(id(param), []).append((module, name))
+        model = model.to(self.device)
+        for shared in slots.values():
+            first = shared[0][0]._parameters[shared[0][1]]
+            for module, name in shared[1:]:
+                module._parameters[name] = first
+        return model
 
     def wrap_loader(self, loader: Iterable) -> Iterable:
         kwargs = {"input_sharding": self._input_sharding} if self.mesh is not None else {}
@@ -184,6 +196,16 @@ class XlaBackend(Backend):
         super().set_rng_state(state)
         if "xla" in state:
             xm.set_rng_state(int(state["xla"]), self.device)
+
+    # ---- out of memory ----------------------------------------------------------------------------------------------
+    # TPU: "RESOURCE_EXHAUSTED: ... Ran out of memory in memory space hbm" at compile time, a ValueError since 2.8;
+    # XLA:CPU: RuntimeError("... Out of memory allocating N bytes."). Both surface at sync() or a host read.
+    _OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory allocating", "Ran out of memory")
+
+    def is_out_of_memory(self, err: BaseException) -> bool:
+        if super().is_out_of_memory(err):
+            return True
+        return isinstance(err, (ValueError, RuntimeError)) and any(m in str(err) for m in self._OOM_MARKERS)
 
     # ---- reporting ----------------------------------------------------------------------------------------------
     def memory_info(self) -> dict | None:

@@ -1,0 +1,151 @@
+"""Compiled memory estimate: the memory XLA itself reports for the compiled training-step graph.
+
+XLA reads ``XLA_FLAGS`` once, when its runtime starts, so the step runs in a fresh interpreter with
+``--xla_dump_to=DIR``; the compiler writes a ``*memory-usage-report.txt`` per program ("Total bytes used: N") and
+the largest one (the steady-state step) is parsed back here. ``PJRT_DEVICE=CPU`` by default: XLA:CPU compiles the
+same graph a TPU would get (the TPU compiler's buffer assignment differs in detail). Run it before this process
+holds a TPU, or keep the CPU default::
+
+    from tpu_helpers.memory.compiled import compiled_estimate
+    est = compiled_estimate("mini", batch_size=8, seq_len=256)       # GPT preset, name, GPTConfig or dict of sizes
+    est = compiled_estimate("mymodels:make_cnn", batch_size=32, batch_fn="mymodels:cnn_batch")   # any module
+
+How it differs from the eager figure (``traced_estimate``): the graph's inputs (weights, gradients, optimizer state)
+and its outputs (their new values) are separate buffers unless XLA can alias them, attention is not fused (the
+``a*s^2*b`` probabilities are materialised), and the compiler may keep or rematerialise intermediates as it
+schedules; the figure is usually well above the eager one on XLA:CPU. Parameters, gradients and optimizer state are
+reported from their exact sizes; the rest of the compiled total is reported as ``temporaries``.
+
+``python -m tpu_helpers.memory.compiled SPEC_JSON`` is the subprocess entry point.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from tpu_helpers.memory.report import MemoryEstimate
+from tpu_helpers.memory.step import OPTIMIZERS, PRECISIONS, check_choice, check_positive
+
+_TOTAL = re.compile(r"Total bytes used:\s*(\d+)")
+_ROOT = Path(__file__).resolve().parents[2]
+
+
+def parse_memory_reports(dump_dir: str | os.PathLike) -> dict[str, int]:
+    """``{file name: total bytes}`` for every ``*memory-usage-report.txt`` XLA wrote into ``dump_dir``."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(os.fspath(dump_dir), "*memory-usage-report.txt"))):
+        m = _TOTAL.search(Path(path).read_text(errors="replace"))
+        if m:
+            out[os.path.basename(path)] = int(m.group(1))
+    return out
+
+
+def _import(ref: str):
+    module, _, name = ref.partition(":")
+    if not module or not name:
+        raise ValueError(f"expected 'module:function', got {ref!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+def compiled_estimate(
+    model: str | object,
+    batch_size: int,
+    seq_len: int | None = None,
+    *,
+    batch_fn: str | None = None,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    gradient_checkpointing: bool = False,
+    pjrt_device: str = "CPU",
+    timeout: int = 600,
+) -> MemoryEstimate:
+    """Compile two training steps in a fresh process and return XLA's figure for the larger program.
+
+    ``model``: a GPT preset name, GPTConfig or dict of sizes (``seq_len`` then applies), or ``"module:function"``
+    building any ``nn.Module`` with ``batch_fn="module:function"`` returning the batch for a batch size.
+    """
+    from tpu_helpers.memory.analytic import resolve_config
+
+    check_positive("batch_size", batch_size)
+    check_choice("precision", precision, PRECISIONS)
+    check_choice("optimizer", optimizer, OPTIMIZERS)
+    spec: dict = {"batch_size": batch_size, "precision": precision, "optimizer": optimizer,
+                  "gradient_checkpointing": gradient_checkpointing}
+    if isinstance(model, str) and ":" in model:
+        if batch_fn is None:
+            raise ValueError(f"model={model!r} is a factory; pass batch_fn='module:function' too")
+        spec.update(factory=model, batch_fn=batch_fn)
+    else:
+        cfg = resolve_config(model)  # type: ignore[arg-type]
+        s = cfg.block_size if seq_len is None else seq_len
+        check_positive("seq_len", s)
+        spec.update(gpt=asdict(cfg), seq_len=s)
+    dump = tempfile.mkdtemp(prefix="tpu_helpers_xla_dump_")
+    try:
+        env = {**os.environ, "PJRT_DEVICE": pjrt_device,
+               "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}").strip(),
+               "PYTHONPATH": os.pathsep.join(p for p in (str(_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+        env.pop("CPU_NUM_DEVICES", None)
+        proc = subprocess.run([sys.executable, "-m", "tpu_helpers.memory.compiled", json.dumps(spec)], env=env,
+                              capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the compile subprocess failed ({proc.returncode}): {proc.stderr[-2000:]}")
+        child = json.loads(proc.stdout.strip().splitlines()[-1])
+        totals = parse_memory_reports(dump)
+    finally:
+        shutil.rmtree(dump, ignore_errors=True)
+    if not totals:
+        raise RuntimeError("XLA wrote no memory-usage report (is this torch_xla's XLA honouring --xla_dump_to?)")
+    peak = max(totals.values())
+    state = {k: child[k] for k in ("params", "grads", "optimizer")}
+    return MemoryEstimate.from_categories(
+        "compiled", batch_size, total=peak, temporaries=max(0, peak - sum(state.values())), **state,
+        notes=[f"{len(totals)} XLA programs; largest {peak} bytes", f"compilations: {child['compilations']}"])
+
+
+def _child(spec: dict) -> dict:
+    import torch
+
+    from tpu_helpers.backend import get_backend
+    from tpu_helpers.memory.step import make_optimizer, training_step
+
+    backend = get_backend("xla", spmd=False)
+    if "gpt" in spec:
+        from tpu_helpers.memory.traced import gpt_batch
+        from tpu_helpers.model import GPT, GPTConfig
+
+        cfg = GPTConfig(**spec["gpt"])
+        model = GPT(cfg)
+        batch = gpt_batch(spec["seq_len"], cfg.vocab_size)(spec["batch_size"])
+    else:
+        model = _import(spec["factory"])()
+        batch = _import(spec["batch_fn"])(spec["batch_size"])
+    if spec["gradient_checkpointing"]:
+        model.set_gradient_checkpointing(backend.checkpoint_fn())
+    if spec["precision"] == "pure-bf16":
+        model = model.to(torch.bfloat16)
+    model = backend.prepare_model(model)
+    opt = make_optimizer(spec["optimizer"], model.parameters())
+    batch = backend.to_device(batch)
+    for _ in range(2):
+        training_step(model, opt, batch, precision=spec["precision"], device_type="xla", sync=backend.sync)
+    sizes = {"params": sum(p.numel() * p.element_size() for p in model.parameters()),
+             "grads": sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)}
+    sizes["optimizer"] = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
+                             if isinstance(t, torch.Tensor))
+    return {**sizes, "compilations": backend.metrics().get("compilations", 0)}
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child(json.loads(sys.argv[1]))))

@@ -1,0 +1,33 @@
+"""A small CNN, the non-transformer model the traced estimate, the benchmark and the tests use.
+
+    from tpu_helpers.memory.example_models import SmallCNN, cnn_batch
+    est = traced_estimate(SmallCNN, cnn_batch, batch_size=32)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+class SmallCNN(nn.Module):
+    """Conv-BN-ReLU stages with pooling and a linear classifier over 32x32 RGB images (CIFAR-sized)."""
+
+    def __init__(self, width: int = 32, classes: int = 10) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        c_in = 3
+        for c_out in (width, 2 * width, 4 * width):
+            layers += [nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(),
+                       nn.MaxPool2d(2)]
+            c_in = c_out
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(c_in * 4 * 4, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).flatten(1))
+
+
+def cnn_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random images and labels for :class:`SmallCNN`."""
+    return torch.randn(batch_size, 3, 32, 32), torch.randint(0, 10, (batch_size,))

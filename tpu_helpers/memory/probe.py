@@ -1,0 +1,147 @@
+"""Find the largest per-chip batch that really runs on this device, in a few tries, without harming the run.
+
+Each try runs ``steps_per_try`` full training steps (the first creates the optimizer state, the second is the
+steady state) at one batch size, each ending with the backend's sync, then reads the loss on the host: XLA compiles
+at the sync but runs the graph asynchronously, and an allocation failure surfaces only when something waits for it. Sizes: start from ``start`` (the estimate), double while it fits (halve while it does not), then
+bisect between the last size that ran and the first that did not, stopping after ``max_tries``. Out-of-memory is
+recognised by ``backend.is_out_of_memory`` (CUDA's ``torch.OutOfMemoryError``, TPU's ``RESOURCE_EXHAUSTED``
+``ValueError``, XLA:CPU's "Out of memory allocating"); anything else is re-raised. After every try the model's and
+optimizer's state dicts and the gradients are restored from a host copy taken first (which also drops an XLA
+graph that failed), and memory is freed, so training can continue afterwards::
+
+    from tpu_helpers.memory.probe import probe_batch_size
+    from tpu_helpers.memory.traced import gpt_batch
+    result = probe_batch_size(model, optimizer, gpt_batch(256, vocab), backend, start=est.max_batch_size)
+    print(result.summary())
+
+``memory_limit_bytes`` (CPU backend only) imposes a real limit through :class:`~tpu_helpers.memory.live.LiveBytes`,
+which raises ``torch.OutOfMemoryError`` past it: how the probe is exercised without a GPU. On XLA:CPU, limit the
+process's address space instead (``resource.setrlimit(RLIMIT_AS, ...)``): the XLA allocator then really fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tpu_helpers.backend.base import tree_map_tensors
+from tpu_helpers.memory.live import LiveBytes
+from tpu_helpers.memory.step import PRECISIONS, LossFn, check_positive, training_step
+from tpu_helpers.memory.traced import BatchFn
+
+
+@dataclass
+class ProbeResult:
+    """``max_batch_size`` is 0 when even the smallest size tried did not fit."""
+
+    max_batch_size: int
+    tries: list[dict] = field(default_factory=list)
+    compilations: int = 0
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        tried = ", ".join(f"{t['batch_size']}{'' if t['ok'] else ' (OOM)'}" for t in self.tries)
+        return (f"largest batch that ran: {self.max_batch_size}/chip after {len(self.tries)} tries [{tried}] in "
+                f"{self.seconds:.1f} s, {self.compilations} compilations")
+
+    def to_dict(self) -> dict:
+        return {"max_batch_size": self.max_batch_size, "tries": self.tries, "compilations": self.compilations,
+                "seconds": self.seconds}
+
+
+class _Snapshot:
+    """Host copies of the model's and optimizer's state and of the gradients, to put back after each try."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, backend) -> None:
+        self.model, self.optimizer, self.backend = model, optimizer, backend
+        # to_cpu of a CPU tensor is the tensor itself: clone, or the "copy" would change with the model.
+        copy = (lambda obj: tree_map_tensors(lambda t: t.detach().clone(), obj)) if backend.device.type == "cpu" \
+            else backend.to_cpu
+        self.model_state = copy(model.state_dict())
+        self.opt_state = copy(optimizer.state_dict())
+        self.grads = [None if p.grad is None else p.grad.detach().to("cpu", copy=True) for p in model.parameters()]
+        self.training = model.training
+
+    def restore(self) -> None:
+        # copy_ into every parameter also replaces an XLA tensor's pending (failed) graph with fresh device data.
+        self.model.load_state_dict(self.model_state)
+        # load_state_dict may adopt the given tensors as the live state (same device): hand it a fresh copy.
+        self.optimizer.load_state_dict(tree_map_tensors(lambda t: t.clone(), self.opt_state))
+        for p, g in zip(self.model.parameters(), self.grads, strict=True):
+            p.grad = None if g is None else g.to(p.device)
+        self.model.train(self.training)
+        self.backend.sync()
+
+
+def probe_batch_size(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch_fn: BatchFn,
+    backend,
+    *,
+    start: int = 8,
+    max_batch_size: int = 1 << 16,
+    max_tries: int = 8,
+    steps_per_try: int = 2,
+    loss_fn: LossFn | None = None,
+    memory_limit_bytes: int | None = None,
+) -> ProbeResult:
+    """Largest batch in ``[1, max_batch_size]`` that runs ``steps_per_try`` steps (see the module docstring)."""
+    for name, value in (("start", start), ("max_batch_size", max_batch_size), ("max_tries", max_tries),
+                        ("steps_per_try", steps_per_try)):
+        check_positive(name, value)
+    if memory_limit_bytes is not None and backend.device.type != "cpu":
+        raise ValueError(f"memory_limit_bytes works on the CPU backend only (this is {backend.name}); on XLA:CPU "
+                         "limit the address space with resource.setrlimit(RLIMIT_AS, ...)")
+    precision = backend.precision if backend.precision in PRECISIONS else "fp32"
+    t0 = time.perf_counter()
+    compiles0 = backend.metrics().get("compilations", 0)
+    snap = _Snapshot(model, optimizer, backend)
+    result = ProbeResult(0)
+
+    def attempt(bs: int) -> bool:
+        batch = backend.to_device(batch_fn(bs))
+        limit = (LiveBytes(model, optimizer, batch, limit_bytes=memory_limit_bytes)
+                 if memory_limit_bytes is not None else contextlib.nullcontext())
+        ok, error = True, None
+        try:
+            with limit:
+                for _ in range(steps_per_try):
+                    loss = training_step(model, optimizer, batch, precision=precision, loss_fn=loss_fn,
+                                         device_type=backend.autocast_device_type, sync=backend.sync)
+                # XLA runs the graph asynchronously after sync(): only a host read waits for it, and is where an
+                # allocation failure surfaces.
+                loss.float().cpu()
+        except Exception as err:  # noqa: BLE001 - filtered just below
+            if not backend.is_out_of_memory(err):
+                snap.restore()
+                raise
+            ok, error = False, f"{type(err).__name__}: {str(err)[:200]}"
+        del batch
+        snap.restore()
+        backend.free_memory()
+        result.tries.append({"batch_size": bs, "ok": ok, "error": error})
+        return ok
+
+    good, bad = 0, max_batch_size + 1
+    bs = min(start, max_batch_size)
+    while len(result.tries) < max_tries:
+        if attempt(bs):
+            good = bs
+            if bad - good <= 1:
+                break
+            bs = min(bs * 2, max_batch_size) if bad > max_batch_size else (good + bad) // 2
+        else:
+            bad = bs
+            if bs == 1 or bad - good <= 1:
+                break
+            bs = max(1, bs // 2) if good == 0 else (good + bad) // 2
+        if bs == good or bs == bad:
+            break
+    result.max_batch_size = good
+    result.compilations = backend.metrics().get("compilations", 0) - compiles0
+    result.seconds = time.perf_counter() - t0
+    return result

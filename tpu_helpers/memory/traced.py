@@ -1,0 +1,154 @@
+"""Traced memory estimate: run one real training step of any ``nn.Module`` on fake tensors and count the bytes.
+
+The model is built on the meta device, turned into fake CPU tensors under ``FakeTensorMode`` (shapes and dtypes,
+no data, no memory), and two full steps (forward, backward, optimizer step; the first creates the optimizer
+state) run under torch's ``MemTracker``, which counts every live storage by category. The second step's peak is
+the estimate, so it works for models far too big for this machine::
+
+    from tpu_helpers.memory.traced import traced_estimate, gpt_batch
+    est = traced_estimate(lambda: GPT(cfg), gpt_batch(seq_len=256, vocab_size=cfg.vocab_size), batch_size=8)
+    print(est.peak_bytes, est.breakdown)
+
+``batch_fn(batch_size)`` must build the batch with ordinary tensor factories (``torch.randint``, ``torch.randn``):
+it runs under the fake mode. The figure is what an eager run allocates (the CPU, or CUDA's
+``max_memory_allocated`` up to the allocator's 512-byte rounding); XLA's compiled graph differs (see compiled.py).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from tpu_helpers.memory.report import MemoryEstimate
+from tpu_helpers.memory.step import (
+    PRECISIONS,
+    LossFn,
+    check_choice,
+    check_positive,
+    make_optimizer,
+    training_step,
+)
+
+ModelSpec = Callable[[], torch.nn.Module] | torch.nn.Module
+BatchFn = Callable[[int], Any]
+
+
+class MetaBuildError(ValueError):
+    """The model cannot be built on the meta device (it reads tensor values or loads data while constructing)."""
+
+
+def gpt_batch(seq_len: int, vocab_size: int) -> BatchFn:
+    """Batch factory for the package GPT: ``(inputs, targets)`` of shape (batch, seq_len), int64."""
+    check_positive("seq_len", seq_len)
+
+    def make(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.randint(0, vocab_size, (batch_size, seq_len)), torch.randint(0, vocab_size, (batch_size, seq_len)))
+
+    return make
+
+
+def build_on_meta(model: ModelSpec) -> torch.nn.Module:
+    """A meta-device copy of ``model`` (a module, used without copying its data) or of what ``model()`` builds."""
+    if isinstance(model, torch.nn.Module):
+        # deepcopy with every tensor pre-mapped to a meta twin: the structure is copied, the data never is.
+        memo: dict[int, Any] = {}
+        for t in [*model.parameters(), *model.buffers()]:
+            twin = torch.empty_like(t, device="meta")
+            memo[id(t)] = torch.nn.Parameter(twin, t.requires_grad) if isinstance(t, torch.nn.Parameter) else twin
+        return copy.deepcopy(model, memo)
+    if not callable(model):
+        raise TypeError(f"model must be an nn.Module or a function returning one, got {type(model).__name__}")
+    try:
+        with torch.device("meta"):
+            built = model()
+    except Exception as err:
+        raise MetaBuildError(
+            f"the model cannot be built on the meta device ({type(err).__name__}: {err}). The traced estimate needs "
+            "a constructor that only creates tensors (no .item(), .tolist(), data-dependent shapes or file loads "
+            "in __init__); build those parts lazily, or use the analytic estimate."
+        ) from err
+    if not isinstance(built, torch.nn.Module):
+        raise TypeError(f"the model function returned {type(built).__name__}, not an nn.Module")
+    return built
+
+
+def _materialize_fake(module: torch.nn.Module) -> torch.nn.Module:
+    """Give every meta parameter and buffer a fake CPU twin, keeping shared (tied) tensors shared.
+
+    ``Module.to_empty`` would give the second name of a tied weight a storage of its own and count it twice.
+    """
+    twins: dict[int, torch.Tensor] = {}
+    for mod in module.modules():
+        for table in (mod._parameters, mod._buffers):
+            for name, t in list(table.items()):
+                if t is None:
+                    continue
+                if id(t) not in twins:
+                    new = torch.empty_like(t, device="cpu")
+                    twins[id(t)] = torch.nn.Parameter(new, t.requires_grad) if isinstance(t, torch.nn.Parameter) else new
+                table[name] = twins[id(t)]
+    return module
+
+
+def traced_estimate(
+    model: ModelSpec,
+    batch_fn: BatchFn,
+    batch_size: int,
+    *,
+    optimizer: str = "adamw",
+    precision: str = "fp32",
+    accumulation: int = 1,
+    loss_fn: LossFn | None = None,
+    gradient_checkpointing: bool = False,
+) -> MemoryEstimate:
+    """Peak bytes of the second of two training steps, with its breakdown (see the module docstring)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    check_positive("batch_size", batch_size)
+    check_choice("precision", precision, PRECISIONS)
+    meta = build_on_meta(model)
+    if gradient_checkpointing:
+        if not hasattr(meta, "set_gradient_checkpointing"):
+            raise ValueError(f"gradient_checkpointing=True needs a model with set_gradient_checkpointing(); "
+                             f"{type(meta).__name__} has none")
+        from tpu_helpers.model import default_checkpoint_fn
+
+        meta.set_gradient_checkpointing(default_checkpoint_fn())
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        module = _materialize_fake(meta)
+        if precision == "pure-bf16":
+            module = module.to(torch.bfloat16)
+        module.train()
+        opt = make_optimizer(optimizer, module.parameters())
+        try:
+            batch = batch_fn(batch_size)
+        except Exception as err:
+            raise ValueError(f"batch_fn({batch_size}) failed under the fake mode: {err}") from err
+        tracker = MemTracker()
+        tracker.track_external(module, opt)
+        with tracker:
+            for i in range(2):
+                training_step(module, opt, batch, precision=precision, loss_fn=loss_fn,
+                              accumulation=accumulation, device_type="cpu")
+                if i == 0:
+                    tracker.reset_mod_stats()
+                    # Second step's peak only: restart the peak from the current (steady-state) snapshot. MemTracker
+                    # has no public reset for it (torch 2.9); these two attributes are what __enter__ sets.
+                    tracker._peak_mem_snap = tracker.get_tracker_snapshot("current")
+                    tracker._peak_mem = {dev: s["Total"] for dev, s in tracker._peak_mem_snap.items()}
+        snap = tracker.get_tracker_snapshot("peak")
+    dev_snap = next(iter(snap.values()))
+    return MemoryEstimate.from_categories(
+        "traced",
+        batch_size,
+        params=dev_snap.get("Parameter", 0) + dev_snap.get("Buffer", 0),
+        grads=dev_snap.get("Gradient", 0),
+        optimizer=dev_snap.get("Optstate", 0),
+        activations=dev_snap.get("Activation", 0),
+        temporaries=dev_snap.get("Temp", 0) + dev_snap.get("Other", 0),
+        total=dev_snap["Total"],
+    )
