@@ -135,22 +135,18 @@ class XlaDetector(Callback):
         self._step_shapes: list = []
         self._first_step = trainer.step  # a resumed run warms up again
         self._evals, self._eval_compiled = 0, 0
-        # Count evaluation's compilations apart from the step's (evaluate runs between the step's sync and this
-        # callback); the instance attribute shadows the method for this fit only.
-        trainer.__dict__.pop("evaluate", None)  # a fit that raised may have left the previous wrapper
-        original = trainer.evaluate
-
-        def evaluate(*args: Any, **kwargs: Any) -> Any:
-            before = trainer.backend.metrics()["compilations"]
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self._evals += 1
-                self._eval_compiled += trainer.backend.metrics()["compilations"] - before
-
-        trainer.evaluate = evaluate
         self._saved_before = False
         self._last = trainer.backend.metrics()
+
+    # Evaluation runs between the step's sync and on_step_end: count its compilations apart from the step's.
+    def on_eval_start(self, trainer) -> None:
+        if self.active:
+            self._eval_before = trainer.backend.metrics()["compilations"]
+
+    def on_eval_end(self, trainer) -> None:
+        if self.active:
+            self._evals += 1
+            self._eval_compiled += trainer.backend.metrics()["compilations"] - self._eval_before
 
     def on_batch(self, trainer, batch: Any) -> None:
         if self.active:
@@ -204,7 +200,6 @@ class XlaDetector(Callback):
 
     def on_fit_end(self, trainer, report) -> None:
         if self.active:
-            trainer.__dict__.pop("evaluate", None)
             report.xla["problems"] = [f.to_dict() for f in self.findings]
 
     # ---- reporting ---------------------------------------------------------------------------------------------

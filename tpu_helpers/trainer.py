@@ -56,6 +56,10 @@ class Callback:
     def on_log(self, trainer: Trainer, record: dict) -> None:
         """After a log record was read from the device (inside the step closure)."""
 
+    def on_eval_start(self, trainer: Trainer) -> None: ...
+
+    def on_eval_end(self, trainer: Trainer) -> None: ...
+
     def on_fit_end(self, trainer: Trainer, report: RunReport) -> None: ...
 
 
@@ -192,6 +196,8 @@ class Trainer:
         """Mean validation loss over `eval_batches` fixed batches (one host read at the end)."""
         if self.val_loader is None:
             return None
+        for cb in self.callbacks:
+            cb.on_eval_start(self)
         self.model.eval()
         # The same fixed batches every time: a loop broken off after eval_batches would otherwise leave the
         # sampler mid-pass, so the next evaluation (and a resumed run's) would read other batches.
@@ -208,6 +214,8 @@ class Trainer:
             self.backend.sync()
             n += 1
         self.model.train()
+        for cb in self.callbacks:
+            cb.on_eval_end(self)
         if n == 0:
             raise ConfigError("the validation set is smaller than one batch; lower batch_size or val_fraction")
         return float(self.backend.all_reduce_mean(total).item()) / n
