@@ -36,11 +36,7 @@ class Run:
     def __init__(self, ctx, out: Path, steps: int, save_every: int) -> None:
         import train_tiny
 
-        self.conn, child_conn = ctx.Pipe(duplex=False)
-        argv = [str(out), "--steps", str(steps), "--save-every", str(save_every)]
-        self.proc = ctx.Process(target=train_tiny.child, args=(argv, child_conn), daemon=True)
-        self.proc.start()
-        child_conn.close()
+        self.proc, self.conn = train_tiny.start_child(ctx, out, steps, save_every)
         self.started = time.monotonic()
         self.ready: int | None = None
         self.last_step: int | None = None

@@ -48,11 +48,7 @@ class Child:
     def __init__(self, ctx, out_dir: Path, steps: int, save_every: int = 1) -> None:
         import train_tiny
 
-        self.conn, child_conn = ctx.Pipe(duplex=False)
-        argv = [str(out_dir), "--steps", str(steps), "--save-every", str(save_every)]
-        self.proc = ctx.Process(target=train_tiny.child, args=(argv, child_conn), daemon=True)
-        self.proc.start()
-        child_conn.close()
+        self.proc, self.conn = train_tiny.start_child(ctx, out_dir, steps, save_every)
         self.started = time.monotonic()
 
     def next_event(self, timeout: float = 60.0) -> str | None:

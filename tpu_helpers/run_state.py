@@ -106,9 +106,7 @@ class RunState:
         t.scheduler.load_state_dict(state["scheduler"])
         t.step, t.epoch = state["step"], state["epoch"]
         # Older checkpoints counted loader batches of this process; convert them to samples of the global order.
-        samples = state.get("samples_in_epoch", state["batches_in_epoch"] * t.samples_per_batch)
-        t.samples_in_epoch = samples
-        t.batches_in_epoch = samples // t.samples_per_batch
+        t.samples_in_epoch = state.get("samples_in_epoch", state["batches_in_epoch"] * t.samples_per_batch)
         t.history = History.from_dict(state["history"])
         t.history.truncate(t.step)
         t.backend.set_rng_state(state["rng"])

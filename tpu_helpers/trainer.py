@@ -130,7 +130,6 @@ class Trainer:
         self.state = RunState(self, run_identity=run_identity)
         self.step = 0
         self.epoch = 0
-        self.batches_in_epoch = 0
         # The data position in samples of the global order (not loader batches), so a checkpoint resumes at the
         # same sample on any number of chips or processes with the same global batch.
         self.samples_in_epoch = 0
@@ -225,6 +224,11 @@ class Trainer:
         """Samples of the global data order one loader batch consumes, over all processes."""
         return (self.train_loader.batch_size or 1) * self.backend.loader_rank_and_world[1]
 
+    @property
+    def batches_in_epoch(self) -> int:
+        """Loader batches of this process consumed in the current epoch (derived from the sample position)."""
+        return self.samples_in_epoch // self.samples_per_batch
+
     def _batches(self) -> Iterator:
         """Endless device batches across epochs; counts what the loop consumed (prefetching runs ahead)."""
         while True:
@@ -239,13 +243,11 @@ class Trainer:
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(self.epoch)
             for batch in self.backend.wrap_loader(self.train_loader):
-                self.batches_in_epoch += 1
                 self.samples_in_epoch += self.samples_per_batch
                 for cb in self.callbacks:
                     cb.on_batch(self, batch)
                 yield batch
             self.epoch += 1
-            self.batches_in_epoch = 0
             self.samples_in_epoch = 0
 
     # ---- the loop ------------------------------------------------------------------------------------------------

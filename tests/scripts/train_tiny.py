@@ -72,5 +72,15 @@ def child(argv: list[str], conn: Any) -> None:
     main(argv, emit=conn.send)
 
 
+def start_child(ctx: Any, out_dir: Any, steps: int, save_every: int) -> tuple[Any, Any]:
+    """Start `child` in a process of the multiprocessing context `ctx`; returns (process, receiving connection)."""
+    conn, child_conn = ctx.Pipe(duplex=False)
+    argv = [str(out_dir), "--steps", str(steps), "--save-every", str(save_every)]
+    proc = ctx.Process(target=child, args=(argv, child_conn), daemon=True)
+    proc.start()
+    child_conn.close()  # the parent keeps only its end, so it sees EOF when the child exits
+    return proc, conn
+
+
 if __name__ == "__main__":
     sys.exit(main())
