@@ -21,7 +21,7 @@ from pathlib import Path
 
 CHILD = """
 import json
-from tpu_helpers.recipes import build_gpt_run
+from tpu_helpers.training.recipes import build_gpt_run
 from tpu_helpers.config import TrainConfig
 cfg = TrainConfig(device="xla", preset={preset!r}, steps=3, batch_size=8, seq_len={seq_len}, warmup_steps=1,
                   log_every=3, eval_every=10**6, save_every=10**6, out_dir={out!r}, compile_cache_dir={cache!r},

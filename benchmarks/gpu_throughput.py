@@ -17,7 +17,7 @@ import time
 import torch
 
 from tpu_helpers.hardware import detect_gpu
-from tpu_helpers.model import GPT, flops_per_token, gpt_config
+from tpu_helpers.models.gpt import GPT, flops_per_token, gpt_config
 
 
 def run(mode: str, args: argparse.Namespace) -> tuple[float, float]:

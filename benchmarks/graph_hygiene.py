@@ -19,8 +19,8 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 from tpu_helpers.backend import get_backend  # noqa: E402
 from tpu_helpers.config import TrainConfig  # noqa: E402
 from tpu_helpers.data import build_datasets  # noqa: E402
-from tpu_helpers.model import GPT, gpt_config  # noqa: E402
-from tpu_helpers.trainer import Callback, Trainer  # noqa: E402
+from tpu_helpers.models.gpt import GPT, gpt_config  # noqa: E402
+from tpu_helpers.training.trainer import Callback, Trainer  # noqa: E402
 
 
 class Probe(Trainer):

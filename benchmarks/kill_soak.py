@@ -93,7 +93,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.optim", "tpu_helpers.trainer", "train_tiny"])
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.optim", "tpu_helpers.training.trainer", "train_tiny"])
     rng = random.Random(args.seed)
     failures: list[str] = []
     t0 = time.monotonic()

@@ -21,8 +21,8 @@ import torch
 from tpu_helpers.backend import get_backend
 from tpu_helpers.config import TrainConfig
 from tpu_helpers.data import build_datasets, make_loader
-from tpu_helpers.model import GPT, gpt_config
-from tpu_helpers.trainer import Trainer, warmup_cosine
+from tpu_helpers.models.gpt import GPT, gpt_config
+from tpu_helpers.training.trainer import Trainer, warmup_cosine
 
 
 def package_loop(cfg, backend, train, vocab) -> float:

@@ -31,7 +31,7 @@ from tpu_helpers.memory import (
     training_step,
 )
 from tpu_helpers.memory.example_models import SmallCNN, cnn_batch
-from tpu_helpers.model import GPT, gpt_config
+from tpu_helpers.models.gpt import GPT, gpt_config
 
 
 def measure_cpu(make_model, batch, **kw) -> int:
@@ -82,7 +82,7 @@ def main() -> None:
         def make(cfg=cfg, ck=ck):
             model = GPT(cfg)
             if ck:
-                from tpu_helpers.model import default_checkpoint_fn
+                from tpu_helpers.models.gpt import default_checkpoint_fn
 
                 model.set_gradient_checkpointing(default_checkpoint_fn())
             return model

@@ -15,12 +15,13 @@ from torch.utils.data import TensorDataset
 
 from tpu_helpers.backend import BackendUnavailable, get_backend
 from tpu_helpers.checkpoint import CheckpointManager
-from tpu_helpers.config import ConfigError, TrainConfig, config_from_parameters
+from tpu_helpers.config import ConfigError, TrainConfig
 from tpu_helpers.data import build_datasets, load_text, make_loader
-from tpu_helpers.model import GPTConfig, gpt_config
-from tpu_helpers.recipes import build_gpt_run
-from tpu_helpers.tokenizer import get_tokenizer
-from tpu_helpers.trainer import Callback, Trainer, fit
+from tpu_helpers.data.tokenizer import get_tokenizer
+from tpu_helpers.launch.params import config_from_parameters
+from tpu_helpers.models.gpt import GPTConfig, gpt_config
+from tpu_helpers.training.recipes import build_gpt_run
+from tpu_helpers.training.trainer import Callback, Trainer, fit
 
 
 def _data(n: int = 16) -> TensorDataset:
@@ -160,7 +161,7 @@ CASES = [
      r"config must be a TrainConfig or None, got dict; build one with TrainConfig"),
     ("backend str", lambda t: _trainer(t, backend="cpu"), TypeError, r"backend must be a tpu_helpers Backend"),
     ("callbacks item", lambda t: _trainer(t, callbacks=[_NotACallback()]), TypeError,
-     r"callbacks\[0\] is a _NotACallback; subclass tpu_helpers\.trainer\.Callback"),
+     r"callbacks\[0\] is a _NotACallback; subclass tpu_helpers\.training\.Callback"),
     ("callbacks not list", lambda t: _trainer(t, callbacks=Callback()), TypeError,
      r"callbacks must be a list of Callback objects, got Callback"),
     ("run_identity", lambda t: _trainer(t, run_identity="v1"), TypeError, r"run_identity must be a dict"),

@@ -24,8 +24,8 @@ import sys, torch
 from tpu_helpers.checkpoint import CheckpointError, CheckpointManager
 from tpu_helpers.config import TrainConfig
 from tpu_helpers.data import build_datasets
-from tpu_helpers.model import GPT, gpt_config
-from tpu_helpers.trainer import Trainer
+from tpu_helpers.models.gpt import GPT, gpt_config
+from tpu_helpers.training.trainer import Trainer
 
 out = sys.argv[1]
 cfg = TrainConfig(device="cpu", preset="tiny", steps=4, batch_size=4, seq_len=32, eval_every=100, log_every=1,

@@ -6,20 +6,23 @@
     run = th.train_gpt(th.TrainConfig(preset="tiny", steps=200, seq_len=64, batch_size=16))
     print(run.report)
 
-Modules: `backend` (devices; the only place torch_xla is imported), `config` (TrainConfig and notebook
-parameters), `data`, `model` (a small GPT), `trainer` (the loop), `checkpoint`, `history`, `recipes`, `runner`
-(papermill batch runs: `python -m tpu_helpers run NOTEBOOK`).
+Subpackages by role: `backend` (devices and the runtime; the only owner of torch_xla), `training` (the loop,
+callbacks, resume, signals, history), `data` (corpus, tokenizers, loaders), `models` (the GPT), `diagnostics` (the
+XLA problem detector, safe ops, debug logs), `memory` (estimates, the probe, the batch-size panel), `launch`
+(papermill runs, targets, CLI, platform setup, notebook parameters). Top-level modules: `config` (TrainConfig),
+`checkpoint`, `hardware` (the accelerator catalog).
 """
 
 from tpu_helpers.backend import DEVICES, Backend, BackendUnavailable, get_backend
 from tpu_helpers.checkpoint import CheckpointManager
-from tpu_helpers.config import ConfigError, TrainConfig, config_from_parameters
+from tpu_helpers.config import ConfigError, TrainConfig
 from tpu_helpers.data import build_datasets, load_text, make_loader
 from tpu_helpers.hardware import CATALOG, HardwareSpec, format_bytes, lookup
-from tpu_helpers.history import History, RunReport
-from tpu_helpers.model import GPT, PRESETS, GPTConfig, gpt_config, sample_text
-from tpu_helpers.recipes import GptRun, build_gpt_run, save_results, train_gpt
-from tpu_helpers.trainer import Trainer, fit
+from tpu_helpers.launch.params import config_from_parameters
+from tpu_helpers.models.gpt import GPT, PRESETS, GPTConfig, gpt_config, sample_text
+from tpu_helpers.training.history import History, RunReport
+from tpu_helpers.training.recipes import GptRun, build_gpt_run, save_results, train_gpt
+from tpu_helpers.training.trainer import Trainer, fit
 
 __version__ = "0.1.0"
 

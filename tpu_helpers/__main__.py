@@ -24,7 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("targets", help="list the targets")
     args = parser.parse_args(argv)
 
-    from tpu_helpers.runner import TARGETS, RunError, parse_params, run_notebook, summary_table
+    from tpu_helpers.launch.runner import RunError, parse_params, run_notebook, summary_table
+    from tpu_helpers.launch.targets import TARGETS
 
     if args.command == "targets":
         for name, target in TARGETS.items():

@@ -20,8 +20,8 @@ import torch
 
 from tpu_helpers.config import TrainConfig
 from tpu_helpers.data import build_datasets
-from tpu_helpers.model import GPT, gpt_config
-from tpu_helpers.trainer import Callback, Trainer
+from tpu_helpers.models.gpt import GPT, gpt_config
+from tpu_helpers.training.trainer import Callback, Trainer
 
 
 def _print_line(text: str) -> None:

@@ -2,7 +2,7 @@
 
 A `Backend` gives a training loop everything that differs between TPU, GPU and CPU: the device, rank and world
 size, mixed precision, the optimizer step (with gradient all-reduce and clipping), the per-step sync, loader
-wrapping, gradient checkpointing, memory figures and the hardware description. The loop in `tpu_helpers.trainer`
+wrapping, gradient checkpointing, memory figures and the hardware description. The loop in `tpu_helpers.training.trainer`
 only talks to this interface, so the same code runs everywhere. `CudaBackend` and `XlaBackend` override the parts
 that differ; this class is also the CPU backend (optionally multi-process through torchrun and gloo).
 """

@@ -37,7 +37,7 @@ import dataclasses
 
 from tpu_helpers.memory.report import MemoryEstimate
 from tpu_helpers.memory.step import OPTIMIZERS, PRECISIONS, check_choice, check_positive
-from tpu_helpers.model import PRESETS, GPTConfig, gpt_config
+from tpu_helpers.models.gpt import PRESETS, GPTConfig, gpt_config
 
 # precision -> (alpha, alpha_ckpt, lam, c1, c2, c2_ckpt); see the module docstring.
 _COEF = {

@@ -123,7 +123,7 @@ def _child(spec: dict) -> dict:
     backend = get_backend("xla", spmd=False)
     if "gpt" in spec:
         from tpu_helpers.memory.traced import gpt_batch
-        from tpu_helpers.model import GPT, GPTConfig
+        from tpu_helpers.models.gpt import GPT, GPTConfig
 
         cfg = GPTConfig(**spec["gpt"])
         model = GPT(cfg)

@@ -115,7 +115,7 @@ def traced_estimate(
         if not hasattr(meta, "set_gradient_checkpointing"):
             raise ValueError(f"gradient_checkpointing=True needs a model with set_gradient_checkpointing(); "
                              f"{type(meta).__name__} has none")
-        from tpu_helpers.model import default_checkpoint_fn
+        from tpu_helpers.models.gpt import default_checkpoint_fn
 
         meta.set_gradient_checkpointing(default_checkpoint_fn())
     with FakeTensorMode(allow_non_fake_inputs=True):

@@ -1,0 +1,154 @@
+"""Device selection, errors for devices that are missing, and the backends' behaviour on CPU and XLA:CPU."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from tests.support import XLA_BACKEND, run_python
+from tpu_helpers.backend import BackendUnavailable, get_backend, tpu_chip_count
+from tpu_helpers.backend.base import Backend
+
+
+def test_unknown_device_names_the_value_and_allowed_ones():
+    with pytest.raises(ValueError, match=r"device='gpu' is not one of \('auto', 'tpu', 'cuda', 'cpu', 'xla'\)"):
+        get_backend("gpu")
+
+
+def test_unknown_precision_and_spmd_values_are_refused():
+    with pytest.raises(ValueError, match="precision='int8' is not one of"):
+        get_backend("cpu", precision="int8")
+    with pytest.raises(ValueError, match="spmd='yes' must be True, False or 'auto'"):
+        get_backend("cpu", spmd="yes")
+
+
+@pytest.mark.skipif(tpu_chip_count() > 0, reason="a TPU is attached")
+def test_tpu_without_a_tpu_raises_with_the_reason_and_the_way_out():
+    with pytest.raises(BackendUnavailable, match="no TPU chips are attached.*fallback=True"):
+        get_backend("tpu")
+
+
+@pytest.mark.skipif(tpu_chip_count() > 0 or torch.cuda.is_available(), reason="accelerator present")
+def test_tpu_with_fallback_warns_and_uses_the_cpu():
+    with pytest.warns(UserWarning, match="device='tpu' is not available .*falling back to 'cpu'"):
+        backend = get_backend("tpu", fallback=True)
+    assert backend.name == "cpu" and backend.device == torch.device("cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_cuda_without_a_gpu_raises_and_fallback_warns():
+    with pytest.raises(BackendUnavailable, match="needs a CUDA GPU"):
+        get_backend("cuda")
+    with pytest.warns(UserWarning, match="falling back to 'cpu'"):
+        assert get_backend("cuda", fallback=True).name == "cpu"
+
+
+@pytest.mark.skipif(tpu_chip_count() > 0 or torch.cuda.is_available(), reason="accelerator present")
+def test_auto_picks_the_cpu_here_silently():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        backend = get_backend("auto")
+    assert type(backend) is Backend
+    assert backend.status().startswith("CPU (") and backend.status().endswith("fp32")
+    assert backend.precision == "fp32" and backend.is_main and backend.world_size == 1
+
+
+def test_cpu_backend_refuses_fp16():
+    with pytest.raises(ValueError, match="fp16.*needs a CUDA GPU"):
+        get_backend("cpu", precision="fp16")
+
+
+def test_cpu_optimizer_step_clips_and_returns_the_norm():
+    backend = get_backend("cpu")
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([p], lr=1.0)
+    (p * 10).sum().backward()  # gradient 10 per element, norm 20
+    norm = backend.optimizer_step(opt, clip_norm=1.0)
+    assert norm.item() == pytest.approx(20.0)
+    assert torch.allclose(p.detach(), torch.ones(4) - 0.5, atol=1e-5)  # clipped gradient has norm 1
+    backend.zero_grad(opt)
+    assert p.grad is None  # eager backends drop the gradients
+
+
+@pytest.mark.xla
+def test_xla_backend_on_xla_cpu_keeps_gradients_and_reports_metrics():
+    backend = XLA_BACKEND
+    assert backend is not None and backend.is_xla and backend.device.type == "xla"
+    assert backend.status() == "XLA:CPU x1, fp32"
+    assert backend.checkpoint_fn().__module__ == "torch_xla.utils.checkpoint"
+    p = torch.nn.Parameter(torch.ones(4, device=backend.device))
+    opt = torch.optim.SGD([p], lr=0.1)
+    (p * 2).sum().backward()
+    backend.optimizer_step(opt)
+    backend.zero_grad(opt)
+    backend.sync()
+    assert p.grad is not None and p.grad.abs().sum().item() == 0  # zeroed in place, never set to None
+    assert backend.metrics()["compilations"] >= 1
+    assert backend.memory_info() is None  # not available on XLA:CPU
+    assert get_backend("xla", spmd=False) is backend  # one XLA runtime per process
+
+
+@pytest.mark.xla
+def test_xla_step_closure_runs_after_the_step():
+    backend = XLA_BACKEND
+    seen = []
+    t = torch.ones(3, device=backend.device) * 2
+    backend.add_step_closure(lambda x: seen.append(x.sum().item()), t)
+    assert seen == []  # deferred until the graph ran
+    backend.sync()
+    assert seen == [6.0]
+
+
+@pytest.mark.xla
+@pytest.mark.slow
+def test_spmd_backend_drives_eight_virtual_devices_in_one_process():
+    out = run_python(
+        "from tpu_helpers.backend import get_backend\n"
+        "b = get_backend('xla')\n"
+        "print(b.status(), b.num_replicas, b.world_size, b.loader_rank_and_world)\n",
+        env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8"},
+    ).stdout
+    assert "XLA:CPU x8 (SPMD), fp32 8 1 (0, 1)" in out
+
+
+@pytest.mark.slow
+def test_missing_torch_xla_gives_an_install_hint():
+    code = (
+        "import sys, importlib.metadata as md\n"
+        "real = md.version\n"
+        "def fake(name):\n"
+        "    if name == 'torch_xla': raise md.PackageNotFoundError(name)\n"
+        "    return real(name)\n"
+        "md.version = fake\n"
+        "from tpu_helpers.backend import get_backend, BackendUnavailable\n"
+        "try:\n    get_backend('xla')\nexcept BackendUnavailable as e:\n    print('ERR', e)\n"
+    )
+    out = run_python(code).stdout
+    assert "ERR torch_xla is not installed" in out and "torch_xla[tpu]==2.9.0" in out
+
+
+@pytest.mark.slow
+def test_mismatched_torch_and_torch_xla_are_reported_with_the_fix():
+    # Make torch claim another version and make the torch_xla import fail as a mismatched build does.
+    code = (
+        "import sys, torch\n"
+        "torch.__version__ = '2.8.0'\n"
+        "sys.modules['torch_xla'] = None\n"
+        "from tpu_helpers.backend import get_backend, BackendUnavailable\n"
+        "try:\n    get_backend('xla')\nexcept BackendUnavailable as e:\n    print('ERR', e)\n"
+    )
+    out = run_python(code).stdout
+    assert "ERR torch_xla 2.9.0 does not match torch 2.8.0" in out
+    assert "pip install 'torch==2.8.0' 'torch_xla[tpu]==2.8.0'" in out
+
+
+@pytest.mark.xla
+def test_save_moves_xla_tensors_to_the_cpu_and_writes_atomically(tmp_path):
+    backend = XLA_BACKEND
+    state = {"w": torch.arange(4.0, device=backend.device), "step": 3}
+    backend.save(state, tmp_path / "s.pt")
+    loaded = torch.load(tmp_path / "s.pt")
+    assert loaded["step"] == 3 and loaded["w"].device.type == "cpu" and loaded["w"].tolist() == [0, 1, 2, 3]
+    assert [p.name for p in tmp_path.iterdir()] == ["s.pt"]  # no temporary file left behind

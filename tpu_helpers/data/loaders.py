@@ -1,0 +1,167 @@
+"""Resumable, sharded loaders with fixed-shape batches.
+
+    loader = make_loader(train, batch_size=32, backend_kind="xla", rank=rank, world_size=world)
+    ...
+    ckpt["sampler"] = loader.sampler.state_dict(consumed=steps_this_epoch * 32)
+    loader.sampler.load_state_dict(ckpt["sampler"])   # on resume: same order, same position
+
+Every batch has the same shape (``drop_last=True``), because XLA compiles one graph per input shape and a ragged
+last batch would trigger a recompilation each epoch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+__all__ = ["ResumableSampler", "make_loader"]
+
+_BACKEND_KINDS = ("cpu", "cuda", "xla", "tpu")
+
+
+class ResumableSampler(Sampler[int]):
+    """Deterministic, per-rank sampler that can be saved and resumed mid-epoch.
+
+    The order of epoch ``e`` is ``randperm(n)`` from ``torch.Generator().manual_seed(seed + e)``, cut so
+    it divides ``world_size`` (``drop_last``) or padded by wrapping around, then strided by rank. It depends
+    only on (seed, epoch), so every rank and every resumed run agree on it without communicating.
+
+    Epochs: ``set_epoch(e)`` to a new epoch starts it from the beginning; ``set_epoch`` of the current
+    epoch keeps the position, so a resumed loop can call it as usual (and gets the rest of that epoch, even
+    if that is nothing). Iterating again after a finished pass without any ``set_epoch`` call moves on to
+    the next epoch by itself, so forgetting ``set_epoch`` still reshuffles instead of yielding nothing.
+    """
+
+    def __init__(self, n: int, *, shuffle: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1,
+                 drop_last: bool = True) -> None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n (the dataset size) must be a positive int, got {n!r}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need world_size >= 1 and 0 <= rank < world_size, got rank={rank}, "
+                             f"world_size={world_size}")
+        if drop_last and n < world_size:
+            raise ValueError(f"n={n} samples cannot give every one of world_size={world_size} ranks a sample")
+        self.n, self.shuffle, self.seed = n, shuffle, seed
+        self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
+        self.num_samples = n // world_size if drop_last else -(-n // world_size)
+        self.epoch = 0
+        self.index = 0  # samples of this epoch already handed out
+        # Bumped whenever the position is set from outside or a new pass starts, so an abandoned iterator
+        # (a loop that broke early) cannot keep moving the position of the new one.
+        self._generation = 0
+        self._hold = False  # set_epoch(current) on a finished pass: the caller wants that epoch, not the next
+
+    def _epoch_indices(self, epoch: int) -> list[int]:
+        if self.shuffle:
+            perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch))
+        else:
+            perm = torch.arange(self.n)
+        total = self.num_samples * self.world_size
+        if total <= self.n:
+            perm = perm[:total]
+        else:
+            # Pad by repeating from the start so every rank takes the same number of steps (no hang in
+            # collectives because one rank ran out early).
+            perm = torch.cat([perm] * (-(-total // self.n)))[:total]
+        return perm[self.rank :: self.world_size].tolist()
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.index, self._hold = epoch, 0, False
+            self._generation += 1
+        elif self.index >= self.num_samples:
+            self._hold = True
+
+    def _pass_finished(self) -> bool:
+        return self.index >= self.num_samples and not self._hold
+
+    def __iter__(self) -> Iterator[int]:
+        if self._pass_finished():
+            self.epoch, self.index = self.epoch + 1, 0
+        self._hold = False
+        self._generation += 1
+        # Eager work above, lazy yielding below: a loader that only calls iter() and len() sees the new state.
+        return self._yield_from(self._epoch_indices(self.epoch), self._generation)
+
+    def _yield_from(self, indices: list[int], generation: int) -> Iterator[int]:
+        for i in range(self.index, len(indices)):
+            if self._generation != generation:
+                return
+            self.index = i + 1
+            yield indices[i]
+
+    def __len__(self) -> int:
+        # What the next iteration will yield; a finished pass means the next one is a whole new epoch.
+        return self.num_samples if self._pass_finished() else self.num_samples - self.index
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, int]:
+        """``{"epoch", "index"}``; ``index`` counts samples of the epoch already yielded.
+
+        Loader workers and device loaders fetch ahead, so the sampler is usually a few batches ahead of
+        the training loop. For an exact resume pass ``consumed`` = samples this rank's loop has actually
+        used in the current epoch (steps * batch_size).
+        """
+        index = self.index if consumed is None else int(consumed)
+        if not 0 <= index <= self.num_samples:
+            raise ValueError(f"consumed must be in [0, {self.num_samples}], got {consumed!r}")
+        return {"epoch": self.epoch, "index": index}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        missing = {"epoch", "index"} - set(state)
+        if missing:
+            raise ValueError(f"sampler state is missing {sorted(missing)}; got keys {sorted(state)}")
+        epoch, index = int(state["epoch"]), int(state["index"])
+        if not 0 <= index <= self.num_samples:
+            raise ValueError(f"sampler state index {index} is outside [0, {self.num_samples}] for this sampler "
+                             f"(n={self.n}, world_size={self.world_size})")
+        self.epoch, self.index, self._hold = epoch, index, False
+        self._generation += 1
+
+
+def make_loader(
+    dataset: Dataset[Any],
+    batch_size: int,
+    *,
+    backend_kind: str = "cpu",
+    rank: int = 0,
+    world_size: int = 1,
+    shuffle: bool = True,
+    seed: int = 0,
+    num_workers: int | None = None,
+) -> DataLoader[Any]:
+    """A DataLoader with fixed-shape batches and a :class:`ResumableSampler` (``loader.sampler``).
+
+    Per ``backend_kind``: ``"cuda"`` pins host memory (faster, async copies) and uses up to 4 workers;
+    ``"xla"``/``"tpu"`` use up to 4 workers without pinning, since ``MpDeviceLoader`` copies to the device
+    on its own thread; ``"cpu"`` loads in the main process (workers would only compete with compute).
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if backend_kind not in _BACKEND_KINDS:
+        raise ValueError(f"unknown backend_kind {backend_kind!r}; allowed: {', '.join(_BACKEND_KINDS)}")
+    n = len(dataset)  # type: ignore[arg-type]
+    per_rank = n // max(world_size, 1)
+    if per_rank < batch_size:
+        raise ValueError(f"dataset too small: {n} samples over world_size={world_size} gives {per_rank} per "
+                         f"rank, fewer than batch_size={batch_size} (lower batch_size or add data)")
+    if num_workers is None:
+        num_workers = 0 if backend_kind == "cpu" else min(4, os.cpu_count() or 1)
+    if num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0, got {num_workers!r}")
+    sampler = ResumableSampler(n, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        drop_last=True,
+        num_workers=num_workers,
+        pin_memory=backend_kind == "cuda",
+        persistent_workers=num_workers > 0,
+        # Its own generator: without one, every new iterator (each epoch, each evaluation, a resume) draws
+        # its worker seed from the global torch RNG, which shifts the dropout stream and breaks exact resume.
+        generator=torch.Generator().manual_seed(seed),
+    )

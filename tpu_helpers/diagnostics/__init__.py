@@ -1,0 +1,22 @@
+"""Diagnostics: find what makes an XLA run slow and say what to change.
+
+    from tpu_helpers.diagnostics import XlaDetector, xla_safe_kl_div
+
+Modules: `detector` (the recompilation / host-read / CPU-fallback detector the trainer adds on XLA), `safe_ops`
+(XLA-friendly replacements such as `xla_safe_kl_div`), `xla_debug` (run a command under torch_xla's debug output and
+summarise each compilation), `demos` (a deliberately bad loop next to the fixed one, for the debugging notebook).
+"""
+
+from tpu_helpers.diagnostics.detector import (
+    CAUSES,
+    FALLBACK_HINTS,
+    Finding,
+    XlaDetector,
+    XlaPerformanceError,
+    XlaPerformanceWarning,
+    detector_for,
+)
+from tpu_helpers.diagnostics.safe_ops import xla_safe_kl_div
+
+__all__ = ["CAUSES", "FALLBACK_HINTS", "Finding", "XlaDetector", "XlaPerformanceError", "XlaPerformanceWarning",
+           "detector_for", "xla_safe_kl_div"]

@@ -1,0 +1,54 @@
+"""Platform targets for batch runs: a named preset of notebook parameters and environment variables.
+
+    python -m tpu_helpers run notebooks/colab_tpu.ipynb --target colab-v6e-1
+    python -m tpu_helpers targets          # lists them
+
+`auto_target()` picks one for this machine without starting an XLA runtime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Target:
+    description: str
+    params: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+# Small enough for a CPU in minutes; DATASET "embedded" needs no network. GLOBAL_BATCH is the TPU VM notebook's.
+_CPU_DEMO = {"PRESET": "tiny", "STEPS": 300, "BATCH_SIZE": 32, "GLOBAL_BATCH": 32, "SEQ_LEN": 64, "EVAL_EVERY": 50,
+             "LOG_EVERY": 10, "WARMUP_STEPS": 30, "LR": 3e-3, "DATASET": "embedded", "MAX_CHARS": 2_000_000,
+             "FALLBACK": False}
+# GPT-2 small (124M) at 1024 tokens in bf16: about 0.7 GB of activations per sequence over its 12 layers, plus 2 GB of
+# weights and AdamW state, so 8 sequences fit a 16 GB v5e chip and 16 a 32 GB v6e chip.
+_TPU = {"DEVICE": "tpu", "PRESET": "small", "STEPS": 2000, "SEQ_LEN": 1024, "FALLBACK": False}
+
+TARGETS: dict[str, Target] = {
+    "local": Target("the notebook's own defaults, on whatever device it detects"),
+    "cpu": Target("CPU: a tiny GPT that trains in a few minutes", {"DEVICE": "cpu", **_CPU_DEMO}),
+    "xla-cpu": Target("the TPU code path on the CPU (PJRT_DEVICE=CPU, one device), tiny sizes",
+                      {"DEVICE": "xla", **_CPU_DEMO}, {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1"}),
+    "xla-cpu-8": Target("the TPU VM code path on 8 simulated XLA:CPU devices (SPMD), tiny sizes",
+                        {"DEVICE": "xla", **_CPU_DEMO}, {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8"}),
+    "gpu": Target("one CUDA GPU (bf16, or fp16 + GradScaler)", {"DEVICE": "cuda", "PRESET": "small", "STEPS": 2000,
+                                                                "BATCH_SIZE": 16, "SEQ_LEN": 1024}),
+    "colab-v5e-1": Target("Colab TPU v5e-1 (16 GB HBM), bf16", {**_TPU, "BATCH_SIZE": 8}),
+    "colab-v6e-1": Target("Colab TPU v6e-1 (32 GB HBM), bf16", {**_TPU, "BATCH_SIZE": 16}),
+    "tpuvm-v5e-8": Target("TPU VM v5e-8: 8 chips driven by SPMD from one process, global batch 64 (8 per chip)",
+                          {**_TPU, "GLOBAL_BATCH": 64, "BATCH_SIZE": 8, "MODE": "spmd"}),
+}
+
+
+def auto_target() -> str:
+    """Pick the target for this machine without starting an XLA runtime."""
+    from tpu_helpers.backend import tpu_chip_count
+
+    if tpu_chip_count():
+        return "tpuvm-v5e-8" if tpu_chip_count() >= 8 else "colab-v6e-1"
+    import torch
+
+    return "gpu" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,85 @@
+"""Command-line training: `python -m tpu_helpers.train --preset tiny --steps 100 --device cpu ...`.
+
+Every TrainConfig field is a flag of the same name (`--batch_size 16` or `--batch-size 16`; values are Python
+literals, so `--max_chars None`, `--resume False`). The same command runs data parallel on several GPUs (or CPU
+processes) under torchrun, one process per device, with DDP set up by the backend from torchrun's WORLD_SIZE:
+
+    torchrun --nproc_per_node=4 -m tpu_helpers.train --device cuda --preset small --steps 2000 --out_dir runs/gpu4
+
+Rank 0 writes checkpoints and `<out_dir>/results.json` (as the notebooks do). `torchrun_command(config, n)` builds
+this command line from a notebook's config, so the GPU notebook can print what to run for several GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from dataclasses import MISSING, fields
+
+from tpu_helpers.config import ConfigError, TrainConfig
+from tpu_helpers.launch.runner import parse_value
+
+_SKIP = ("extra",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m tpu_helpers.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in fields(TrainConfig):
+        if f.name in _SKIP:
+            continue
+        names = [f"--{f.name}"] + ([f"--{f.name.replace('_', '-')}"] if "_" in f.name else [])
+        default = f.default if f.default is not MISSING else None
+        parser.add_argument(*names, dest=f.name, type=parse_value, default=argparse.SUPPRESS,
+                            metavar="VALUE", help=f"(default: {default!r})")
+    return parser
+
+
+def config_from_args(argv: list[str] | None = None) -> TrainConfig:
+    """Parse flags into a TrainConfig; a wrong value raises ConfigError naming the flag."""
+    args = vars(build_parser().parse_args(argv))
+    try:
+        return TrainConfig(**args)
+    except ConfigError as err:
+        raise ConfigError(f"{err} (flags: {' '.join(f'--{k} {v!r}' for k, v in args.items())})") from None
+
+
+def torchrun_command(config: TrainConfig, nproc_per_node: int) -> str:
+    """The torchrun command that trains `config` with one process per device (the fields that differ from the
+    defaults become flags)."""
+    if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1:
+        raise ConfigError(f"nproc_per_node={nproc_per_node!r} must be a positive int")
+    default = TrainConfig()
+    flags = []
+    for f in fields(TrainConfig):
+        value = getattr(config, f.name)
+        if f.name not in _SKIP and value != getattr(default, f.name):
+            flags += [f"--{f.name}", shlex.quote(repr(value) if not isinstance(value, str) else value)]
+    return " ".join(["torchrun", f"--nproc_per_node={nproc_per_node}", "-m", "tpu_helpers.train", *flags])
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = config_from_args(argv)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    import torch.distributed as dist
+
+    from tpu_helpers.backend import get_backend
+    from tpu_helpers.training.recipes import save_results, train_gpt
+
+    backend = get_backend(config.device, fallback=config.fallback, precision=config.precision, spmd=config.spmd)
+    run = train_gpt(config, backend=backend, progress=backend.is_main)
+    if backend.is_main:
+        path = save_results(run, world_size=backend.world_size, entry_point="tpu_helpers.train")
+        print(run.report)
+        print(f"results: {path}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

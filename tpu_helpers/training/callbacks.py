@@ -1,0 +1,38 @@
+"""The hooks a training run calls: subclass `Callback` and pass instances as `Trainer(..., callbacks=[...])`.
+
+A leaf module (it imports nothing from the package at run time), so diagnostics and the trainer can both use it
+without importing each other.
+
+    class PrintLoss(Callback):
+        def on_log(self, trainer, record):
+            print(record["step"], record["loss"])
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tpu_helpers.training.history import RunReport
+    from tpu_helpers.training.trainer import Trainer
+
+
+class Callback:
+    """Hooks into `Trainer.fit`. They run on the host between steps and must not read device tensors."""
+
+    def on_fit_start(self, trainer: Trainer) -> None: ...
+
+    def on_batch(self, trainer: Trainer, batch: Any) -> None:
+        """Each training batch as the step takes it (a device batch: read shapes and dtypes only, not values)."""
+
+    def on_step_end(self, trainer: Trainer) -> None:
+        """After the step's sync; `trainer.step` is the number of finished steps."""
+
+    def on_log(self, trainer: Trainer, record: dict) -> None:
+        """After a log record was read from the device (inside the step closure)."""
+
+    def on_eval_start(self, trainer: Trainer) -> None: ...
+
+    def on_eval_end(self, trainer: Trainer) -> None: ...
+
+    def on_fit_end(self, trainer: Trainer, report: RunReport) -> None: ...

@@ -1,0 +1,124 @@
+"""Where a training step's time goes (data wait, host work, sync), tokens/s and MFU, for the run report.
+
+`Trainer.fit` drives a `StepTimer` with host clocks only (no device read is added to the loop):
+
+- data wait: time blocked in `next(batches)`, i.e. the input pipeline could not keep up;
+- host: the rest of building the step (forward, backward and optimizer calls). On XLA this is tracing the lazy
+  graph, not running it; on CPU eager it is the real compute; on CUDA it is kernel launches;
+- sync: time in `backend.sync()`. On XLA this cuts the graph, compiles it when new, and launches it; torch_xla
+  runs graphs asynchronously, so it blocks only when the device is behind. On an asynchronous device the device
+  time therefore appears wherever the host waits for it (sync, the next transfer, a log read);
+- other: evaluation, checkpoints, callbacks.
+
+Over many steps the host cannot run ahead of the device, so the steady-state step time (data wait + host + sync,
+the first `warmup_steps` steps excluded because they compile) is the honest training step time. Tokens/s and MFU
+come from it.
+
+MFU convention: model FLOPs per token from the model (`flops_per_token`; for the package's GPT 6*N + 12*L*H*Q*T,
+forward and backward, recomputation not counted, causal attention not halved, as in PaLM and nanoGPT), divided
+by the hardware catalog's dense bf16 peak per chip times the number of chips. Reported for TPUs and GPUs only
+(the CPU entry has no meaningful peak); with fp32 the figure is still against the bf16 peak.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from statistics import median
+from typing import Any
+
+PARTS = ("data_wait", "host", "sync", "other")
+
+
+def model_flops_per_token(model: Any, seq_len: int) -> float | None:
+    """Training FLOPs per token of `model` at `seq_len`, or None if the model does not say."""
+    fn = getattr(model, "flops_per_token", None)
+    if callable(fn):
+        return float(fn(seq_len))
+    from tpu_helpers.models.gpt import GPT, flops_per_token
+
+    if isinstance(model, GPT):
+        return flops_per_token(model.config, seq_len)
+    return None
+
+
+class StepTimer:
+    """Host-side split of each step; see the module docstring for what each part means."""
+
+    def __init__(self, warmup_steps: int = 2) -> None:
+        self.warmup_steps = warmup_steps
+        self.steps: list[tuple[float, float, float, float]] = []  # (data_wait, host, sync, other) per step
+        self._wait = 0.0
+        self._begin = self._synced = 0.0
+        self._sync = 0.0
+
+    def wrap(self, batches: Iterator) -> Iterator:
+        """Yield from `batches`, adding the time spent waiting for each batch to the current step."""
+        while True:
+            t0 = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            self._wait += time.perf_counter() - t0
+            yield batch
+
+    def begin(self) -> None:
+        self._begin, self._wait, self._sync = time.perf_counter(), 0.0, 0.0
+        self._synced = self._begin
+
+    def sync(self, fn: Callable[[], None]) -> None:
+        t0 = time.perf_counter()
+        fn()
+        self._synced = time.perf_counter()
+        self._sync += self._synced - t0
+
+    def end(self) -> None:
+        now = time.perf_counter()
+        host = max(0.0, self._synced - self._begin - self._wait - self._sync)
+        self.steps.append((self._wait, host, self._sync, now - self._synced))
+
+    # ---- summary ------------------------------------------------------------------------------------------------
+    def summary(self, *, tokens_per_step: int, flops_per_token: float | None, peak_tflops: float | None,
+                chips: int) -> dict:
+        steady = self.steps[self.warmup_steps:] or self.steps
+        if not steady:
+            return {}
+        per_part = {p: median(s[i] for s in steady) * 1e3 for i, p in enumerate(PARTS)}
+        train_s = sum(s[0] + s[1] + s[2] for s in steady) / len(steady)
+        tokens_per_s = tokens_per_step / train_s if train_s > 0 else 0.0
+        mfu = None
+        if flops_per_token and peak_tflops and tokens_per_s:
+            mfu = tokens_per_s * flops_per_token / (peak_tflops * 1e12 * chips)
+        return {
+            "steps_timed": len(self.steps),
+            "warmup_steps": min(self.warmup_steps, len(self.steps)),
+            "warmup_s": sum(sum(s) for s in self.steps[: self.warmup_steps]),
+            "median_ms": per_part,
+            "steady_step_ms": train_s * 1e3,
+            "steady_tokens_per_s": tokens_per_s,
+            "flops_per_token": flops_per_token,
+            "peak_tflops_per_chip": peak_tflops,
+            "mfu": mfu,
+        }
+
+    def fill_report(self, trainer: Any, report: Any) -> None:
+        """Put the summary into `report.timing` and `report.mfu`."""
+        hw = trainer.backend.hardware
+        peak = hw.bf16_tflops if hw is not None and hw.kind in ("tpu", "gpu") else None
+        fpt = model_flops_per_token(trainer.raw_model, trainer.config.seq_len)
+        report.timing = self.summary(tokens_per_step=trainer.tokens_per_step, flops_per_token=fpt,
+                                     peak_tflops=peak,
+                                     chips=max(1, trainer.backend.num_replicas // max(1, hw.devices_per_chip)))
+        report.mfu = report.timing.get("mfu")
+
+
+def format_timing(timing: dict) -> str:
+    """One line for `RunReport.__str__`."""
+    if not timing:
+        return ""
+    ms = timing["median_ms"]
+    mfu = f", MFU {timing['mfu']:.1%}" if timing.get("mfu") is not None else ""
+    return (f"step time     {timing['steady_step_ms']:.1f} ms steady (median: data wait {ms['data_wait']:.1f}, "
+            f"host {ms['host']:.1f}, sync {ms['sync']:.1f}, eval/save {ms['other']:.1f} ms); "
+            f"{timing['steady_tokens_per_s']:,.0f} tokens/s{mfu}")

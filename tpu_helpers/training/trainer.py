@@ -1,0 +1,324 @@
+"""The training loop: one class whose small steps a variant can override, and `fit` that runs it.
+
+    trainer = Trainer(model, train_dataset, val_dataset, config=TrainConfig(steps=200, batch_size=16))
+    report = trainer.fit()
+    trainer.history.plot(); print(report)
+
+It trains any `nn.Module`: with `loss_fn=None` the model is called as `model(inputs, targets)` and returns the loss
+(or `(output, loss)`, as the package's GPT does); otherwise `loss_fn(model(inputs), targets)`. Batches are
+`(inputs, targets)` pairs.
+
+XLA hygiene is built in rather than left to the user:
+- exactly one `backend.sync()` per optimizer step (gradient accumulation stays inside one graph);
+- fixed shapes: loaders drop the last partial batch, evaluation uses the same batch shape every time;
+- no host read of a device tensor in the hot loop: losses accumulate on the device and reach the host through a
+  step closure at log steps only; the progress bar advances on host-side counters;
+- the learning rate never hits 0.0 or 1.0 exactly (XLA bakes those scalars into the graph as constants, so a step
+  with lr 0 would compile a graph of its own);
+- `zero_grad(set_to_none=False)` on XLA (through the backend).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+from tqdm.auto import tqdm
+
+from tpu_helpers.backend import Backend, get_backend
+from tpu_helpers.config import ConfigError, TrainConfig
+from tpu_helpers.data import make_loader
+from tpu_helpers.training.callbacks import Callback
+from tpu_helpers.training.history import History, RunReport
+from tpu_helpers.training.run_state import RunState
+from tpu_helpers.training.signals import stop_on_signals
+from tpu_helpers.training.step_timing import StepTimer
+from tpu_helpers.training.validation import check_trainer_args
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+def warmup_cosine(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
+    """LR multiplier: linear warmup from 1/warmup (never 0), then cosine down to `min_ratio` (kept above 0)."""
+    if warmup and step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    ratio = min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return max(ratio, 1e-6)
+
+
+class Trainer:
+    """Base training loop. Override `configure_optimizer`, `compute_loss`, `train_step` or `evaluate`."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        train_data: Dataset,
+        val_data: Dataset | None = None,
+        *,
+        config: TrainConfig | None = None,
+        backend: Backend | None = None,
+        loss_fn: LossFn | None = None,
+        run_identity: dict | None = None,
+        progress: bool = True,
+        callbacks: list[Callback] | None = None,
+    ) -> None:
+        check_trainer_args(model=model, train_data=train_data, val_data=val_data, config=config, backend=backend,
+                           loss_fn=loss_fn, callbacks=callbacks, run_identity=run_identity, progress=progress)
+        self.config = cfg = config or TrainConfig()
+        self.backend = backend or get_backend(cfg.device, fallback=cfg.fallback, precision=cfg.precision,
+                                              spmd=cfg.spmd, compile_cache_dir=cfg.compile_cache_dir)
+        if cfg.precision not in ("auto", self.backend.precision):
+            raise ConfigError(
+                f"precision={cfg.precision!r} conflicts with the backend passed in, which runs "
+                f"{self.backend.precision!r}; create it with get_backend(..., precision={cfg.precision!r})"
+            )
+        self.loss_fn = loss_fn
+        self.progress = progress
+        self.callbacks: list[Callback] = list(callbacks or [])
+        # ---- XLA diagnostics (issue 5): the problem detector runs by default on XLA ----
+        if self.backend.is_xla and cfg.xla_checks != "off":
+            from tpu_helpers.diagnostics import XlaDetector
+
+            if not any(isinstance(c, XlaDetector) for c in self.callbacks):
+                self.callbacks.append(XlaDetector(strict=cfg.xla_checks == "strict"))
+        self.timer = StepTimer()
+        # ---- end XLA diagnostics ----
+        self.stop_reason: str | None = None  # set (e.g. by a signal handler) to end after the current step
+        if cfg.gradient_checkpointing:
+            if not hasattr(model, "set_gradient_checkpointing"):
+                raise ConfigError(
+                    f"gradient_checkpointing=True but {type(model).__name__} has no set_gradient_checkpointing(fn); "
+                    "add one (see tpu_helpers.models.gpt.GPT) or turn it off"
+                )
+            model.set_gradient_checkpointing(self.backend.checkpoint_fn())
+        self.raw_model = model
+        self.model = self.backend.prepare_model(model)
+        self.train_loader = self._loader(train_data, shuffle=True)
+        self.val_loader = self._loader(val_data, shuffle=False) if val_data is not None else None
+        self.optimizer = self.configure_optimizer()
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda s: warmup_cosine(s, warmup=cfg.warmup_steps, total=cfg.steps, min_ratio=cfg.min_lr_ratio),
+        )
+        self.history = History()
+        self.state = RunState(self, run_identity=run_identity)
+        self.step = 0
+        self.epoch = 0
+        # The data position in samples of the global order (not loader batches), so a checkpoint resumes at the
+        # same sample on any number of chips or processes with the same global batch.
+        self.samples_in_epoch = 0
+
+    # ---- construction steps (override to customise) ------------------------------------------------------------
+    @property
+    def loader_batch_size(self) -> int:
+        """Rows per loader batch: the global batch under SPMD (one process feeds all chips), else per chip."""
+        b = self.backend
+        return self.config.batch_size * (b.num_replicas if b.num_replicas > b.world_size else 1)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.config.batch_size * self.backend.num_replicas * self.config.grad_accum * self.config.seq_len
+
+    def _loader(self, data: Dataset | DataLoader, *, shuffle: bool) -> DataLoader:
+        if isinstance(data, DataLoader):
+            if data.batch_size and data.batch_size % max(1, self.backend.num_replicas // self.backend.world_size):
+                raise ConfigError(
+                    f"loader batch size {data.batch_size} is not divisible by the {self.backend.num_replicas} "
+                    "devices it is sharded over"
+                )
+            return data
+        rank, world = self.backend.loader_rank_and_world
+        return make_loader(data, self.loader_batch_size, backend_kind=self.backend.loader_kind, rank=rank,
+                           world_size=world, shuffle=shuffle, seed=self.config.seed)
+
+    def configure_optimizer(self) -> torch.optim.Optimizer:
+        cfg = self.config
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if cfg.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
+        # No weight decay on biases and norms (1-D tensors), as in GPT-2 and most LLM recipes.
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+
+    # ---- the step ------------------------------------------------------------------------------------------------
+    def compute_loss(self, batch: Any) -> torch.Tensor:
+        inputs, targets = batch
+        if self.loss_fn is None:
+            out = self.model(inputs, targets)
+            return out[1] if isinstance(out, tuple) else out
+        return self.loss_fn(self.model(inputs), targets)
+
+    def train_step(self, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One optimizer step over `grad_accum` micro-batches; returns device tensors (loss, grad norm)."""
+        b, accum = self.backend, self.config.grad_accum
+        total = None
+        for _ in range(accum):
+            with b.autocast():
+                loss = self.compute_loss(next(batches)) / accum
+            b.backward(loss)
+            total = loss.detach() if total is None else total + loss.detach()
+        grad_norm = b.optimizer_step(self.optimizer, clip_norm=self.config.grad_clip)
+        self.scheduler.step()
+        b.zero_grad(self.optimizer)
+        return total, grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean validation loss over `eval_batches` fixed batches (one host read at the end)."""
+        if self.val_loader is None:
+            return None
+        for cb in self.callbacks:
+            cb.on_eval_start(self)
+        self.model.eval()
+        # The same fixed batches every time: a loop broken off after eval_batches would otherwise leave the
+        # sampler mid-pass, so the next evaluation (and a resumed run's) would read other batches.
+        if hasattr(getattr(self.val_loader, "sampler", None), "load_state_dict"):
+            self.val_loader.sampler.load_state_dict({"epoch": 0, "index": 0})
+        # The running total starts as data copied from the host, shape (1,) (XLA turns a 0-d zero into a constant,
+        # i.e. a graph of its own), and the mean is taken on the host: every evaluation batch runs one same graph.
+        total, n = torch.zeros(1).to(self.backend.device), 0
+        # Cap the host loader rather than break out of the device loader: MpDeviceLoader's feeder thread fails
+        # when its consumer walks away mid-iteration.
+        for batch in self.backend.wrap_loader(_Take(self.val_loader, self.config.eval_batches)):
+            with self.backend.autocast():
+                total = total + self.compute_loss(batch).float()
+            self.backend.sync()
+            n += 1
+        self.model.train()
+        for cb in self.callbacks:
+            cb.on_eval_end(self)
+        if n == 0:
+            raise ConfigError("the validation set is smaller than one batch; lower batch_size or val_fraction")
+        return float(self.backend.all_reduce_mean(total).item()) / n
+
+    @property
+    def samples_per_batch(self) -> int:
+        """Samples of the global data order one loader batch consumes, over all processes."""
+        return (self.train_loader.batch_size or 1) * self.backend.loader_rank_and_world[1]
+
+    @property
+    def batches_in_epoch(self) -> int:
+        """Loader batches of this process consumed in the current epoch (derived from the sample position)."""
+        return self.samples_in_epoch // self.samples_per_batch
+
+    def _batches(self) -> Iterator:
+        """Endless device batches across epochs; counts what the loop consumed (prefetching runs ahead)."""
+        while True:
+            sampler = getattr(self.train_loader, "sampler", None)
+            # Position first, then set_epoch: resumed exactly at the end of an epoch, set_epoch(current) makes the
+            # sampler yield the (empty) rest of it, so the loop moves to the next epoch with its own counters in
+            # step. The other order let the sampler start the next epoch by itself while self.epoch stayed behind.
+            if self.samples_in_epoch and hasattr(sampler, "load_state_dict"):
+                # Each process's sampler takes every world-th sample of the global order (ResumableSampler).
+                world = self.backend.loader_rank_and_world[1]
+                sampler.load_state_dict({"epoch": self.epoch, "index": self.samples_in_epoch // world})
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(self.epoch)
+            for batch in self.backend.wrap_loader(self.train_loader):
+                self.samples_in_epoch += self.samples_per_batch
+                for cb in self.callbacks:
+                    cb.on_batch(self, batch)
+                yield batch
+            self.epoch += 1
+            self.samples_in_epoch = 0
+
+    # ---- the loop ------------------------------------------------------------------------------------------------
+    def fit(self) -> RunReport:
+        """Train to `config.steps`, resuming from out_dir's checkpoints; SIGTERM/Ctrl-C stop cleanly (signals.py)."""
+        with stop_on_signals(self):
+            return self._fit()
+
+    def _fit(self) -> RunReport:
+        cfg, b = self.config, self.backend
+        self.state.resume_or_start()
+        start_step, t_start = self.step, time.perf_counter()
+        if self.step == 0 and self.val_loader is not None:
+            self.history.log_eval(0, self.evaluate())
+        b.reset_metrics()
+        bar = tqdm(total=cfg.steps, initial=self.step, disable=not (self.progress and b.is_main),
+                   desc="train", unit="step", dynamic_ncols=True)
+        window = self._zero_window()
+        window_start = (self.step, time.perf_counter())
+        batches = self.timer.wrap(self._batches())  # step timing: data wait is the time spent in next()
+        self.model.train()
+        for cb in self.callbacks:
+            cb.on_fit_start(self)
+        while self.step < cfg.steps and self.stop_reason is None:
+            self.timer.begin()
+            loss, grad_norm = self.train_step(batches)
+            # Loss and gradient norm summed on the device in one tensor: one host transfer per log interval.
+            norm = grad_norm.float() if grad_norm is not None else torch.zeros_like(loss, dtype=torch.float32)
+            window = window + torch.stack([loss.float(), norm])
+            self.step += 1
+            if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                lr = self.optimizer.param_groups[0]["lr"]
+                b.add_step_closure(self._on_log, self.step, window, window_start, lr, bar)
+                self.timer.sync(b.sync)
+                window = self._zero_window()
+                window_start = (self.step, time.perf_counter())
+            else:
+                self.timer.sync(b.sync)
+            bar.update(1)
+            if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
+                val = self.evaluate()
+                self.history.log_eval(self.step, val)
+                if val is not None:
+                    bar.set_postfix_str(f"val {val:.3f}", refresh=False)
+            for cb in self.callbacks:
+                cb.on_step_end(self)
+            if self.step % cfg.save_every == 0 or self.step == cfg.steps or self.stop_reason is not None:
+                self.state.save()
+            self.timer.end()
+        bar.close()
+        report = self.state.report(start_step, time.perf_counter() - t_start)
+        self.timer.fill_report(self, report)
+        for cb in self.callbacks:
+            cb.on_fit_end(self, report)
+        return report
+
+    def _zero_window(self) -> torch.Tensor:
+        # Made on the host and copied over, so it enters the next graph as data exactly like the running sum does
+        # (an on-device torch.zeros would be a different graph for the step after each log).
+        return torch.zeros(2).to(self.backend.device)
+
+    def _on_log(self, step: int, window: torch.Tensor, window_start: tuple, lr: float, bar: Any) -> None:
+        """Runs after the step's graph executed: the only place the training loss is read on the host."""
+        first_step, t0 = window_start
+        steps = max(1, step - first_step)
+        seconds = max(time.perf_counter() - t0, 1e-9)
+        loss_sum, norm_sum = window.tolist()
+        loss = loss_sum / steps
+        tok_s = steps * self.tokens_per_step / seconds
+        norm = norm_sum / steps if self.config.grad_clip is not None else None
+        self.history.log_train(step, loss=loss, lr=lr, tokens_per_s=tok_s, grad_norm=norm)
+        for cb in self.callbacks:
+            cb.on_log(self, self.history.train[-1])
+        bar.set_postfix_str(f"loss {loss:.3f} | {tok_s:,.0f} tok/s", refresh=False)
+
+
+class _Take:
+    """The first `n` batches of a loader, with a length (MpDeviceLoader and progress bars ask for one)."""
+
+    def __init__(self, loader: DataLoader, n: int) -> None:
+        self.loader, self.n = loader, n
+
+    def __iter__(self) -> Iterator:
+        return itertools.islice(iter(self.loader), self.n)
+
+    def __len__(self) -> int:
+        return min(self.n, len(self.loader))
+
+
+def fit(model: torch.nn.Module, train_data: Dataset, val_data: Dataset | None = None, *,
+        config: TrainConfig | None = None, **kwargs: Any) -> tuple[Trainer, RunReport]:
+    """Train `model` with the package's loop; returns the trainer (history, model) and the run report."""
+    trainer = Trainer(model, train_data, val_data, config=config, **kwargs)
+    return trainer, trainer.fit()
