@@ -16,7 +16,7 @@ import tempfile
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
-from tpu_helpers.backend import get_backend  # noqa: E402
+from tpu_helpers.backend import backend_for  # noqa: E402
 from tpu_helpers.config import TrainConfig  # noqa: E402
 from tpu_helpers.data import build_datasets  # noqa: E402
 from tpu_helpers.models.gpt import GPT, gpt_config  # noqa: E402
@@ -49,10 +49,10 @@ def main() -> None:
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--save-every", type=int, default=100)
     args = ap.parse_args()
-    backend = get_backend("xla", spmd=False)
     cfg = TrainConfig(device="xla", preset="tiny", steps=args.steps, batch_size=8, seq_len=64, warmup_steps=10,
                       eval_every=args.eval_every, eval_batches=4, log_every=args.log_every,
                       save_every=args.save_every, out_dir=tempfile.mkdtemp())
+    backend = backend_for(cfg, spmd=False)
     train, val, tok = build_datasets("embedded", "byte", block_size=cfg.seq_len, max_chars=300_000)
     probe = PerStep()
     trainer = Probe(GPT(gpt_config("tiny", vocab_size=tok.vocab_size, block_size=cfg.seq_len)), train, val,
@@ -63,8 +63,8 @@ def main() -> None:
     last_compile = max((s for s, c in compiles_by_step if c), default=0)
     quiet = []
     for (s, m), (_, p) in zip(samples[1:], samples, strict=False):
-        expected = (s % cfg.log_every == 0 or s % cfg.eval_every == 0 or s == cfg.steps
-                    or (s - 1) % cfg.save_every == 0 and s > 1)
+        sched = cfg.schedule
+        expected = sched.is_log_step(s) or sched.is_eval_step(s) or (s > 1 and sched.is_save_step(s - 1))
         if not expected:
             quiet.append(m["device_to_host_transfers"] - p["device_to_host_transfers"])
     graphs = trainer.eval0_compiles + report.xla["compilations"]

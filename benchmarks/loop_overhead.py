@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from tpu_helpers.backend import get_backend
+from tpu_helpers.backend import backend_for
 from tpu_helpers.config import TrainConfig
 from tpu_helpers.data import build_datasets, make_loader
 from tpu_helpers.models.gpt import GPT, gpt_config
@@ -59,7 +59,7 @@ def hand_loop(cfg, backend, train, vocab) -> float:
         sched.step()
         opt.zero_grad(set_to_none=not backend.is_xla)
         running = running + loss.detach()
-        if step % cfg.log_every == 0:
+        if cfg.schedule.is_log_step(step):
             backend.add_step_closure(lambda r: logged.append(r.item()), running)
             backend.sync()
             running = torch.zeros((), device=backend.device)
@@ -74,9 +74,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    backend = get_backend(args.device, spmd=False)
     cfg = TrainConfig(device=args.device, preset="tiny", steps=args.steps, batch_size=16, seq_len=64,
                       warmup_steps=5, log_every=10, eval_every=10**6, save_every=10**6, xla_checks="off")
+    backend = backend_for(cfg, spmd=False)
     train, _, tok = build_datasets("embedded", "byte", block_size=cfg.seq_len, max_chars=300_000)
     warm = cfg.replace(steps=3, log_every=3)
     package_loop(warm, backend, train, tok.vocab_size)

@@ -21,12 +21,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
 import json, sys, time, tempfile
-from tpu_helpers import TrainConfig, get_backend, build_gpt_run
+from tpu_helpers import TrainConfig, backend_for, build_gpt_run
 device, steps, batch, seq = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-backend = get_backend(device, spmd=False)
 cfg = TrainConfig(device=device, preset="tiny", steps=steps, batch_size=batch, seq_len=seq, log_every=10,
                   eval_every=10**6, save_every=10**6, warmup_steps=5, max_chars=300_000,
                   out_dir=tempfile.mkdtemp())
+backend = backend_for(cfg, spmd=False)
 run = build_gpt_run(cfg, backend=backend, progress=False)
 t0 = time.perf_counter()
 report = run.trainer.fit()

@@ -15,9 +15,8 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from tpu_helpers.backend import DEVICES
-from tpu_helpers.backend.base import PRECISIONS
-from tpu_helpers.models.gpt import PRESETS
+from tpu_helpers.choices import DEVICES, PRECISIONS, PRESET_NAMES
+from tpu_helpers.training.schedule import Schedule
 
 OPTIMIZERS = ("adamw", "sgd")
 XLA_CHECKS = ("warn", "strict", "off")
@@ -103,7 +102,7 @@ class TrainConfig:
         if self.device == "cpu" and self.precision == "fp16":
             raise ConfigError("precision='fp16' needs a CUDA GPU; on device='cpu' use 'fp32' or 'bf16'")
         # ---- added for issue 6 (bad input): choices the backend or model would only reject later ----
-        _choice("preset", self.preset, tuple(PRESETS))
+        _choice("preset", self.preset, PRESET_NAMES)
         if self.device in ("tpu", "xla") and self.precision == "fp16":
             raise ConfigError(f"precision='fp16' needs a CUDA GPU; on device={self.device!r} use 'bf16' (native "
                               "on TPUs) or 'fp32'")
@@ -113,6 +112,11 @@ class TrainConfig:
         for name in ("text_field", "tokenizer"):
             if not getattr(self, name).strip():
                 raise ConfigError(f"{name}={getattr(self, name)!r} is empty")
+
+    @property
+    def schedule(self) -> Schedule:
+        """When this run logs, evaluates and saves (`tpu_helpers.training.schedule`)."""
+        return Schedule.from_config(self)
 
     def replace(self, **changes: Any) -> TrainConfig:
         unknown = sorted(set(changes) - {f.name for f in fields(self)})

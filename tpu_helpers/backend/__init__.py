@@ -3,6 +3,7 @@
     from tpu_helpers.backend import get_backend
     backend = get_backend("auto")       # TPU, then CUDA, then CPU
     print(backend.status())             # e.g. "TPU v6e x1, 31.3 GiB HBM/chip, bf16"
+    backend = backend_for(config)       # what a TrainConfig asks for (device, fallback, precision, spmd, cache)
 
 Device names:
 - "auto": a TPU if torch_xla is installed and TPU chips are attached, else a CUDA GPU, else the CPU;
@@ -23,15 +24,15 @@ import importlib.metadata
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from tpu_helpers.backend.base import Backend, BackendUnavailable, warn_fallback
+from tpu_helpers.choices import DEVICES
 
-DEVICES = ("auto", "tpu", "cuda", "cpu", "xla")
-
-__all__ = ["DEFAULT_COMPILE_CACHE", "DEVICES", "Backend", "BackendUnavailable", "get_backend", "resolve_compile_cache",
-           "tpu_chip_count", "xla_module"]
+__all__ = ["DEFAULT_COMPILE_CACHE", "DEVICES", "Backend", "BackendUnavailable", "backend_for", "get_backend",
+           "resolve_compile_cache", "tpu_chip_count", "xla_module"]
 
 _GOOGLE_PCI_VENDOR = "0x1ae0"
 _XLA_BACKEND = None  # the XLA runtime is per process: build its backend once and hand the same one out
@@ -182,3 +183,19 @@ def get_backend(
     if precision == "bf16" and device != "cpu":
         warnings.warn("bf16 autocast on the CPU is slow; consider precision='fp32' there", stacklevel=2)
     return Backend(precision)
+
+
+def backend_for(config: Any, **overrides: Any) -> Backend:
+    """The backend a `TrainConfig` asks for: its device, fallback, precision, spmd and compile_cache_dir.
+
+    `overrides` take `get_backend`'s keyword names (and `device`) and win over the config's values, e.g.
+    `backend_for(config, spmd=False)` in a spawned process. Every entry point builds its backend here, so a
+    config setting cannot be forgotten by one of them.
+    """
+    settings = {"device": config.device, "fallback": config.fallback, "precision": config.precision,
+                "spmd": config.spmd, "compile_cache_dir": config.compile_cache_dir}
+    unknown = sorted(set(overrides) - set(settings))
+    if unknown:
+        raise TypeError(f"backend_for() got unknown setting(s) {unknown}; known: {sorted(settings)}")
+    settings.update(overrides)
+    return get_backend(settings.pop("device"), **settings)

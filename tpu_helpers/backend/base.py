@@ -24,9 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
+from tpu_helpers.choices import PRECISIONS
 from tpu_helpers.hardware import HardwareSpec, format_bytes, lookup
-
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 
 class BackendUnavailable(RuntimeError):

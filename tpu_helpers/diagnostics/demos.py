@@ -13,8 +13,6 @@ The fixed loop is the package's own `Trainer` on fixed-shape batches.
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import warnings
 from collections.abc import Iterable
@@ -26,12 +24,11 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from tpu_helpers.backend import Backend
-from tpu_helpers.checkpoint import atomic_write_text
 from tpu_helpers.config import ConfigError, TrainConfig
 from tpu_helpers.data import build_datasets
 from tpu_helpers.diagnostics import XlaDetector, XlaPerformanceWarning, detector_for
 from tpu_helpers.models.gpt import GPT, gpt_config
-from tpu_helpers.training.recipes import RUN_DIR_ENV
+from tpu_helpers.training.results import write_results
 from tpu_helpers.training.trainer import Trainer
 
 PATTERNS = ("shapes", "value", "item", "fallback")
@@ -145,12 +142,7 @@ def compare_loops(config: TrainConfig, *, backend: Backend, patterns: Iterable[s
 def save_comparison(rows: list[dict], out_dir: str | Path, **extra: Any) -> Path:
     """Write `<out_dir>/results.json` (both loops' figures and findings), atomically; also into the runner's
     run directory when run by `python -m tpu_helpers run`."""
-    text = json.dumps({"loops": rows, **extra}, indent=2, default=str)
-    targets = [Path(out_dir)] + ([Path(os.environ[RUN_DIR_ENV])] if os.environ.get(RUN_DIR_ENV) else [])
-    for directory in targets:
-        directory.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(directory / "results.json", text)
-    return Path(out_dir) / "results.json"
+    return write_results(out_dir, {"loops": rows, **extra})
 
 
 def format_comparison(rows: list[dict]) -> str:

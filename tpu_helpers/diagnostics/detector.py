@@ -134,7 +134,7 @@ class XlaDetector(Callback):
     def on_step_end(self, trainer) -> None:
         if not self.active:
             return
-        cfg, step = trainer.config, trainer.step
+        schedule, step = trainer.schedule, trainer.step
         now = trainer.backend.metrics()
         last, self._last = self._last, now
         shapes, self._step_shapes = self._step_shapes, []
@@ -144,9 +144,8 @@ class XlaDetector(Callback):
         new_shapes = [s for s in dict.fromkeys(shapes) if s not in self._seen_shapes]
         if not in_warmup:
             self._seen_shapes.update(shapes)
-        is_eval = step % cfg.eval_every == 0 or step == cfg.steps
-        is_log = step % cfg.log_every == 0 or step == cfg.steps
-        saved_before, self._saved_before = self._saved_before, step % cfg.save_every == 0
+        # The checkpoint is written after on_step_end, so its transfers show up in the next step.
+        saved_before, self._saved_before = self._saved_before, schedule.is_save_step(step)
 
         fallback_calls = 0
         for name, count in now["cpu_fallback_ops"].items():
@@ -173,7 +172,7 @@ class XlaDetector(Callback):
                 self._report("changing_value", None, step, CAUSES["changing_value"].format(detail=detail))
 
         reads = now["device_to_host_transfers"] - last["device_to_host_transfers"] - fallback_calls
-        if reads > 0 and not (is_log or is_eval or saved_before):
+        if reads > 0 and not (schedule.is_log_step(step) or schedule.is_eval_step(step) or saved_before):
             self._report("host_read", None, step, CAUSES["host_read"].format(detail=reads))
 
     def on_fit_end(self, trainer, report) -> None:

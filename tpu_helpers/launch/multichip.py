@@ -2,7 +2,7 @@
 
     plan = plan_multichip(config, global_batch=64, mode="spmd")   # validated before any XLA runtime starts
     print(plan.describe())   # "global batch 64 = 8 per chip x 8 chips x 1 accumulation step ..."
-    backend = get_backend(config.device, spmd=True); run = build_gpt_run(plan.config, backend=backend) ...
+    backend = backend_for(plan.config); run = build_gpt_run(plan.config, backend=backend) ...
 
 SPMD ("spmd") is the default: the notebook's own process drives all chips as one program, the global batch is
 sharded over the mesh's "data" axis, nothing forks or pickles inside Jupyter, and checkpoints are written once.
@@ -102,11 +102,11 @@ def check_backend(plan: MultiChipPlan, backend) -> None:
 def spawn_worker(index: int, config_dict: dict, extra_results: dict) -> None:
     """One process of a spawned run: train on this process's chip; rank 0 writes the results (importable, so
     `xmp.spawn` can start it from a notebook)."""
-    from tpu_helpers.backend import get_backend
+    from tpu_helpers.backend import backend_for
     from tpu_helpers.training.recipes import save_results, train_gpt
 
     config = TrainConfig(**config_dict)
-    backend = get_backend(config.device, fallback=config.fallback, precision=config.precision, spmd=False)
+    backend = backend_for(config, spmd=False)
     run = train_gpt(config, backend=backend, progress=backend.is_main)
     if backend.is_main:
         save_results(run, process_index=index, world_size=backend.world_size, **extra_results)

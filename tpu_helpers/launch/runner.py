@@ -20,7 +20,7 @@ from typing import Any
 
 from tpu_helpers.checkpoint import atomic_write_text
 from tpu_helpers.launch.targets import TARGETS, auto_target
-from tpu_helpers.training.recipes import RUN_DIR_ENV
+from tpu_helpers.training.results import RUN_DIR_ENV
 
 
 class RunError(RuntimeError):

@@ -67,10 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch.distributed as dist
 
-    from tpu_helpers.backend import get_backend
+    from tpu_helpers.backend import backend_for
     from tpu_helpers.training.recipes import save_results, train_gpt
 
-    backend = get_backend(config.device, fallback=config.fallback, precision=config.precision, spmd=config.spmd)
+    backend = backend_for(config)
     run = train_gpt(config, backend=backend, progress=backend.is_main)
     if backend.is_main:
         path = save_results(run, world_size=backend.world_size, entry_point="tpu_helpers.train")

@@ -17,7 +17,6 @@ renders the same figures without widgets (papermill runs).
 from __future__ import annotations
 
 import dataclasses
-import io
 from pathlib import Path
 from typing import Any
 
@@ -243,24 +242,8 @@ def panel_from_config(config) -> TuningPanel:
 def save_tuning_results(panel: TuningPanel, out_dir: str, **extra: Any) -> Path:
     """Write ``results.json`` (the panel's figures, the probe's if run, ``extra``) and ``memory.png``, atomically,
     into ``out_dir`` and, under ``python -m tpu_helpers run``, the run's directory."""
-    import json
-    import os
-
-    import matplotlib.pyplot as plt
-
-    from tpu_helpers.checkpoint import atomic_write_bytes, atomic_write_text
-    from tpu_helpers.training.recipes import RUN_DIR_ENV
+    from tpu_helpers.training.results import write_results
 
     results = {**panel.result(), "probe": panel.probe_result.to_dict() if panel.probe_result else None, **extra}
-    text = json.dumps(results, indent=2, default=str)
-    fig = panel.figure()
-    buf = io.BytesIO()
-    fig.savefig(buf, dpi=110, format="png")
-    plt.close(fig)
-    targets = [Path(out_dir)] + ([Path(os.environ[RUN_DIR_ENV])] if os.environ.get(RUN_DIR_ENV) else [])
-    for directory in targets:
-        directory.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(directory / "results.json", text)
-        atomic_write_bytes(directory / "memory.png", buf.getvalue())
-    return Path(out_dir) / "results.json"
+    return write_results(out_dir, results, figure=panel.figure(), figure_name="memory.png")
 

@@ -40,10 +40,6 @@ class History:
 
     def plot(self, path: str | Path | None = None, *, title: str = "loss"):
         """Train and validation loss against step (and throughput); saves a PNG when `path` is given."""
-        import matplotlib
-
-        if path is not None and matplotlib.get_backend().lower() == "agg":
-            matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
         fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))

@@ -9,23 +9,19 @@ and the model size before it commits to a long run.
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tpu_helpers.backend import Backend, get_backend
-from tpu_helpers.checkpoint import atomic_write_text
+from tpu_helpers.backend import Backend, backend_for
 from tpu_helpers.config import ConfigError, TrainConfig
 from tpu_helpers.data import TokenBlocks, build_datasets
 from tpu_helpers.models.gpt import GPT, gpt_config, sample_text
 from tpu_helpers.training.history import History, RunReport
+from tpu_helpers.training.results import write_results
 from tpu_helpers.training.trainer import Trainer
-
-RUN_DIR_ENV = "TPU_HELPERS_RUN_DIR"  # set by `python -m tpu_helpers run`: results are copied there too
 
 
 @dataclass
@@ -50,8 +46,7 @@ class GptRun:
 
 
 def build_gpt_run(config: TrainConfig, *, backend: Backend | None = None, progress: bool = True) -> GptRun:
-    backend = backend or get_backend(config.device, fallback=config.fallback, precision=config.precision,
-                                     spmd=config.spmd, compile_cache_dir=config.compile_cache_dir)
+    backend = backend or backend_for(config)
     try:
         model_cfg = gpt_config(config.preset)
     except ValueError as err:
@@ -87,14 +82,4 @@ def save_results(run: GptRun, *, name: str = "results", **extra: Any) -> Path:
         raise RuntimeError("save_results() needs a finished run: call train_gpt() or run.trainer.fit() first")
     results = {"report": run.report.to_dict(), "config": run.config.to_dict(), "history": run.history.to_dict(),
                **run.extra_results, **extra}
-    text = json.dumps(results, indent=2, default=str)
-    out = Path(run.config.out_dir)
-    targets = [out] + ([Path(os.environ[RUN_DIR_ENV])] if os.environ.get(RUN_DIR_ENV) else [])
-    for directory in targets:
-        directory.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(directory / f"{name}.json", text)
-        fig = run.history.plot()
-        tmp = directory / ".loss.png.tmp"
-        fig.savefig(tmp, dpi=110, format="png")
-        os.replace(tmp, directory / "loss.png")
-    return out / f"{name}.json"
+    return write_results(run.config.out_dir, results, name=name, figure=run.history.plot())

@@ -30,12 +30,13 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
-from tpu_helpers.backend import Backend, get_backend
+from tpu_helpers.backend import Backend, backend_for
 from tpu_helpers.config import ConfigError, TrainConfig
 from tpu_helpers.data import make_loader
 from tpu_helpers.training.callbacks import Callback
 from tpu_helpers.training.history import History, RunReport
 from tpu_helpers.training.run_state import RunState
+from tpu_helpers.training.schedule import Schedule
 from tpu_helpers.training.signals import stop_on_signals
 from tpu_helpers.training.step_timing import StepTimer
 from tpu_helpers.training.validation import check_trainer_args
@@ -71,8 +72,7 @@ class Trainer:
         check_trainer_args(model=model, train_data=train_data, val_data=val_data, config=config, backend=backend,
                            loss_fn=loss_fn, callbacks=callbacks, run_identity=run_identity, progress=progress)
         self.config = cfg = config or TrainConfig()
-        self.backend = backend or get_backend(cfg.device, fallback=cfg.fallback, precision=cfg.precision,
-                                              spmd=cfg.spmd, compile_cache_dir=cfg.compile_cache_dir)
+        self.backend = backend or backend_for(cfg)
         if cfg.precision not in ("auto", self.backend.precision):
             raise ConfigError(
                 f"precision={cfg.precision!r} conflicts with the backend passed in, which runs "
@@ -120,6 +120,11 @@ class Trainer:
         """Rows per loader batch: the global batch under SPMD (one process feeds all chips), else per chip."""
         b = self.backend
         return self.config.batch_size * (b.num_replicas if b.num_replicas > b.world_size else 1)
+
+    @property
+    def schedule(self) -> Schedule:
+        """When this run logs, evaluates and saves; everything that needs to know asks it."""
+        return self.config.schedule
 
     @property
     def tokens_per_step(self) -> int:
@@ -258,7 +263,7 @@ class Trainer:
             norm = grad_norm.float() if grad_norm is not None else torch.zeros_like(loss, dtype=torch.float32)
             window = window + torch.stack([loss.float(), norm])
             self.step += 1
-            if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+            if self.schedule.is_log_step(self.step):
                 lr = self.optimizer.param_groups[0]["lr"]
                 b.add_step_closure(self._on_log, self.step, window, window_start, lr, bar)
                 self.timer.sync(b.sync)
@@ -267,14 +272,14 @@ class Trainer:
             else:
                 self.timer.sync(b.sync)
             bar.update(1)
-            if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
+            if self.schedule.is_eval_step(self.step):
                 val = self.evaluate()
                 self.history.log_eval(self.step, val)
                 if val is not None:
                     bar.set_postfix_str(f"val {val:.3f}", refresh=False)
             for cb in self.callbacks:
                 cb.on_step_end(self)
-            if self.step % cfg.save_every == 0 or self.step == cfg.steps or self.stop_reason is not None:
+            if self.schedule.is_save_step(self.step) or self.stop_reason is not None:
                 self.state.save()
             self.timer.end()
         bar.close()

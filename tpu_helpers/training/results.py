@@ -1,0 +1,54 @@
+"""The one writer of a run's results: `<out_dir>/results.json` and its figure, each written atomically.
+
+    write_results("runs/demo", {"report": ..., "config": ...}, figure=history.plot())   # -> runs/demo/results.json
+
+Under `python -m tpu_helpers run` (which sets `TPU_HELPERS_RUN_DIR`), the same files also go into that run's
+directory, where the runner reads them back. The figure is rendered once and closed, so a long notebook session
+neither accumulates open figures nor shows them again. The figure is written before the JSON: a results.json
+that exists always has its figure beside it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from tpu_helpers.checkpoint import atomic_write_bytes, atomic_write_text
+
+RUN_DIR_ENV = "TPU_HELPERS_RUN_DIR"  # set by `python -m tpu_helpers run`: results are copied there too
+
+
+def result_dirs(out_dir: str | Path) -> list[Path]:
+    """`out_dir`, and the runner's run directory when there is one."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    dirs = [Path(out_dir)] + ([Path(run_dir)] if run_dir else [])
+    return list(dict.fromkeys(d.resolve() for d in dirs))
+
+
+def render_png(figure: Any, *, dpi: int = 110) -> bytes:
+    """A matplotlib figure as PNG bytes; the figure is closed afterwards."""
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    try:
+        figure.savefig(buf, dpi=dpi, format="png")
+    finally:
+        plt.close(figure)
+    return buf.getvalue()
+
+
+def write_results(out_dir: str | Path, results: dict, *, name: str = "results", figure: Any = None,
+                  figure_name: str = "loss.png") -> Path:
+    """Write `<name>.json` (and `figure_name` when a figure is given) into `out_dir` and the runner's run
+    directory; returns the JSON path in `out_dir`. Values JSON cannot hold are written as their `str`."""
+    text = json.dumps(results, indent=2, default=str)
+    png = render_png(figure) if figure is not None else None
+    for directory in result_dirs(out_dir):
+        directory.mkdir(parents=True, exist_ok=True)
+        if png is not None:
+            atomic_write_bytes(directory / figure_name, png)
+        atomic_write_text(directory / f"{name}.json", text)
+    return Path(out_dir) / f"{name}.json"
