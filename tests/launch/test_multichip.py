@@ -131,7 +131,7 @@ def test_spawn_refuses_once_the_runtime_runs_here_and_rejects_other_counts():
     from tpu_helpers.backend import xla_module
 
     xla = xla_module()
-    assert xla.runtime_initialized()  # conftest started XLA:CPU in this process
+    assert xla.runtime_started()  # conftest started XLA:CPU in this process
     with pytest.raises(RuntimeError, match="already running in this process"):
         xla.spawn(print, nprocs=None)
     with pytest.raises(ValueError, match="nprocs=4"):

@@ -107,7 +107,7 @@ def _assert_same_training_state(resumed: dict, reference: dict) -> None:
     for pid, ref_state in reference["optimizer"]["state"].items():
         _assert_same_bits(resumed["optimizer"]["state"][pid], ref_state)
     assert resumed["scheduler"] == reference["scheduler"]
-    assert (resumed["epoch"], resumed["batches_in_epoch"]) == (reference["epoch"], reference["batches_in_epoch"])
+    assert (resumed["epoch"], resumed["samples_in_epoch"]) == (reference["epoch"], reference["samples_in_epoch"])
     assert torch.equal(resumed["rng"]["torch"], reference["rng"]["torch"])
 
 

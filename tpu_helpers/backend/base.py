@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 
 from tpu_helpers.choices import PRECISIONS
-from tpu_helpers.hardware import HardwareSpec, format_bytes, lookup
+from tpu_helpers.hardware import HardwareSpec, lookup
 
 
 class BackendUnavailable(RuntimeError):
@@ -73,6 +73,17 @@ class Backend:
     @property
     def is_xla(self) -> bool:
         return False
+
+    @property
+    def runs_on_host(self) -> bool:
+        """Whether the model's tensors live in this process's own memory (the eager CPU backend, not XLA:CPU)."""
+        return self.device.type == "cpu"
+
+    @property
+    def peak_tflops(self) -> float | None:
+        """The chip's dense bf16 peak from the hardware catalog, for MFU; None on the CPU (no meaningful peak)."""
+        hw = self.hardware
+        return hw.bf16_tflops if hw is not None and hw.kind in ("tpu", "gpu") else None
 
     @property
     def is_main(self) -> bool:
@@ -228,10 +239,6 @@ class Backend:
         cores = os.cpu_count() or 1
         world = f" x{self.world_size} processes" if self.world_size > 1 else ""
         return f"CPU ({cores} cores){world}, {self.precision}"
-
-    def hbm_summary(self) -> str:
-        hw = self.hardware
-        return f"{format_bytes(hw.hbm_bytes)} HBM/chip" if hw.hbm_bytes else "host memory"
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.status()}>"

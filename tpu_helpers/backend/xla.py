@@ -66,7 +66,8 @@ def initialize_compile_cache(path: str, *, per_process: bool | None = None, read
 
 
 def runtime_started() -> bool:
-    """Whether this process's XLA runtime already exists (debug env vars and the cache are read before that)."""
+    """Whether this process's XLA runtime already exists: debug variables and the compile cache are read before
+    that, and a process whose runtime runs can no longer spawn one XLA process per chip."""
     try:
         return bool(torch_xla._XLAC._xla_runtime_is_initialized())
     except AttributeError:  # older/newer names: assume started, the safe answer for callers that must refuse
@@ -253,19 +254,10 @@ def xla_metrics() -> dict:
     }
 
 
-def is_tpu_runtime() -> bool:
-    return xr.device_type() == "TPU"
-
-
 def sharding_spec(tensor: torch.Tensor) -> str:
     """XLA's sharding annotation of a device tensor, e.g. "{devices=[8,1]0,1,2,3,4,5,6,7}" for a batch split 8
     ways on its first axis; "" when it carries none (a single-device or replicated tensor)."""
     return torch_xla._XLAC._get_xla_sharding_spec(tensor)
-
-
-def runtime_initialized() -> bool:
-    """Whether this process has started the XLA runtime (after which it can no longer spawn XLA processes)."""
-    return bool(torch_xla._XLAC._xla_runtime_is_initialized())
 
 
 def spawn(fn: Callable, args: tuple = (), *, nprocs: int | None = None, start_method: str = "fork") -> None:
@@ -282,7 +274,7 @@ def spawn(fn: Callable, args: tuple = (), *, nprocs: int | None = None, start_me
                          "fewer chips set TPU_NUM_DEVICES (CPU_NUM_DEVICES on XLA:CPU) before starting Python")
     if start_method not in ("fork", "spawn", "forkserver"):
         raise ValueError(f"start_method={start_method!r} is not one of 'fork', 'spawn', 'forkserver'")
-    if runtime_initialized() and nprocs != 1:
+    if runtime_started() and nprocs != 1:
         raise RuntimeError(
             "the XLA runtime is already running in this process, so torch_xla cannot spawn one process per chip; "
             "restart the kernel and spawn before anything touches the XLA device (or use SPMD in this process)"

@@ -23,35 +23,28 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-LEVELS = (1, 2)  # 1: compilation analysis and graph sizes; 2: also why each graph executed
+from tpu_helpers.backend import runtime_env
+
+LEVELS = runtime_env.DEBUG_LEVELS  # 1: compilation analysis and graph sizes; 2: also why each graph executed
 
 
 def xla_debug_env(log_file: str | Path, level: int = 2) -> dict[str, str]:
     """The environment variables that turn torch_xla's debug output on and send it to `log_file`."""
-    if level not in LEVELS:
-        raise ValueError(f"level={level!r} is not one of {LEVELS} (1: compilations only, 2: also executions)")
-    return {"PT_XLA_DEBUG_LEVEL": str(level), "PT_XLA_DEBUG_FILE": str(Path(log_file).resolve())}
+    return runtime_env.debug_env(log_file, level)
 
 
 def enable_xla_debug(log_file: str | Path, level: int = 2) -> Path:
     """Set the debug variables in this process; only possible before its XLA runtime has started."""
-    from tpu_helpers.backend import _XLA_BACKEND
-
-    started = _XLA_BACKEND is not None
-    if not started and "torch_xla" in sys.modules:
-        from tpu_helpers.backend import xla_module
-
-        started = xla_module().runtime_started()
-    if started:
+    if runtime_env.runtime_started():
         raise RuntimeError(
-            "the XLA runtime of this process has already started, so torch_xla will not read PT_XLA_DEBUG_LEVEL "
-            "now: restart the kernel and call enable_xla_debug() before get_backend(), or run the script with "
-            "`python -m tpu_helpers.diagnostics.xla_debug -- python script.py`"
+            f"the XLA runtime of this process has already started, so torch_xla will not read "
+            f"{runtime_env.DEBUG_LEVEL} now: restart the kernel and call enable_xla_debug() before get_backend(), "
+            "or run the script with `python -m tpu_helpers.diagnostics.xla_debug -- python script.py`"
         )
     path = Path(log_file)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("")  # torch_xla appends: start from an empty file so the summary is this run's
-    os.environ.update(xla_debug_env(path, level))
+    os.environ.update(runtime_env.debug_env(path, level))
     return path
 
 
@@ -126,7 +119,7 @@ def run_with_xla_debug(command: list[str], log_file: str | Path, level: int = 2,
     path = Path(log_file)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("")
-    proc = subprocess.run(command, env={**os.environ, **(env or {}), **xla_debug_env(path, level)})
+    proc = subprocess.run(command, env={**os.environ, **(env or {}), **runtime_env.debug_env(path, level)})
     return proc.returncode, summarize_xla_debug(path)
 
 

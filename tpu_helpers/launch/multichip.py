@@ -16,11 +16,10 @@ so spawn is exercised with one process only).
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpu_helpers.backend import tpu_chip_count, xla_module
+from tpu_helpers.backend import runtime_env, xla_module
 from tpu_helpers.config import ConfigError, TrainConfig
 
 MODES = ("spmd", "spawn")
@@ -28,14 +27,7 @@ MODES = ("spmd", "spawn")
 
 def local_device_count(device: str = "tpu") -> int:
     """XLA devices this host will have, read without starting the XLA runtime (1 for "cpu"/"cuda")."""
-    if device not in ("tpu", "xla", "auto"):
-        return 1
-    pjrt = os.environ.get("PJRT_DEVICE") or ("TPU" if tpu_chip_count() else "CPU")
-    if device == "auto" and pjrt != "TPU":
-        return 1
-    if pjrt == "CPU":
-        return int(os.environ.get("CPU_NUM_DEVICES", "1"))
-    return int(os.environ.get("TPU_NUM_DEVICES") or tpu_chip_count() or 1)
+    return runtime_env.local_device_count(device)
 
 
 def split_global_batch(global_batch: int, chips: int, grad_accum: int = 1) -> int:

@@ -162,13 +162,8 @@ def setup_pjrt(device: str = "auto", *, compile_cache: str | None = None) -> dic
     device="xla" runs the same code on XLA:CPU. A value the user exported is kept. With `compile_cache`, XLA's
     persistent compilation cache is turned on there (it must precede the first XLA computation).
     """
-    from tpu_helpers.backend import tpu_chip_count, xla_module
+    from tpu_helpers.backend import runtime_env, tpu_chip_count, xla_module
 
-    if device in ("auto", "tpu", "xla") and tpu_chip_count():
-        os.environ.setdefault("PJRT_DEVICE", "TPU")
-    elif device == "xla":
-        os.environ.setdefault("PJRT_DEVICE", "CPU")
-    if compile_cache and os.environ.get("PJRT_DEVICE"):
+    if runtime_env.choose_pjrt_device(device, tpu_attached=bool(tpu_chip_count())) and compile_cache:
         xla_module().initialize_compile_cache(compile_cache)
-    names = ("PJRT_DEVICE", "CPU_NUM_DEVICES", "TPU_NUM_DEVICES", "TPU_ACCELERATOR_TYPE", "XLA_FLAGS")
-    return {k: os.environ[k] for k in names if k in os.environ}
+    return runtime_env.runtime_vars()

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tpu_helpers.backend import runtime_env
+
 
 @dataclass(frozen=True)
 class Target:
@@ -31,9 +33,9 @@ TARGETS: dict[str, Target] = {
     "local": Target("the notebook's own defaults, on whatever device it detects"),
     "cpu": Target("CPU: a tiny GPT that trains in a few minutes", {"DEVICE": "cpu", **_CPU_DEMO}),
     "xla-cpu": Target("the TPU code path on the CPU (PJRT_DEVICE=CPU, one device), tiny sizes",
-                      {"DEVICE": "xla", **_CPU_DEMO}, {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1"}),
+                      {"DEVICE": "xla", **_CPU_DEMO}, runtime_env.xla_cpu_env(devices=1)),
     "xla-cpu-8": Target("the TPU VM code path on 8 simulated XLA:CPU devices (SPMD), tiny sizes",
-                        {"DEVICE": "xla", **_CPU_DEMO}, {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8"}),
+                        {"DEVICE": "xla", **_CPU_DEMO}, runtime_env.xla_cpu_env(devices=8)),
     "gpu": Target("one CUDA GPU (bf16, or fp16 + GradScaler)", {"DEVICE": "cuda", "PRESET": "small", "STEPS": 2000,
                                                                 "BATCH_SIZE": 16, "SEQ_LEN": 1024}),
     "colab-v5e-1": Target("Colab TPU v5e-1 (16 GB HBM), bf16", {**_TPU, "BATCH_SIZE": 8}),

@@ -32,6 +32,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from tpu_helpers.backend import runtime_env
 from tpu_helpers.memory.report import MemoryEstimate
 from tpu_helpers.memory.step import OPTIMIZERS, PRECISIONS, check_choice, check_positive
 
@@ -93,10 +94,8 @@ def compiled_estimate(
         spec.update(gpt=asdict(cfg), seq_len=s)
     dump = tempfile.mkdtemp(prefix="tpu_helpers_xla_dump_")
     try:
-        env = {**os.environ, "PJRT_DEVICE": pjrt_device,
-               "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}").strip(),
-               "PYTHONPATH": os.pathsep.join(p for p in (str(_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-        env.pop("CPU_NUM_DEVICES", None)
+        env = runtime_env.dump_env(dump, pjrt=pjrt_device)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), os.environ.get("PYTHONPATH", "")) if p)
         proc = subprocess.run([sys.executable, "-m", "tpu_helpers.memory.compiled", json.dumps(spec)], env=env,
                               capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
@@ -106,7 +105,8 @@ def compiled_estimate(
     finally:
         shutil.rmtree(dump, ignore_errors=True)
     if not totals:
-        raise RuntimeError("XLA wrote no memory-usage report (is this torch_xla's XLA honouring --xla_dump_to?)")
+        raise RuntimeError(f"XLA wrote no memory-usage report into {dump} (does this torch_xla's XLA honour "
+                           f"{runtime_env.XLA_FLAGS}={runtime_env.dump_dir_flags(dump)!r}?)")
     peak = max(totals.values())
     state = {k: child[k] for k in ("params", "grads", "optimizer")}
     return MemoryEstimate.from_categories(
@@ -139,7 +139,8 @@ def _child(spec: dict) -> dict:
     opt = make_optimizer(spec["optimizer"], model.parameters())
     batch = backend.to_device(batch)
     for _ in range(2):
-        training_step(model, opt, batch, precision=spec["precision"], device_type="xla", sync=backend.sync)
+        training_step(model, opt, batch, precision=spec["precision"], device_type=backend.autocast_device_type,
+                      sync=backend.sync)
     sizes = {"params": sum(p.numel() * p.element_size() for p in model.parameters()),
              "grads": sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)}
     sizes["optimizer"] = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()

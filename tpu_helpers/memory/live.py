@@ -54,9 +54,6 @@ class LiveBytes(TorchDispatchMode):
                 self._add(obj)
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
-    def reset_peak(self) -> None:
-        self.peak_bytes = self.live_bytes
-
     def _add(self, t: torch.Tensor) -> None:
         if t.device.type == "meta":
             return

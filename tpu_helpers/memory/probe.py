@@ -58,7 +58,7 @@ class _Snapshot:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, backend) -> None:
         self.model, self.optimizer, self.backend = model, optimizer, backend
         # to_cpu of a CPU tensor is the tensor itself: clone, or the "copy" would change with the model.
-        copy = (lambda obj: tree_map_tensors(lambda t: t.detach().clone(), obj)) if backend.device.type == "cpu" \
+        copy = (lambda obj: tree_map_tensors(lambda t: t.detach().clone(), obj)) if backend.runs_on_host \
             else backend.to_cpu
         self.model_state = copy(model.state_dict())
         self.opt_state = copy(optimizer.state_dict())
@@ -93,7 +93,7 @@ def probe_batch_size(
     for name, value in (("start", start), ("max_batch_size", max_batch_size), ("max_tries", max_tries),
                         ("steps_per_try", steps_per_try)):
         check_positive(name, value)
-    if memory_limit_bytes is not None and backend.device.type != "cpu":
+    if memory_limit_bytes is not None and not backend.runs_on_host:
         raise ValueError(f"memory_limit_bytes works on the CPU backend only (this is {backend.name}); on XLA:CPU "
                          "limit the address space with resource.setrlimit(RLIMIT_AS, ...)")
     precision = backend.precision if backend.precision in PRECISIONS else "fp32"

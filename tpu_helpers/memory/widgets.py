@@ -166,7 +166,7 @@ class TuningPanel:
             model.set_gradient_checkpointing(backend.checkpoint_fn())
         opt = make_optimizer(self.state.optimizer, model.parameters())
         start = max(1, min(self._result["max_batch_size"] or self.state.batch_size, max_batch_size))
-        if backend.device.type == "cpu" and cpu_limit_bytes is not None:
+        if backend.runs_on_host and cpu_limit_bytes is not None:
             kwargs.setdefault("memory_limit_bytes", cpu_limit_bytes)
         self.probe_result = probe_batch_size(model, opt, gpt_batch(self.state.seq_len, cfg.vocab_size), backend,
                                              start=start, max_tries=max_tries, max_batch_size=max_batch_size,

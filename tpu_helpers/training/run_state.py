@@ -89,7 +89,6 @@ class RunState:
         return t.backend.to_cpu({
             "step": t.step,
             "epoch": t.epoch,
-            "batches_in_epoch": t.batches_in_epoch,
             "samples_in_epoch": t.samples_in_epoch,
             "model": model.state_dict(),
             "optimizer": t.optimizer.state_dict(),
@@ -105,8 +104,7 @@ class RunState:
         t.optimizer.load_state_dict(state["optimizer"])
         t.scheduler.load_state_dict(state["scheduler"])
         t.step, t.epoch = state["step"], state["epoch"]
-        # Older checkpoints counted loader batches of this process; convert them to samples of the global order.
-        t.samples_in_epoch = state.get("samples_in_epoch", state["batches_in_epoch"] * t.samples_per_batch)
+        t.samples_in_epoch = state["samples_in_epoch"]
         t.history = History.from_dict(state["history"])
         t.history.truncate(t.step)
         t.backend.set_rng_state(state["rng"])

@@ -104,12 +104,12 @@ class StepTimer:
 
     def fill_report(self, trainer: Any, report: Any) -> None:
         """Put the summary into `report.timing` and `report.mfu`."""
-        hw = trainer.backend.hardware
-        peak = hw.bf16_tflops if hw is not None and hw.kind in ("tpu", "gpu") else None
+        backend = trainer.backend
         fpt = model_flops_per_token(trainer.raw_model, trainer.config.seq_len)
+        per_chip = max(1, backend.hardware.devices_per_chip) if backend.hardware is not None else 1
         report.timing = self.summary(tokens_per_step=trainer.tokens_per_step, flops_per_token=fpt,
-                                     peak_tflops=peak,
-                                     chips=max(1, trainer.backend.num_replicas // max(1, hw.devices_per_chip)))
+                                     peak_tflops=backend.peak_tflops,
+                                     chips=max(1, backend.num_replicas // per_chip))
         report.mfu = report.timing.get("mfu")
 
 

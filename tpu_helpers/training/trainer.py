@@ -209,11 +209,6 @@ class Trainer:
         """Samples of the global data order one loader batch consumes, over all processes."""
         return (self.train_loader.batch_size or 1) * self.backend.loader_rank_and_world[1]
 
-    @property
-    def batches_in_epoch(self) -> int:
-        """Loader batches of this process consumed in the current epoch (derived from the sample position)."""
-        return self.samples_in_epoch // self.samples_per_batch
-
     def _batches(self) -> Iterator:
         """Endless device batches across epochs; counts what the loop consumed (prefetching runs ahead)."""
         while True:
