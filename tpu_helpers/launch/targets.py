@@ -32,7 +32,7 @@ _TPU = {"DEVICE": "tpu", "PRESET": "small", "STEPS": 2000, "SEQ_LEN": 1024, "FAL
 TARGETS: dict[str, Target] = {
     "local": Target("the notebook's own defaults, on whatever device it detects"),
     "cpu": Target("CPU: a tiny GPT that trains in a few minutes", {"DEVICE": "cpu", **_CPU_DEMO}),
-    "xla-cpu": Target("the TPU code path on the CPU (PJRT_DEVICE=CPU, one device), tiny sizes",
+    "xla-cpu": Target("the TPU code path on one XLA:CPU device, tiny sizes",
                       {"DEVICE": "xla", **_CPU_DEMO}, runtime_env.xla_cpu_env(devices=1)),
     "xla-cpu-8": Target("the TPU VM code path on 8 simulated XLA:CPU devices (SPMD), tiny sizes",
                         {"DEVICE": "xla", **_CPU_DEMO}, runtime_env.xla_cpu_env(devices=8)),
