@@ -14,9 +14,11 @@ import argparse
 import os
 import tempfile
 
-os.environ.setdefault("PJRT_DEVICE", "CPU")
+from tpu_helpers.backend import backend_for, runtime_env
 
-from tpu_helpers.backend import backend_for  # noqa: E402
+# XLA:CPU unless the caller chose (before anything starts the XLA runtime).
+os.environ.update({**runtime_env.xla_cpu_env(devices=1), **runtime_env.runtime_vars()})
+
 from tpu_helpers.config import TrainConfig  # noqa: E402
 from tpu_helpers.data import build_datasets  # noqa: E402
 from tpu_helpers.models.gpt import GPT, gpt_config  # noqa: E402

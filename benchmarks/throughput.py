@@ -44,7 +44,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
     args = ap.parse_args()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PJRT_DEVICE": "CPU"}
+    from tpu_helpers.backend import runtime_env
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **runtime_env.xla_cpu_env(devices=1)}
     print(f"tiny GPT, {args.steps} steps, batch {args.batch} x {args.seq} tokens")
     for device in ("cpu", "xla"):
         with tempfile.TemporaryDirectory() as tmp:

@@ -40,6 +40,14 @@ _TOTAL = re.compile(r"Total bytes used:\s*(\d+)")
 _ROOT = Path(__file__).resolve().parents[2]
 
 
+def child_env(pjrt_device: str, dump_dir: str) -> dict[str, str]:
+    """The environment of the compile subprocess: XLA dumps into `dump_dir` on one `pjrt_device` device, and
+    this package importable."""
+    env = runtime_env.dump_env(dump_dir, pjrt=pjrt_device)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return env
+
+
 def parse_memory_reports(dump_dir: str | os.PathLike) -> dict[str, int]:
     """``{file name: total bytes}`` for every ``*memory-usage-report.txt`` XLA wrote into ``dump_dir``."""
     out = {}
@@ -94,8 +102,7 @@ def compiled_estimate(
         spec.update(gpt=asdict(cfg), seq_len=s)
     dump = tempfile.mkdtemp(prefix="tpu_helpers_xla_dump_")
     try:
-        env = runtime_env.dump_env(dump, pjrt=pjrt_device)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        env = child_env(pjrt_device, dump)
         proc = subprocess.run([sys.executable, "-m", "tpu_helpers.memory.compiled", json.dumps(spec)], env=env,
                               capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
