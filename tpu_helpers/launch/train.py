@@ -67,10 +67,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch.distributed as dist
 
-    from tpu_helpers.backend import get_backend
+    from tpu_helpers.backend import BackendUnavailable, get_backend
     from tpu_helpers.training.recipes import save_results, train_gpt
 
-    backend = get_backend(config.device, fallback=config.fallback, precision=config.precision, spmd=config.spmd)
+    try:  # a missing device or a TPU another process holds: one line that says what to do, not a traceback
+        backend = get_backend(config.device, fallback=config.fallback, precision=config.precision, spmd=config.spmd,
+                              compile_cache_dir=config.compile_cache_dir)
+    except BackendUnavailable as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     run = train_gpt(config, backend=backend, progress=backend.is_main)
     if backend.is_main:
         path = save_results(run, world_size=backend.world_size, entry_point="tpu_helpers.train")

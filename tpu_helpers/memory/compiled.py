@@ -36,7 +36,22 @@ from tpu_helpers.memory.report import MemoryEstimate
 from tpu_helpers.memory.step import OPTIMIZERS, PRECISIONS, check_choice, check_positive
 
 _TOTAL = re.compile(r"Total bytes used:\s*(\d+)")
-_ROOT = Path(__file__).resolve().parents[2]
+
+def _package_parent() -> str:
+    # The directory this tpu_helpers was imported from (a checkout, site-packages, a pip --target folder): the
+    # subprocess must import the same copy, whatever its working directory.
+    import tpu_helpers
+
+    return str(Path(tpu_helpers.__file__).resolve().parent.parent)
+
+
+def child_env(pjrt_device: str, dump_dir: str) -> dict[str, str]:
+    """The environment of the compile subprocess: XLA dumps into `dump_dir`, this package importable."""
+    env = {**os.environ, "PJRT_DEVICE": pjrt_device,
+           "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump_dir}").strip(),
+           "PYTHONPATH": os.pathsep.join(p for p in (_package_parent(), os.environ.get("PYTHONPATH", "")) if p)}
+    env.pop("CPU_NUM_DEVICES", None)
+    return env
 
 
 def parse_memory_reports(dump_dir: str | os.PathLike) -> dict[str, int]:
@@ -93,10 +108,7 @@ def compiled_estimate(
         spec.update(gpt=asdict(cfg), seq_len=s)
     dump = tempfile.mkdtemp(prefix="tpu_helpers_xla_dump_")
     try:
-        env = {**os.environ, "PJRT_DEVICE": pjrt_device,
-               "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}").strip(),
-               "PYTHONPATH": os.pathsep.join(p for p in (str(_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-        env.pop("CPU_NUM_DEVICES", None)
+        env = child_env(pjrt_device, dump)
         proc = subprocess.run([sys.executable, "-m", "tpu_helpers.memory.compiled", json.dumps(spec)], env=env,
                               capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:

@@ -93,7 +93,7 @@ def save_results(run: GptRun, *, name: str = "results", **extra: Any) -> Path:
     for directory in targets:
         directory.mkdir(parents=True, exist_ok=True)
         atomic_write_text(directory / f"{name}.json", text)
-        fig = run.history.plot()
+        fig = run.history.figure()  # not pyplot's: a long notebook session would keep one open per call
         tmp = directory / ".loss.png.tmp"
         fig.savefig(tmp, dpi=110, format="png")
         os.replace(tmp, directory / "loss.png")
