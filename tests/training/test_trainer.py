@@ -130,8 +130,8 @@ def test_missing_dataset_path_is_named_and_nothing_is_written(tmp_path):
 @pytest.mark.xla
 def test_xla_training_with_bf16_and_xla_gradient_checkpointing(tmp_path, tiny_data):
     train, val, _ = tiny_data
-    backend = get_backend("xla", spmd=False, precision="bf16")  # the session's XLA backend, now in bf16
-    assert backend is XLA_BACKEND
+    backend = get_backend("xla", spmd=False, precision="bf16")  # a bf16 view of the session's XLA backend
+    assert backend.device == XLA_BACKEND.device and backend.precision == "bf16"
     model = tiny_gpt()
     calls = []
     cfg = tiny_config(tmp_path, device="xla", steps=12, precision="bf16", gradient_checkpointing=True,
@@ -140,10 +140,8 @@ def test_xla_training_with_bf16_and_xla_gradient_checkpointing(tmp_path, tiny_da
     fn = model._checkpoint_fn
     assert fn.__module__ == "torch_xla.utils.checkpoint"  # torch's own would save nothing on XLA
     model.set_gradient_checkpointing(lambda *a, **k: calls.append(1) or fn(*a, **k))  # count the calls
-    try:
-        report = trainer.fit()
-    finally:
-        backend.precision = "fp32"  # the XLA backend is shared by the session's tests
+    report = trainer.fit()
+    assert XLA_BACKEND.precision == "fp32"  # the shared backend other trainers hold kept its precision
     assert report.precision == "bf16"
     assert report.final_val_loss < report.first_val_loss
     assert len(calls) >= 12 * 2  # two blocks per step, every step
