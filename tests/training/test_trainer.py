@@ -99,6 +99,45 @@ def test_any_module_with_a_loss_function(tmp_path):
     assert report.final_val_loss < 0.1 * report.first_val_loss
 
 
+class _FourHooks:
+    """A callback that does not subclass Callback and has the hooks validation used to list, not all the loop calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def on_fit_start(self, trainer) -> None:
+        self.calls.append("fit_start")
+
+    def on_step_end(self, trainer) -> None:
+        self.calls.append("step_end")
+
+    def on_log(self, trainer, record) -> None:
+        self.calls.append(f"log {record['step']}")
+
+    def on_fit_end(self, trainer, report) -> None:
+        self.calls.append("fit_end")
+
+
+def test_a_callback_object_with_some_hooks_runs_and_the_rest_are_skipped(tmp_path):
+    x = torch.randn(64, 4)
+    data = TensorDataset(x, x.sum(1, keepdim=True))
+    cb = _FourHooks()
+    cfg = tiny_config(tmp_path, steps=4, log_every=2, eval_every=2, save_every=4)  # evaluations call on_eval_*
+    fit(torch.nn.Linear(4, 1), data, data, config=cfg, loss_fn=F.mse_loss, progress=False, callbacks=[cb])
+    assert cb.calls == ["fit_start", "step_end", "log 2", "step_end", "step_end", "log 4", "step_end", "fit_end"]
+
+
+def test_every_hook_the_loop_calls_is_a_callback_hook():
+    import inspect
+    import re
+
+    from tpu_helpers.training import trainer as trainer_module
+    from tpu_helpers.training.callbacks import HOOKS
+
+    called = set(re.findall(r"\bcb\.(on_\w+)\(", inspect.getsource(trainer_module)))
+    assert called and called <= set(HOOKS), called - set(HOOKS)
+
+
 def test_precision_that_conflicts_with_the_given_backend_is_refused(tmp_path, tiny_data):
     with pytest.raises(ConfigError, match=r"precision='bf16' conflicts with the backend passed in, which runs 'fp32'"):
         Trainer(tiny_gpt(), tiny_data[0], config=tiny_config(tmp_path, precision="bf16"), backend=get_backend("cpu"))
