@@ -184,3 +184,18 @@ def test_xla_training_with_bf16_and_xla_gradient_checkpointing(tmp_path, tiny_da
     assert report.precision == "bf16"
     assert report.final_val_loss < report.first_val_loss
     assert len(calls) >= 12 * 2  # two blocks per step, every step
+
+
+def test_saving_results_leaves_no_figure_open(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from tpu_helpers.training.recipes import RUN_DIR_ENV, save_results, train_gpt
+
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / "runner_dir"))  # two directories, one loss.png each
+    run = train_gpt(tiny_config(tmp_path, steps=2, eval_every=2, log_every=1, save_every=2, max_chars=20_000),
+                    progress=False)
+    before = plt.get_fignums()
+    for _ in range(3):  # a long notebook session saving again and again
+        save_results(run)
+    assert plt.get_fignums() == before
+    assert (tmp_path / "run" / "loss.png").stat().st_size > 0 and (tmp_path / "runner_dir" / "loss.png").exists()
