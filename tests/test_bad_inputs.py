@@ -66,8 +66,12 @@ def _empty_dir(tmp: Path) -> Path:
     return tmp / "empty"
 
 
-class _NotACallback:
-    def on_step_end(self, trainer) -> None: ...
+class _MisspeltCallback:
+    def on_step(self, trainer) -> None: ...  # not a hook: it would never be called
+
+
+class _NoHooks:
+    def log(self, trainer) -> None: ...
 
 
 CASES = [
@@ -160,8 +164,11 @@ CASES = [
     ("config dict", lambda t: _trainer(t, config={"steps": 3}), TypeError,
      r"config must be a TrainConfig or None, got dict; build one with TrainConfig"),
     ("backend str", lambda t: _trainer(t, backend="cpu"), TypeError, r"backend must be a tpu_helpers Backend"),
-    ("callbacks item", lambda t: _trainer(t, callbacks=[_NotACallback()]), TypeError,
-     r"callbacks\[0\] is a _NotACallback; subclass tpu_helpers\.training\.Callback"),
+    ("callback misspelt", lambda t: _trainer(t, callbacks=[_MisspeltCallback()]), TypeError,
+     r"callbacks\[0\] \(_MisspeltCallback\) on_step is not a hook; a callback defines some of: on_fit_start, "
+     r"on_batch, on_step_end, on_log, on_eval_start, on_eval_end, on_fit_end"),
+    ("callback without hooks", lambda t: _trainer(t, callbacks=[_NoHooks()]), TypeError,
+     r"callbacks\[0\] \(_NoHooks\) has no hook method"),
     ("callbacks not list", lambda t: _trainer(t, callbacks=Callback()), TypeError,
      r"callbacks must be a list of Callback objects, got Callback"),
     ("run_identity", lambda t: _trainer(t, run_identity="v1"), TypeError, r"run_identity must be a dict"),

@@ -308,3 +308,21 @@ def test_atomic_write_keeps_old_content_on_failure(tmp_path: Path, disk_full) ->
     assert exc.value.errno == errno.ENOSPC
     assert target.read_text() == '{"acc": 0.9}'
     assert _names(target.parent) == ["metrics.json"]
+
+
+def test_importing_never_touches_the_umask_and_files_follow_it(tmp_path: Path) -> None:
+    from tests.support import run_python
+
+    code = f"""
+import os
+calls = []
+real = os.umask
+os.umask = lambda mask: calls.append(mask) or real(mask)   # record every change, at import and per write
+real(0o027)
+from tpu_helpers.checkpoint import atomic_write_text
+atomic_write_text({str(tmp_path / "r.json")!r}, "{{}}")
+print("umask calls:", calls, "| umask now:", oct(real(0o027)), "| file mode:",
+      oct(os.stat({str(tmp_path / "r.json")!r}).st_mode & 0o777))
+"""
+    out = run_python(code).stdout.strip().splitlines()[-1]
+    assert out == "umask calls: [] | umask now: 0o27 | file mode: 0o640"

@@ -42,19 +42,36 @@ def test_catalog_figures_are_positive(key):
     assert spec.name in line and "\n" not in line
 
 
-def test_catalog_figures_match_reference():
-    # GiB vs GB exactly as hardware.md lists them.
-    assert CATALOG["v5e"].hbm_bytes == 16 * 10**9
-    assert CATALOG["v6e"].hbm_bytes == 32 * 10**9
-    assert CATALOG["v4"].hbm_bytes == 32 * 2**30
-    assert CATALOG["v5p"].hbm_bytes == 95 * 2**30
-    assert CATALOG["v7x"].hbm_bytes == 192 * 2**30
-    assert CATALOG["h200"].hbm_bytes == 141 * 10**9
-    assert [CATALOG[k].bf16_tflops for k in ("v5e", "v6e", "h100")] == [197, 918, 989]
-    assert (CATALOG["a100-40gb"].hbm_gbps, CATALOG["a100-80gb"].hbm_gbps) == (1555, 2039)
-    assert CATALOG["v6e"].price_per_chip_hour == 2.70 and CATALOG["v5e"].price_per_chip_hour == 1.20
-    assert CATALOG["h100"].price_per_chip_hour == 6.88 and CATALOG["v2"].price_per_chip_hour is None
+# Transcribed by hand from shared/reference/hardware.md (not computed from the catalog): chip -> (HBM bytes as the
+# table writes it, dense bf16 TFLOP/s, HBM GB/s, price per chip-hour or None). "~" figures of the table are kept
+# as written; a catalog edit that drifts from the reference fails here.
+REFERENCE = {
+    "v2": (16 * 2**30, 45, 600, None),
+    "v3": (32 * 2**30, 123, 900, None),
+    "v4": (32 * 2**30, 275, 1200, 3.22),
+    "v5e": (16 * 10**9, 197, 819, 1.20),
+    "v5p": (95 * 2**30, 459, 2765, 4.20),
+    "v6e": (32 * 10**9, 918, 1638, 2.70),
+    "v7x": (192 * 2**30, 2307, 7200, None),
+    "t4": (16 * 10**9, 65, 320, None),
+    "l4": (24 * 10**9, 121, 300, None),
+    "a100-40gb": (40 * 10**9, 312, 1555, 2.74),
+    "a100-80gb": (80 * 10**9, 312, 2039, 3.43),
+    "h100": (80 * 10**9, 989, 3350, 6.88),
+    "h200": (141 * 10**9, 989, 4800, None),
+}
+
+
+@pytest.mark.parametrize("key", sorted(REFERENCE))
+def test_catalog_figures_match_the_reference_notes(key):
+    spec = CATALOG[key]
+    assert (spec.hbm_bytes, spec.bf16_tflops, spec.hbm_gbps, spec.price_per_chip_hour) == REFERENCE[key]
+
+
+def test_hosts_and_dtypes_match_the_reference_notes():
+    # "v5e and v6e: ... up to 8 chips per host"; "v2 and v3: 2 cores per chip"; "T4 ... no bf16 tensor cores".
     assert (CATALOG["v5e"].chips_per_host, CATALOG["v6e"].chips_per_host) == (8, 8)
+    assert [CATALOG[k].devices_per_chip for k in ("v2", "v3", "v4", "v5e", "v5p", "v6e")] == [2, 2, 1, 1, 1, 1]
     assert not CATALOG["t4"].bf16_supported and CATALOG["l4"].bf16_supported
 
 

@@ -1,7 +1,8 @@
 """Command line: `python -m tpu_helpers run NOTEBOOK [NOTEBOOK ...] [--target T] [-p NAME VALUE ...]`.
 
 Several notebooks run one after another, then a summary table; the exit status is non-zero if any failed.
-`python -m tpu_helpers targets` lists the targets.
+`python -m tpu_helpers targets` lists the targets. `python -m tpu_helpers doctor` checks this machine (versions,
+TPU chips and lock, hugepages, compile cache, PJRT variables, widgets) and prints the fix for each failing check.
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--runs-dir", default="runs", help="where run directories are created (default: runs)")
     run.add_argument("--kernel", default=None, help="Jupyter kernel name (default: the notebook's)")
     sub.add_parser("targets", help="list the targets")
+    sub.add_parser("doctor", help="check this machine before training (prints the fix for each failing check)")
     args = parser.parse_args(argv)
+
+    if args.command == "doctor":
+        from tpu_helpers.launch.doctor import main as doctor_main
+
+        return doctor_main()
 
     from tpu_helpers.launch.runner import RunError, parse_params, run_notebook, summary_table
     from tpu_helpers.launch.targets import TARGETS

@@ -28,8 +28,8 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -104,15 +104,21 @@ def _fsync_dir(directory: Path) -> None:
         pass
 
 
-_UMASK = os.umask(0)
-os.umask(_UMASK)
+def _create_temp(path: Path) -> tuple[int, Path]:
+    # Like mkstemp, but with mode 0666 so the process umask applies as for any new file (mkstemp makes 0600 files;
+    # results and checkpoints should read like any file) without reading the umask, which means setting it.
+    for _ in range(100):
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, f"no free temporary name next to {path}")
 
 
 def _write_temp(path: Path, produce: Callable[[_SinkWriter], None]) -> tuple[Path, _SinkWriter]:
     """Write a fsynced temp file next to ``path``; the caller renames it. Removes it on any failure."""
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    tmp = Path(name)
-    os.chmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; results and checkpoints should read like any file
+    fd, tmp = _create_temp(path)
     writer = _SinkWriter(fd)
     try:
         try:

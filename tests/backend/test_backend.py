@@ -152,3 +152,13 @@ def test_save_moves_xla_tensors_to_the_cpu_and_writes_atomically(tmp_path):
     loaded = torch.load(tmp_path / "s.pt")
     assert loaded["step"] == 3 and loaded["w"].device.type == "cpu" and loaded["w"].tolist() == [0, 1, 2, 3]
     assert [p.name for p in tmp_path.iterdir()] == ["s.pt"]  # no temporary file left behind
+
+
+@pytest.mark.xla
+@pytest.mark.skipif(XLA_BACKEND is None, reason="torch_xla is not installed")
+def test_precision_of_one_call_leaves_the_backend_other_trainers_hold_alone():
+    held = get_backend("xla", spmd=False)
+    bf16 = get_backend("xla", spmd=False, precision="bf16")
+    assert held.precision == "fp32" and bf16.precision == "bf16"
+    assert bf16.device == held.device and bf16.mesh is held.mesh and bf16.spmd == held.spmd  # one runtime
+    assert get_backend("xla", spmd=False) is held and held is XLA_BACKEND

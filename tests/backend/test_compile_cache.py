@@ -65,3 +65,36 @@ def test_second_process_finds_the_first_ones_programs_in_the_cache(tmp_path):
     assert f"{second['persistent_cache_hits']} hits, 0 misses" in text
     if second["persistent_cache_deserialize_failures"]:
         assert "saved no compile time" in text
+
+
+NOTEBOOK_SEQUENCE = """
+import json, os, warnings
+os.environ.pop("TPU_HELPERS_XLA_CACHE", None)
+from tpu_helpers.backend import active_compile_cache, get_backend, resolve_compile_cache, xla_module
+from tpu_helpers.launch import platform
+platform.setup_pjrt("xla", compile_cache={cache!r})    # colab_tpu / tpuvm_v5e8: the cache goes to setup_pjrt first
+# ... then get_backend(...) with its default compile_cache_dir="default". On a TPU that resolves here:
+on_tpu = resolve_compile_cache("default", "TPU", active_compile_cache())
+xla_module().initialize_compile_cache(on_tpu)          # what get_backend does with it: "cannot move" if it differs
+with warnings.catch_warnings():
+    warnings.simplefilter("error")                     # no "compile_cache_dir is ignored" either
+    backend = get_backend("xla", spmd=False)
+print(json.dumps({{"on_tpu": on_tpu, "backend": backend.compile_cache_dir}}))
+"""
+
+
+@pytest.mark.xla
+@pytest.mark.skipif(XLA_BACKEND is None, reason="torch_xla is not installed")
+def test_cache_given_to_setup_pjrt_is_the_one_get_backend_uses_on_a_tpu(tmp_path):
+    cache = str(tmp_path / "drive_cache")
+    out = run_python(NOTEBOOK_SEQUENCE.format(cache=cache), env={"PJRT_DEVICE": "CPU"}).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got == {"on_tpu": cache, "backend": cache}
+
+
+def test_default_means_the_cache_this_process_already_uses(tmp_path):
+    active = str(tmp_path / "active")
+    assert resolve_compile_cache("default", "TPU", active) == active
+    assert resolve_compile_cache("default", "CPU", active) == active
+    assert resolve_compile_cache(None, "TPU", active) is None
+    assert resolve_compile_cache("default", "TPU", None, env={"TPU_HELPERS_XLA_CACHE": active}) == active

@@ -48,6 +48,7 @@ def test_detector_is_silent_on_the_package_loop_with_logs_evals_and_checkpoints(
     with warnings.catch_warnings():
         warnings.simplefilter("error", XlaPerformanceWarning)
         result = _run(tmp_path, tiny_data, [], steps=8, log_every=2, eval_every=3, save_every=4)
+    assert result["trainer"] == "Trainer"  # the package's own loop, not the bad-loop trainer with no patterns
     assert result["problems"] == []
     assert result["compilations"] <= 3
     assert result["cpu_fallback_ops"] == 0

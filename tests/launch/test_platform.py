@@ -1,13 +1,27 @@
-"""Platform helpers: the torch/torch_xla pair check, installing only what is missing, Drive outside Colab, PJRT."""
+"""Platform helpers: the torch/torch_xla pair check, installing only what is missing (never running pip here),
+Drive outside Colab, Kaggle's paths, and the PJRT environment setup_pjrt leaves for the runtime."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 
+from tests.support import XLA_BACKEND, run_python
+from tpu_helpers.backend import tpu_host
 from tpu_helpers.launch import platform
 from tpu_helpers.launch.platform import PlatformError, TorchXlaPair
+
+
+class RecordingInstaller:
+    """Stands in for pip: records what it was asked to install."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+
+    def __call__(self, requirements) -> None:
+        self.calls.append(list(requirements))
 
 
 def test_pair_check_reports_this_environment_and_the_fix_for_broken_pairs():
@@ -20,18 +34,23 @@ def test_pair_check_reports_this_environment_and_the_fix_for_broken_pairs():
     assert "torch 2.8.0 and torch_xla 2.9.0 differ" in mismatch.fix and "'torch==2.8.0'" in mismatch.fix
 
 
-def test_install_missing_is_a_no_op_when_everything_is_there_and_never_touches_torch(tmp_path):
-    assert platform.install_missing() == []  # the package's requirements-colab.txt, all present in CI
+def test_install_missing_installs_only_what_is_absent_through_the_installer_and_never_torch(tmp_path):
+    pip = RecordingInstaller()
+    assert platform.install_missing(installer=pip) == [] and pip.calls == []  # the package's list, all present
+    assert platform.colab_requirements().is_file()  # shipped inside the package, not read from a checkout
     reqs = tmp_path / "requirements.txt"
     reqs.write_text("# comment\npytest>=1\ntorch==0.0.1\ntorch_xla[tpu]==0.0.1\n-f https://example.invalid\n"
                     "surely-absent-package-th3>=1\npytest<1\n")
     assert platform.missing_requirements(reqs) == ["surely-absent-package-th3>=1", "pytest<1"]
-    assert platform.install_missing(reqs, dry_run=True) == ["surely-absent-package-th3>=1", "pytest<1"]
+    assert platform.install_missing(reqs, dry_run=True, installer=pip) == ["surely-absent-package-th3>=1", "pytest<1"]
+    assert pip.calls == []  # dry run
+    assert platform.install_missing(reqs, installer=pip) == ["surely-absent-package-th3>=1", "pytest<1"]
+    assert pip.calls == [["surely-absent-package-th3>=1", "pytest<1"]]
     (tmp_path / "bad.txt").write_text("ok-name\nnot a requirement !!\n")
     with pytest.raises(ValueError, match=r"bad.txt:2: cannot parse requirement 'not a requirement !!'"):
         platform.missing_requirements(tmp_path / "bad.txt")
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        platform.install_missing(tmp_path / "nope.txt")
+        platform.install_missing(tmp_path / "nope.txt", installer=pip)
 
 
 def test_drive_outside_colab_is_a_clear_error_and_local_storage_is_unchanged(monkeypatch):
@@ -45,7 +64,47 @@ def test_drive_outside_colab_is_a_clear_error_and_local_storage_is_unchanged(mon
     assert platform.storage("runs/x", compile_cache="/tmp/cache") == ("runs/x", "/tmp/cache")
 
 
-def test_setup_pjrt_keeps_an_exported_device():
-    env = platform.setup_pjrt("xla")
-    assert env["PJRT_DEVICE"] == os.environ["PJRT_DEVICE"] == "CPU"
-    assert "PJRT_DEVICE" in platform.setup_pjrt("cpu")
+def test_kaggle_is_detected_and_runs_land_in_its_working_directory(tmp_path, monkeypatch):
+    assert platform.in_kaggle({"KAGGLE_KERNEL_RUN_TYPE": "Interactive"}, working=str(tmp_path / "absent"))
+    assert platform.in_kaggle({}, working=str(tmp_path))  # /kaggle/working exists
+    assert not platform.in_kaggle({}, working=str(tmp_path / "absent"))
+    work = str(tmp_path / "working")
+    assert platform.storage("runs/v5e8", kaggle=True, kaggle_working=work) == (f"{work}/runs/v5e8", None)
+    assert platform.storage("/data/runs", compile_cache="xla_cache", kaggle=True, kaggle_working=work) == \
+        ("/data/runs", f"{work}/xla_cache")
+    assert platform.storage("runs/v5e8", kaggle=False) == ("runs/v5e8", None)
+    monkeypatch.setenv("KAGGLE_KERNEL_RUN_TYPE", "Batch")
+    monkeypatch.delenv("COLAB_RELEASE_TAG", raising=False)
+    assert platform.platform_name() == "kaggle"
+    assert platform.storage("runs/x")[0] == "/kaggle/working/runs/x"
+
+
+def test_setup_pjrt_selects_the_tpu_on_a_tpu_host_and_nothing_elsewhere(monkeypatch):
+    chips = [tpu_host.TpuChip(f"0000:00:{i:02x}.0", "0x0063", "v5e") for i in range(8)]
+    monkeypatch.setattr(tpu_host, "tpu_chips", lambda sysfs_root="/sys": chips)  # a recorded v5e-8 bus
+    monkeypatch.delenv("PJRT_DEVICE")
+    assert platform.setup_pjrt("auto")["PJRT_DEVICE"] == os.environ["PJRT_DEVICE"] == "TPU"
+    monkeypatch.delenv("PJRT_DEVICE")
+    assert "PJRT_DEVICE" not in platform.setup_pjrt("cpu") and "PJRT_DEVICE" not in os.environ
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")  # exported by the user: kept
+    assert platform.setup_pjrt("tpu")["PJRT_DEVICE"] == "CPU"
+    monkeypatch.setattr(tpu_host, "tpu_chips", lambda sysfs_root="/sys": [])
+    monkeypatch.delenv("PJRT_DEVICE")
+    assert "PJRT_DEVICE" not in platform.setup_pjrt("auto")  # no TPU: auto picks a GPU or the CPU later
+    assert platform.setup_pjrt("xla")["PJRT_DEVICE"] == "CPU"
+
+
+@pytest.mark.xla
+@pytest.mark.skipif(XLA_BACKEND is None, reason="torch_xla is not installed")
+def test_setup_pjrt_turns_the_compile_cache_on_before_the_runtime_starts(tmp_path):
+    code = f"""
+import json, os
+os.environ.pop("PJRT_DEVICE", None)
+from tpu_helpers.backend import active_compile_cache
+from tpu_helpers.launch import platform
+env = platform.setup_pjrt("xla", compile_cache={str(tmp_path / "cache")!r})
+print(json.dumps({{"device": env["PJRT_DEVICE"], "cache": active_compile_cache()}}))
+"""
+    got = json.loads(run_python(code).stdout.strip().splitlines()[-1])
+    assert got == {"device": "CPU", "cache": str(tmp_path / "cache")}
+    assert (tmp_path / "cache").is_dir()

@@ -40,7 +40,8 @@ def test_torchrun_command_round_trips_to_the_same_config():
 
 def test_torchrun_trains_with_two_cpu_processes(tmp_path):
     out = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "tpu_helpers.train",
+    # --standalone: a free rendezvous port, so a torchrun elsewhere on the machine (port 29500) cannot collide.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "tpu_helpers.train",
            "--device", "cpu", "--preset", "tiny", "--steps", "10", "--batch_size", "4", "--seq_len", "32",
            "--max_chars", "100000", "--eval_every", "5", "--eval_batches", "2", "--log_every", "5",
            "--warmup_steps", "2", "--out_dir", str(out)]
@@ -53,3 +54,30 @@ def test_torchrun_trains_with_two_cpu_processes(tmp_path):
     assert results["report"]["tokens_per_step"] == 2 * 4 * 32
     assert results["report"]["final_val_loss"] < results["report"]["first_val_loss"]
     assert sorted(p.name for p in (out / "checkpoints").glob("ckpt-*.pt")) == ["ckpt-00000010.pt"]
+
+
+@pytest.mark.xla
+def test_compile_cache_dir_flag_reaches_the_backend(tmp_path):
+    cache, out = tmp_path / "cache", tmp_path / "run"
+    cmd = [sys.executable, "-m", "tpu_helpers.train", "--device", "xla", "--spmd", "False", "--preset", "tiny",
+           "--steps", "2", "--batch_size", "2", "--seq_len", "16", "--max_chars", "20000", "--eval_every", "100",
+           "--save_every", "100", "--log_every", "2", "--warmup_steps", "1", "--compile_cache_dir", str(cache),
+           "--out_dir", str(out)]
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "PJRT_DEVICE": "CPU", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads((out / "results.json").read_text())["report"]
+    assert report["xla"]["compile_cache_dir"] == str(cache) and any(cache.iterdir())
+
+
+def test_a_device_that_cannot_be_used_is_one_error_line_not_a_traceback(capsys):
+    import torch
+
+    from tpu_helpers.backend import tpu_chip_count
+    from tpu_helpers.launch.train import main
+
+    if tpu_chip_count() or torch.cuda.is_available():
+        pytest.skip("an accelerator is attached")
+    assert main(["--device", "tpu", "--preset", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: device='tpu' cannot be used: no TPU chips") and "Traceback" not in err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import nbformat
 import pytest
 
 from tpu_helpers.launch.runner import RunError, run_notebook
@@ -68,7 +69,13 @@ def test_wrong_type_fails_in_the_validation_cell_and_writes_nothing(notebooks, t
     result, out_dir = _run(notebooks, tmp_path, "cpu", STEPS="ten")
     assert not result.ok
     assert "ConfigError: STEPS='ten' has type str; expected int" in result.error
-    assert "config = th.config_from_parameters(globals())" in result.error or "import tpu_helpers" in result.error
+    # It failed in the first cell after the parameters, the one that validates them, and nothing else ran.
+    executed = nbformat.read(result.directory / "quickstart.ipynb", as_version=4)
+    code = [c for c in executed.cells if c.cell_type == "code"]
+    first = next(i for i, c in enumerate(code) if "injected-parameters" in c.metadata.get("tags", [])) + 1
+    failed = [i for i, c in enumerate(code) if any(o.get("output_type") == "error" for o in c.get("outputs", []))]
+    assert failed == [first] and "th.config_from_parameters(globals())" in code[first].source
+    assert all(c.get("execution_count") is None for c in code[first + 1:])
     assert result.directory.name.endswith(".failed")
     assert not out_dir.exists()  # nothing half-written
     assert not list((tmp_path / "runs").glob("*.running"))

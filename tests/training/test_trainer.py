@@ -99,6 +99,45 @@ def test_any_module_with_a_loss_function(tmp_path):
     assert report.final_val_loss < 0.1 * report.first_val_loss
 
 
+class _FourHooks:
+    """A callback that does not subclass Callback and has the hooks validation used to list, not all the loop calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def on_fit_start(self, trainer) -> None:
+        self.calls.append("fit_start")
+
+    def on_step_end(self, trainer) -> None:
+        self.calls.append("step_end")
+
+    def on_log(self, trainer, record) -> None:
+        self.calls.append(f"log {record['step']}")
+
+    def on_fit_end(self, trainer, report) -> None:
+        self.calls.append("fit_end")
+
+
+def test_a_callback_object_with_some_hooks_runs_and_the_rest_are_skipped(tmp_path):
+    x = torch.randn(64, 4)
+    data = TensorDataset(x, x.sum(1, keepdim=True))
+    cb = _FourHooks()
+    cfg = tiny_config(tmp_path, steps=4, log_every=2, eval_every=2, save_every=4)  # evaluations call on_eval_*
+    fit(torch.nn.Linear(4, 1), data, data, config=cfg, loss_fn=F.mse_loss, progress=False, callbacks=[cb])
+    assert cb.calls == ["fit_start", "step_end", "log 2", "step_end", "step_end", "log 4", "step_end", "fit_end"]
+
+
+def test_every_hook_the_loop_calls_is_a_callback_hook():
+    import inspect
+    import re
+
+    from tpu_helpers.training import trainer as trainer_module
+    from tpu_helpers.training.callbacks import HOOKS
+
+    called = set(re.findall(r"\bcb\.(on_\w+)\(", inspect.getsource(trainer_module)))
+    assert called and called <= set(HOOKS), called - set(HOOKS)
+
+
 def test_precision_that_conflicts_with_the_given_backend_is_refused(tmp_path, tiny_data):
     with pytest.raises(ConfigError, match=r"precision='bf16' conflicts with the backend passed in, which runs 'fp32'"):
         Trainer(tiny_gpt(), tiny_data[0], config=tiny_config(tmp_path, precision="bf16"), backend=get_backend("cpu"))
@@ -130,8 +169,8 @@ def test_missing_dataset_path_is_named_and_nothing_is_written(tmp_path):
 @pytest.mark.xla
 def test_xla_training_with_bf16_and_xla_gradient_checkpointing(tmp_path, tiny_data):
     train, val, _ = tiny_data
-    backend = get_backend("xla", spmd=False, precision="bf16")  # the session's XLA backend, now in bf16
-    assert backend is XLA_BACKEND
+    backend = get_backend("xla", spmd=False, precision="bf16")  # a bf16 view of the session's XLA backend
+    assert backend.device == XLA_BACKEND.device and backend.precision == "bf16"
     model = tiny_gpt()
     calls = []
     cfg = tiny_config(tmp_path, device="xla", steps=12, precision="bf16", gradient_checkpointing=True,
@@ -140,10 +179,23 @@ def test_xla_training_with_bf16_and_xla_gradient_checkpointing(tmp_path, tiny_da
     fn = model._checkpoint_fn
     assert fn.__module__ == "torch_xla.utils.checkpoint"  # torch's own would save nothing on XLA
     model.set_gradient_checkpointing(lambda *a, **k: calls.append(1) or fn(*a, **k))  # count the calls
-    try:
-        report = trainer.fit()
-    finally:
-        backend.precision = "fp32"  # the XLA backend is shared by the session's tests
+    report = trainer.fit()
+    assert XLA_BACKEND.precision == "fp32"  # the shared backend other trainers hold kept its precision
     assert report.precision == "bf16"
     assert report.final_val_loss < report.first_val_loss
     assert len(calls) >= 12 * 2  # two blocks per step, every step
+
+
+def test_saving_results_leaves_no_figure_open(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from tpu_helpers.training.recipes import RUN_DIR_ENV, save_results, train_gpt
+
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / "runner_dir"))  # two directories, one loss.png each
+    run = train_gpt(tiny_config(tmp_path, steps=2, eval_every=2, log_every=1, save_every=2, max_chars=20_000),
+                    progress=False)
+    before = plt.get_fignums()
+    for _ in range(3):  # a long notebook session saving again and again
+        save_results(run)
+    assert plt.get_fignums() == before
+    assert (tmp_path / "run" / "loss.png").stat().st_size > 0 and (tmp_path / "runner_dir" / "loss.png").exists()

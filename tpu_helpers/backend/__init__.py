@@ -18,56 +18,64 @@ fine where torch_xla is absent.
 
 from __future__ import annotations
 
-import glob
+import copy
 import importlib
 import importlib.metadata
 import os
+import sys
 import warnings
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from tpu_helpers.backend import tpu_host
 from tpu_helpers.backend.base import Backend, BackendUnavailable, warn_fallback
 from tpu_helpers.choices import DEVICES
 
-__all__ = ["DEFAULT_COMPILE_CACHE", "DEVICES", "Backend", "BackendUnavailable", "backend_for", "get_backend",
-           "resolve_compile_cache", "tpu_chip_count", "xla_module"]
+__all__ = ["DEFAULT_COMPILE_CACHE", "DEVICES", "Backend", "BackendUnavailable", "active_compile_cache", "backend_for",
+           "get_backend", "resolve_compile_cache", "tpu_chip_count", "xla_module"]
 
-_GOOGLE_PCI_VENDOR = "0x1ae0"
 _XLA_BACKEND = None  # the XLA runtime is per process: build its backend once and hand the same one out
 
 # ---- persistent compile cache (issue 5) ----------------------------------------------------------------------------
 DEFAULT_COMPILE_CACHE = "~/.cache/tpu_helpers/xla_cache"  # $TPU_HELPERS_XLA_CACHE moves it (e.g. to Drive)
 
 
-def resolve_compile_cache(setting: str | None, pjrt_device: str) -> str | None:
-    """The directory the persistent XLA compile cache should use, or None for no cache.
+def resolve_compile_cache(setting: str | None, pjrt_device: str, active: str | None = None,
+                          env: Mapping[str, str] | None = None) -> str | None:
+    """The directory the persistent XLA compile cache of this run uses, or None for no cache: the one place that
+    decides it (`platform.setup_pjrt` and `get_backend` both ask here).
 
-    "default" is on for TPUs only: torch_xla 2.9 cannot deserialise executables on XLA:CPU ("Deserializing
-    serialized executable not supported"), so a cache there costs a write and never saves a compile. A path turns
-    it on on any XLA device (tests do so to check the mechanism).
+    `active` is the cache this process already turned on (XLA reads the setting once per process): "default" then
+    means that one, so a notebook that passed its cache to `setup_pjrt` and then calls `get_backend(...)` with the
+    default gets the same directory, not a second one. Otherwise "default" is on for TPUs only: torch_xla 2.9 cannot
+    deserialise executables on XLA:CPU ("Deserializing serialized executable not supported"), so a cache there
+    costs a write and never saves a compile. A path turns it on on any XLA device (tests do so to check the
+    mechanism).
     """
     if setting is None:
         return None
     if setting == "default":
+        if active is not None:
+            return active
         if pjrt_device == "CPU":
             return None
-        setting = os.environ.get("TPU_HELPERS_XLA_CACHE") or DEFAULT_COMPILE_CACHE
+        setting = (os.environ if env is None else env).get("TPU_HELPERS_XLA_CACHE") or DEFAULT_COMPILE_CACHE
     return os.path.abspath(os.path.expanduser(setting))
+
+
+def active_compile_cache() -> str | None:
+    """The compile cache directory this process turned on (as asked for, before any per-process subdirectory), or
+    None; never imports torch_xla (no XLA module loaded means no cache yet)."""
+    module = sys.modules.get("tpu_helpers.backend.xla")
+    return module.active_compile_cache() if module is not None else None
 # ---- end compile cache ---------------------------------------------------------------------------------------------
 
 
 def tpu_chip_count() -> int:
-    """TPU chips attached over PCI (read from sysfs, so no XLA runtime is started)."""
-    count = 0
-    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
-        try:
-            if Path(vendor).read_text().strip() == _GOOGLE_PCI_VENDOR:
-                count += 1
-        except OSError:
-            continue
-    return count
+    """TPU chips attached over PCI (read from sysfs by TPU device id, so no XLA runtime is started)."""
+    return tpu_host.tpu_chip_count()
 
 
 def _install_hint() -> str:
@@ -102,32 +110,45 @@ def _spmd_default(local_devices: int) -> bool:
     return local_devices > 1 and not spawned
 
 
+def _with_precision(backend: Backend, precision: str) -> Backend:
+    # The XLA backend is shared by every trainer of the process: a different precision gets its own view (a shallow
+    # copy sharing the device, mesh and runtime) instead of changing the precision under the trainers that hold it.
+    resolved = backend._resolve_precision(precision)
+    if resolved == backend.precision:
+        return backend
+    view = copy.copy(backend)
+    view.precision = resolved
+    return view
+
+
 def _xla_backend(precision: str, spmd: bool | str, pjrt_device: str, compile_cache_dir: str | None) -> Backend:
     global _XLA_BACKEND
     module = xla_module()
     os.environ.setdefault("PJRT_DEVICE", pjrt_device)
-    cache = resolve_compile_cache(compile_cache_dir, os.environ["PJRT_DEVICE"])
+    active = active_compile_cache()
+    cache = resolve_compile_cache(compile_cache_dir, os.environ["PJRT_DEVICE"], active)
     if spmd == "auto":
         n = tpu_chip_count() if os.environ["PJRT_DEVICE"] == "TPU" else int(os.environ.get("CPU_NUM_DEVICES", "1"))
         spmd = _spmd_default(n)
+    started = _XLA_BACKEND is not None or active is not None  # XLA has read its cache setting: it cannot change
+    if started and cache is not None and cache != active:
+        warnings.warn(f"compile_cache_dir={compile_cache_dir!r} is ignored: XLA already runs in this process with "
+                      f"the compile cache {'off' if active is None else 'at ' + repr(active)}; restart the kernel "
+                      "to change it", stacklevel=3)
+        cache = active
     if _XLA_BACKEND is not None:
         if _XLA_BACKEND.spmd != spmd:
             raise BackendUnavailable(
                 f"this process already runs XLA with spmd={_XLA_BACKEND.spmd}; spmd={spmd} needs a fresh process "
                 "(restart the kernel)"
             )
-        _XLA_BACKEND.precision = _XLA_BACKEND._resolve_precision(precision)
-        active = _XLA_BACKEND.compile_cache_dir
-        same = active is not None and cache in (active, os.path.dirname(active))  # per-process subdirectory
-        if cache is not None and not same:
-            warnings.warn(f"compile_cache_dir={compile_cache_dir!r} is ignored: XLA already runs in this process with "
-                          f"the compile cache {'off' if active is None else 'at ' + repr(active)}; restart the kernel "
-                          "to change it", stacklevel=3)
-        return _XLA_BACKEND
+        return _with_precision(_XLA_BACKEND, precision)
+    if os.environ["PJRT_DEVICE"] == "TPU" and not module.runtime_started():
+        tpu_host.check_tpu_free()  # another kernel holding the TPU: say who, instead of libtpu's obscure error
     # The cache must be set before the runtime runs its first computation, so before the backend exists.
-    active = module.initialize_compile_cache(cache) if cache is not None else None
+    dir_used = module.initialize_compile_cache(cache) if cache is not None else None
     _XLA_BACKEND = module.XlaBackend(precision, spmd=bool(spmd))
-    _XLA_BACKEND.compile_cache_dir = active
+    _XLA_BACKEND.compile_cache_dir = dir_used
     return _XLA_BACKEND
 
 

@@ -34,7 +34,13 @@ import torch_xla.utils.checkpoint as xla_checkpoint
 from tpu_helpers.backend.base import Backend, tree_map_tensors
 from tpu_helpers.hardware import detect_tpu, format_bytes, lookup
 
-_CACHE_INITIALISED: str | None = None
+_CACHE_INITIALISED: str | None = None  # the directory in use (with its per-process subdirectory)
+_CACHE_REQUESTED: str | None = None  # the directory asked for
+
+
+def active_compile_cache() -> str | None:
+    """The directory `initialize_compile_cache` was given in this process, or None when the cache is off."""
+    return _CACHE_REQUESTED
 
 
 def initialize_compile_cache(path: str, *, per_process: bool | None = None, readonly: bool = False) -> str:
@@ -45,7 +51,8 @@ def initialize_compile_cache(path: str, *, per_process: bool | None = None, read
     same files). Returns the directory used. Calling it again with the same path is a no-op; another path is an
     error, because XLA reads the setting once.
     """
-    global _CACHE_INITIALISED
+    global _CACHE_INITIALISED, _CACHE_REQUESTED
+    requested = os.path.abspath(path)
     if per_process is None:
         per_process = int(os.environ.get("PJRT_LOCAL_PROCESS_COUNT", "1")) > 1 or \
             int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1
@@ -61,7 +68,7 @@ def initialize_compile_cache(path: str, *, per_process: bool | None = None, read
         return path
     os.makedirs(path, exist_ok=True)
     xr.initialize_cache(path, readonly=readonly)
-    _CACHE_INITIALISED = path
+    _CACHE_INITIALISED, _CACHE_REQUESTED = path, requested
     return path
 
 

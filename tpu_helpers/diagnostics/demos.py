@@ -82,6 +82,10 @@ class BadLoopTrainer(Trainer):
         return loss, norm
 
 
+def _logits_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
 def _ragged_loader(train: Dataset, batch_size: int, seq_len: int) -> DataLoader:
     lengths = [max(1, 3 * seq_len // 4), seq_len]  # two lengths, alternating: two graphs where one would do
     return DataLoader(RaggedBatches(train, batch_size, lengths), batch_size=None, shuffle=False)
@@ -99,9 +103,12 @@ def run_loop(config: TrainConfig, *, backend: Backend, patterns: Iterable[str] =
     torch.manual_seed(config.seed)
     model = model or GPT(gpt_config(config.preset, vocab_size=tok.vocab_size, block_size=config.seq_len))
     train_data = _ragged_loader(train, config.batch_size, config.seq_len) if "shapes" in patterns else train
-    # A model other than the GPT returns bare logits: BadLoopTrainer's loss (patterns=() adds nothing) handles it.
-    cls = BadLoopTrainer if patterns or not isinstance(model, GPT) else Trainer
+    # No patterns: the package's own Trainer, as a user runs it (a model other than the GPT returns bare logits, so
+    # it gets a cross-entropy loss_fn).
+    cls = BadLoopTrainer if patterns else Trainer
     kwargs = {"patterns": patterns} if cls is BadLoopTrainer else {}
+    if cls is Trainer and not isinstance(model, GPT):
+        kwargs["loss_fn"] = _logits_loss
     detector = XlaDetector(strict=config.xla_checks == "strict")
     trainer = cls(model, train_data, val, config=config, backend=backend, progress=progress,
                   callbacks=[detector], **kwargs)
@@ -115,6 +122,7 @@ def run_loop(config: TrainConfig, *, backend: Backend, patterns: Iterable[str] =
     timing = report.timing or {}
     return {
         "loop": "bad: " + ", ".join(patterns) if patterns else "package loop",
+        "trainer": type(trainer).__name__,
         "compilations": xla.get("compilations"),
         "device_to_host_transfers": xla.get("device_to_host_transfers"),
         "cpu_fallback_ops": sum((xla.get("cpu_fallback_ops") or {}).values()),

@@ -1,11 +1,16 @@
-"""What a notebook does before training on its platform: Colab detection, the torch/torch_xla pair, installing what
-the runtime lacks, Google Drive, and the PJRT environment.
+"""What a notebook does before training on its platform: Colab/Kaggle detection, the torch/torch_xla pair,
+installing what the runtime lacks, Google Drive, Kaggle's paths, and the PJRT environment.
 
     from tpu_helpers.launch import platform
     print(platform.check_torch_xla())                 # the pair, and the fix when it is missing or mismatched
-    platform.install_missing("requirements-colab.txt")  # pip-installs only what is absent; never torch/torch_xla
+    platform.install_missing()                        # pip-installs only what is absent; never torch/torch_xla
     out_dir, cache = platform.storage(config.out_dir, drive=True)   # Colab: checkpoints on Drive
     platform.setup_pjrt(config.device, compile_cache=cache)
+
+Kaggle (a TPU v5e-8 notebook, `platform.in_kaggle()`): this module is the one place that knows what differs there.
+`storage` puts a relative out_dir and the compile cache under /kaggle/working (the only directory kept as the
+notebook's output; /kaggle/input, where datasets are attached, is read-only), and `setup_pjrt` sets the
+accelerator variable the runtime needs (PJRT_DEVICE) from the chips it finds, as on any TPU host.
 
 Nothing here imports torch_xla (its version is read from the installed metadata), so these checks run before the
 XLA runtime starts and work where torch_xla is absent or broken.
@@ -17,7 +22,9 @@ import importlib.metadata
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
@@ -25,6 +32,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 # A lone reinstall of either breaks the pair (torch_xla then fails at import with an undefined _XLAC symbol).
 PROTECTED = ("torch", "torch_xla", "torch-xla", "libtpu")
 DRIVE_MOUNT = "/content/drive"
+KAGGLE_WORKING = "/kaggle/working"
 
 
 class PlatformError(RuntimeError):
@@ -34,6 +42,17 @@ class PlatformError(RuntimeError):
 def in_colab() -> bool:
     """True inside a Google Colab runtime."""
     return "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ
+
+
+def in_kaggle(env: dict | None = None, working: str = KAGGLE_WORKING) -> bool:
+    """True inside a Kaggle notebook (Kaggle sets KAGGLE_KERNEL_RUN_TYPE; /kaggle/working is its output folder)."""
+    env = os.environ if env is None else env
+    return "KAGGLE_KERNEL_RUN_TYPE" in env or os.path.isdir(working)
+
+
+def platform_name() -> str:
+    """"colab", "kaggle" or "local" (a TPU VM, a workstation, CI)."""
+    return "colab" if in_colab() else "kaggle" if in_kaggle() else "local"
 
 
 def _version(dist: str) -> str | None:
@@ -108,21 +127,31 @@ def missing_requirements(path: str | Path) -> list[str]:
     return missing
 
 
-def install_missing(path: str | Path | None = None, *, dry_run: bool = False) -> list[str]:
-    """pip-install what `path` lists and this runtime lacks; a no-op when everything is there (as in CI).
+def colab_requirements() -> Path:
+    """The requirements a Colab or Kaggle runtime may lack, shipped inside the package (so a wheel install has it)."""
+    return Path(str(resources.files("tpu_helpers.launch").joinpath("requirements-colab.txt")))
 
-    `path` defaults to requirements-colab.txt of the checkout this package was imported from.
-    Returns the requirements installed (or, with dry_run, that would be). Never touches torch or torch_xla.
+
+def pip_install(requirements: Sequence[str]) -> None:
+    """`python -m pip install -q REQ...` in this interpreter; PlatformError with pip's message when it fails."""
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", *requirements], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        raise PlatformError(f"pip install {' '.join(requirements)} failed ({proc.returncode}): "
+                            f"{proc.stderr.strip()[-1500:]}")
+
+
+def install_missing(path: str | Path | None = None, *, dry_run: bool = False,
+                    installer: Callable[[Sequence[str]], None] = pip_install) -> list[str]:
+    """Install what `path` lists and this runtime lacks; a no-op when everything is there (as in CI).
+
+    `path` defaults to the package's own requirements-colab.txt (`colab_requirements()`). `installer` receives
+    the missing requirements (tests pass a recorder, so they never run pip). Returns the requirements installed
+    (or, with dry_run, that would be). Never touches torch or torch_xla.
     """
-    if path is None:
-        path = Path(__file__).resolve().parents[2] / "requirements-colab.txt"
-    missing = missing_requirements(path)
+    missing = missing_requirements(colab_requirements() if path is None else path)
     if missing and not dry_run:
-        proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", *missing], capture_output=True,
-                              text=True)
-        if proc.returncode != 0:
-            raise PlatformError(f"pip install {' '.join(missing)} failed ({proc.returncode}): "
-                                f"{proc.stderr.strip()[-1500:]}")
+        installer(missing)
     return missing
 
 
@@ -140,30 +169,46 @@ def mount_drive(mount_point: str = DRIVE_MOUNT) -> Path:
 
 
 def storage(out_dir: str, *, drive: bool = False, drive_dir: str = "MyDrive/tpu_helpers",
-            compile_cache: str = "") -> tuple[str, str | None]:
-    """Where checkpoints and the XLA compile cache go: local paths, or under Drive when `drive`.
+            compile_cache: str = "", kaggle: bool | None = None,
+            kaggle_working: str = KAGGLE_WORKING) -> tuple[str, str | None]:
+    """Where checkpoints and the XLA compile cache go: local paths, under Drive when `drive`, under /kaggle/working
+    on Kaggle (`kaggle` None: detected).
 
     On Drive a Colab session that ends (or is preempted) keeps its checkpoints, and rerunning the notebook in a
-    new session resumes from them; the compile cache there saves the first steps' compilation next time.
-    Returns (out_dir, compile_cache or None).
+    new session resumes from them; the compile cache there saves the first steps' compilation next time. On Kaggle
+    only /kaggle/working is saved with the notebook's output, so a relative out_dir goes there (an absolute one is
+    kept). Returns (out_dir, compile_cache or None).
     """
     cache = compile_cache or None
     if drive:
         root = mount_drive() / drive_dir
         out_dir = str(root / Path(out_dir).name)
         cache = str(root / "xla_cache") if not compile_cache else compile_cache
+    elif in_kaggle() if kaggle is None else kaggle:
+        if not os.path.isabs(out_dir):
+            out_dir = str(Path(kaggle_working) / out_dir)
+        if cache and not os.path.isabs(cache):
+            cache = str(Path(kaggle_working) / cache)
     return out_dir, cache
 
 
 def setup_pjrt(device: str = "auto", *, compile_cache: str | None = None) -> dict[str, str]:
     """Set the PJRT environment for an XLA device before its runtime starts; returns the variables that matter.
 
-    A TPU host gets PJRT_DEVICE=TPU (Colab's TPU runtimes and TPU VMs both need it); elsewhere an explicit
-    device="xla" runs the same code on XLA:CPU. A value the user exported is kept. With `compile_cache`, XLA's
-    persistent compilation cache is turned on there (it must precede the first XLA computation).
+    A TPU host (chips found by PCI device id) gets PJRT_DEVICE=TPU: Colab's TPU runtimes, Kaggle's v5e-8 and TPU
+    VMs all need it; elsewhere an explicit device="xla" runs the same code on XLA:CPU. A value the user exported is kept. With `compile_cache`, XLA's
+    persistent compilation cache is turned on there (it must precede the first XLA computation); a later
+    `get_backend(...)` with its default compile_cache_dir uses the same directory.
     """
-    from tpu_helpers.backend import runtime_env, tpu_chip_count, xla_module
+    from tpu_helpers.backend import (
+        active_compile_cache,
+        resolve_compile_cache,
+        runtime_env,
+        tpu_host,
+        xla_module,
+    )
 
-    if runtime_env.choose_pjrt_device(device, tpu_attached=bool(tpu_chip_count())) and compile_cache:
-        xla_module().initialize_compile_cache(compile_cache)
+    device_kind = runtime_env.choose_pjrt_device(device, tpu_attached=bool(tpu_host.tpu_chips()))
+    if compile_cache and device_kind:
+        xla_module().initialize_compile_cache(resolve_compile_cache(compile_cache, device_kind, active_compile_cache()))
     return runtime_env.runtime_vars()

@@ -53,6 +53,19 @@ def notebook_parameters(path: Path) -> dict[str, Any]:
     return values
 
 
+def tpu_preflight(device: Any, env: dict[str, str], **roots: Any) -> None:
+    """Refuse to start a child kernel that needs the TPU while a process (this one included) holds it: the child
+    would fail deep inside libtpu. `roots` (sysfs_root, proc_root, lockfile) are for tests."""
+    from tpu_helpers.backend.tpu_host import TpuBusy, check_tpu_free, may_use_tpu
+
+    if not may_use_tpu(device, env):
+        return
+    try:
+        check_tpu_free(include_self=True, **roots)
+    except TpuBusy as err:
+        raise RunError(f"cannot start the notebook's kernel: {err}") from None
+
+
 @dataclass
 class RunResult:
     notebook: str
@@ -81,6 +94,7 @@ def run_notebook(notebook: str | Path, *, target: str = "local", params: dict[st
         raise RunError(f"unknown parameter(s) {unknown} for {path.name}; it declares: {', '.join(declared)}")
     # Target presets are generic: apply the names this notebook declares, then the explicit -p values on top.
     merged = {k: v for k, v in TARGETS[target].params.items() if k in declared} | params
+    tpu_preflight(merged.get("DEVICE", declared.get("DEVICE")), TARGETS[target].env)
 
     stem = name or path.stem
     final = Path(runs_dir) / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -42,15 +42,23 @@ TARGETS: dict[str, Target] = {
     "colab-v6e-1": Target("Colab TPU v6e-1 (32 GB HBM), bf16", {**_TPU, "BATCH_SIZE": 16}),
     "tpuvm-v5e-8": Target("TPU VM v5e-8: 8 chips driven by SPMD from one process, global batch 64 (8 per chip)",
                           {**_TPU, "GLOBAL_BATCH": 64, "BATCH_SIZE": 8, "MODE": "spmd"}),
+    # Kaggle's free TPU v5e-8: the same chips as a TPU VM; only /kaggle/working is kept with the notebook's output.
+    "kaggle-v5e-8": Target("Kaggle TPU v5e-8 (the tpuvm_v5e8 notebook, SPMD, global batch 64), out_dir under "
+                           "/kaggle/working", {**_TPU, "GLOBAL_BATCH": 64, "BATCH_SIZE": 8, "MODE": "spmd",
+                                              "OUT_DIR": "/kaggle/working/runs/tpuvm_v5e8"}),
 }
 
 
 def auto_target() -> str:
     """Pick the target for this machine without starting an XLA runtime."""
     from tpu_helpers.backend import tpu_chip_count
+    from tpu_helpers.launch.platform import in_kaggle
 
-    if tpu_chip_count():
-        return "tpuvm-v5e-8" if tpu_chip_count() >= 8 else "colab-v6e-1"
+    chips = tpu_chip_count()
+    if chips:
+        if chips >= 8:
+            return "kaggle-v5e-8" if in_kaggle() else "tpuvm-v5e-8"
+        return "colab-v6e-1"
     import torch
 
     return "gpu" if torch.cuda.is_available() else "cpu"

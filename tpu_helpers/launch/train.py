@@ -67,10 +67,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch.distributed as dist
 
-    from tpu_helpers.backend import backend_for
+    from tpu_helpers.backend import BackendUnavailable, backend_for
     from tpu_helpers.training.recipes import save_results, train_gpt
 
-    backend = backend_for(config)
+    try:  # a missing device or a TPU another process holds: one line that says what to do, not a traceback
+        backend = backend_for(config)
+    except BackendUnavailable as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     run = train_gpt(config, backend=backend, progress=backend.is_main)
     if backend.is_main:
         path = save_results(run, world_size=backend.world_size, entry_point="tpu_helpers.train")

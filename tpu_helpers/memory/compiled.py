@@ -37,14 +37,21 @@ from tpu_helpers.memory.report import MemoryEstimate
 from tpu_helpers.memory.step import OPTIMIZERS, PRECISIONS, check_choice, check_positive
 
 _TOTAL = re.compile(r"Total bytes used:\s*(\d+)")
-_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _package_parent() -> str:
+    # The directory this tpu_helpers was imported from (a checkout, site-packages, a pip --target folder): the
+    # subprocess must import the same copy, whatever its working directory.
+    import tpu_helpers
+
+    return str(Path(tpu_helpers.__file__).resolve().parent.parent)
 
 
 def child_env(pjrt_device: str, dump_dir: str) -> dict[str, str]:
     """The environment of the compile subprocess: XLA dumps into `dump_dir` on one `pjrt_device` device, and
     this package importable."""
     env = runtime_env.dump_env(dump_dir, pjrt=pjrt_device)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_parent(), os.environ.get("PYTHONPATH", "")) if p)
     return env
 
 

@@ -6,6 +6,9 @@ without importing each other.
     class PrintLoss(Callback):
         def on_log(self, trainer, record):
             print(record["step"], record["loss"])
+
+An object that does not subclass Callback works too when it has at least one of the hooks (`HOOKS`): the Trainer
+wraps it with `as_callback`, and the hooks it lacks do nothing.
 """
 
 from __future__ import annotations
@@ -36,3 +39,26 @@ class Callback:
     def on_eval_end(self, trainer: Trainer) -> None: ...
 
     def on_fit_end(self, trainer: Trainer, report: RunReport) -> None: ...
+
+
+# Every hook the loop calls, read from the class itself so a new hook cannot be forgotten here.
+HOOKS: tuple[str, ...] = tuple(name for name in vars(Callback) if name.startswith("on_"))
+
+
+class _PartialCallback(Callback):
+    """A callback object that does not subclass Callback and defines only some hooks: the others do nothing."""
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+        for name in HOOKS:
+            hook = getattr(target, name, None)
+            if hook is not None:
+                setattr(self, name, hook)
+
+    def __repr__(self) -> str:
+        return f"{type(self.target).__name__} (as a Callback)"
+
+
+def as_callback(obj: Any) -> Callback:
+    """`obj` itself when it is a Callback; otherwise a Callback that calls the hooks `obj` has and skips the rest."""
+    return obj if isinstance(obj, Callback) else _PartialCallback(obj)

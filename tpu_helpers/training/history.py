@@ -39,10 +39,27 @@ class History:
         return cls(train=list(d.get("train", [])), eval=list(d.get("eval", [])))
 
     def plot(self, path: str | Path | None = None, *, title: str = "loss"):
-        """Train and validation loss against step (and throughput); saves a PNG when `path` is given."""
+        """Train and validation loss against step (and throughput), shown in a notebook; saves a PNG when `path`
+        is given. The figure is pyplot's (so Jupyter displays it); files without display use `figure()`."""
         import matplotlib.pyplot as plt
 
-        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
+        fig = plt.figure(figsize=(11, 3.8))
+        self._draw(fig, title)
+        if path is not None:
+            fig.savefig(path, dpi=110)
+        return fig
+
+    def figure(self, *, title: str = "loss"):
+        """The same plot as a standalone matplotlib Figure that pyplot does not track: nothing to close, no
+        re-display in a notebook, freed with its last reference (for files written per run)."""
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(11, 3.8))
+        self._draw(fig, title)
+        return fig
+
+    def _draw(self, fig, title: str) -> None:
+        ax, ax2 = fig.subplots(1, 2)
         if self.train:
             ax.plot([r["step"] for r in self.train], [r["loss"] for r in self.train], label="train")
             ax2.plot([r["step"] for r in self.train], [r["tokens_per_s"] for r in self.train], color="tab:green")
@@ -54,9 +71,6 @@ class History:
         ax2.set(xlabel="step", ylabel="tokens/s", title="throughput")
         ax2.grid(alpha=0.3)
         fig.tight_layout()
-        if path is not None:
-            fig.savefig(path, dpi=110)
-        return fig
 
 
 @dataclass

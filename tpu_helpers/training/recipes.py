@@ -82,4 +82,4 @@ def save_results(run: GptRun, *, name: str = "results", **extra: Any) -> Path:
         raise RuntimeError("save_results() needs a finished run: call train_gpt() or run.trainer.fit() first")
     results = {"report": run.report.to_dict(), "config": run.config.to_dict(), "history": run.history.to_dict(),
                **run.extra_results, **extra}
-    return write_results(run.config.out_dir, results, name=name, figure=run.history.plot())
+    return write_results(run.config.out_dir, results, name=name, figure=run.history.figure())

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from tpu_helpers.backend import Backend, backend_for
 from tpu_helpers.config import ConfigError, TrainConfig
 from tpu_helpers.data import make_loader
-from tpu_helpers.training.callbacks import Callback
+from tpu_helpers.training.callbacks import Callback, as_callback
 from tpu_helpers.training.history import History, RunReport
 from tpu_helpers.training.run_state import RunState
 from tpu_helpers.training.schedule import Schedule
@@ -80,7 +80,7 @@ class Trainer:
             )
         self.loss_fn = loss_fn
         self.progress = progress
-        self.callbacks: list[Callback] = list(callbacks or [])
+        self.callbacks: list[Callback] = [as_callback(c) for c in callbacks or []]
         # ---- XLA diagnostics (issue 5): the problem detector runs by default on XLA ----
         if self.backend.is_xla and cfg.xla_checks != "off":
             from tpu_helpers.diagnostics import XlaDetector

@@ -21,8 +21,6 @@ from torch.utils.data import DataLoader
 
 from tpu_helpers.config import ConfigError, TrainConfig
 
-_HOOKS = ("on_fit_start", "on_step_end", "on_log", "on_fit_end")
-
 
 def _kind(value: Any) -> str:
     return type(value).__name__
@@ -52,7 +50,7 @@ def check_trainer_args(*, model: Any, train_data: Any, val_data: Any, config: An
     batch_size x chips, which `make_loader` checks once the device count is known).
     """
     from tpu_helpers.backend import Backend
-    from tpu_helpers.training.callbacks import Callback
+    from tpu_helpers.training.callbacks import HOOKS, Callback
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {_kind(model)}")
@@ -69,9 +67,18 @@ def check_trainer_args(*, model: Any, train_data: Any, val_data: Any, config: An
         if not isinstance(callbacks, (list, tuple)):
             raise TypeError(f"callbacks must be a list of Callback objects, got {_kind(callbacks)}")
         for i, cb in enumerate(callbacks):
-            if not isinstance(cb, Callback) and not all(callable(getattr(cb, h, None)) for h in _HOOKS):
-                raise TypeError(f"callbacks[{i}] is a {_kind(cb)}; subclass tpu_helpers.training.Callback "
-                                f"(hooks: {', '.join(_HOOKS)})")
+            if isinstance(cb, Callback):
+                continue
+            # Duck-typed callbacks are welcome (the Trainer skips the hooks they lack), but an object with no hook
+            # at all, a hook that is not callable, or a misspelt one (on_step) would silently never run.
+            names = [n for n in dir(cb) if n.startswith("on_") and not n.startswith("on__")]
+            unknown = [n for n in names if n not in HOOKS]
+            not_callable = [n for n in names if n in HOOKS and not callable(getattr(cb, n))]
+            if unknown or not_callable or not names:
+                problem = ("has no hook method" if not names else f"{unknown[0]} is not a hook" if unknown
+                           else f"{not_callable[0]} is not callable")
+                raise TypeError(f"callbacks[{i}] ({_kind(cb)}) {problem}; a callback defines some of: "
+                                f"{', '.join(HOOKS)} (or subclass tpu_helpers.training.Callback)")
     if run_identity is not None and not isinstance(run_identity, dict):
         raise TypeError(f"run_identity must be a dict or None, got {_kind(run_identity)}")
     if not isinstance(progress, bool):

@@ -1,0 +1,106 @@
+"""The preflight doctor on recorded hosts (a busy Kaggle-like v5e-8, a clean v6e-1, this CPU machine), the
+`python -m tpu_helpers doctor` command, and the runner refusing to start a kernel while the TPU is held."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.backend.test_tpu_host import fake_proc, gce_gpu_vm, v5e_8, v6e_1
+from tests.support import NOTEBOOKS, ROOT
+from tpu_helpers.launch import runner
+from tpu_helpers.launch.doctor import FAIL, OK, SKIP, WARN, Host, doctor
+
+VERSIONS = {"torch": "2.9.0", "torch_xla": "2.9.0", "libtpu": "0.0.21.1", "ipywidgets": "7.7.1",
+            "jupyterlab_widgets": "1.1.11"}
+
+
+def _host(tmp_path, sysfs, *, processes=None, thp="always madvise [never]", env=None, versions=None, **kw) -> Host:
+    thp_file = sysfs / "kernel" / "mm" / "transparent_hugepage" / "enabled"
+    thp_file.parent.mkdir(parents=True, exist_ok=True)
+    thp_file.write_text(thp + "\n")
+    proc = fake_proc(tmp_path / "proc", processes or {})
+    known = {**VERSIONS, **(versions or {})}
+    return Host(sysfs_root=str(sysfs), proc_root=str(proc), lockfile=str(tmp_path / "libtpu_lockfile"),
+                env={"HOME": str(tmp_path), **(env or {})}, version=known.get, python=(3, 13, 5), **kw)
+
+
+def _by_name(report):
+    return {c.name: c for c in report.checks}
+
+
+def test_a_busy_tpu_host_gets_every_problem_with_its_fix(tmp_path):
+    host = _host(tmp_path, v5e_8(tmp_path / "sys"), processes={4242: ["/dev/accel3"]}, env={"PJRT_DEVICE": "CPU"},
+                 versions={"torch_xla": "2.8.0", "libtpu": None}, platform="kaggle")
+    report = doctor(host)
+    checks = _by_name(report)
+    assert not report.ok
+    assert checks["TPU chips"].status == OK and checks["TPU chips"].detail == "8 x TPU v5e (PCI device 0x0063)"
+    assert checks["torch/torch_xla"].status == FAIL
+    assert checks["torch/torch_xla"].fix == "pip install 'torch==2.9.0' 'torch_xla[tpu]==2.9.0'"
+    assert checks["libtpu"].status == FAIL and "torch_xla[tpu]" in checks["libtpu"].fix
+    assert checks["TPU lock"].status == FAIL and "pid 4242" in checks["TPU lock"].detail
+    assert checks["TPU lock"].fix.startswith("kill 4242")
+    assert checks["hugepages"].status == WARN and "echo always >" in checks["hugepages"].fix
+    assert checks["PJRT variables"].status == FAIL and "PJRT_DEVICE=CPU" in checks["PJRT variables"].detail
+    assert checks["HBM free"].status == SKIP and "never starts one" in checks["HBM free"].detail
+    text = str(report)
+    assert text.startswith("tpu_helpers doctor (platform: kaggle)")
+    assert text.count("fix: ") == 5 and "check(s) failed" in text
+
+
+def test_a_ready_tpu_host_passes_and_reports_hbm_when_its_runtime_runs(tmp_path):
+    host = _host(tmp_path, v6e_1(tmp_path / "sys"), thp="[always] madvise never", env={"PJRT_DEVICE": "TPU"},
+                 hbm=lambda: (30 * 2**30, 31 * 2**30), platform="colab")
+    checks = _by_name(doctor(host))
+    assert all(c.status != FAIL for c in checks.values()), [c for c in checks.values() if c.status == FAIL]
+    assert checks["TPU chips"].detail == "1 x TPU v6e (PCI device 0x006f)"
+    assert checks["TPU lock"].detail == "free" and checks["hugepages"].status == OK
+    assert checks["HBM free"].detail == "30.0 GiB of 31.0 GiB (chip 0)"
+    assert "Colab draws widgets" in checks["ipywidgets"].detail
+
+
+def test_a_gpu_vm_in_google_cloud_is_not_taken_for_a_tpu_and_widgets_are_checked(tmp_path):
+    host = _host(tmp_path, gce_gpu_vm(tmp_path / "sys"), versions={"torch_xla": None, "libtpu": None,
+                                                                   "ipywidgets": "8.1.5"}, platform="local")
+    checks = _by_name(doctor(host))
+    assert checks["TPU chips"].detail.startswith("none") and checks["TPU lock"].status == SKIP
+    assert checks["torch/torch_xla"].status != FAIL and checks["libtpu"].status != FAIL
+    # ipywidgets 8 with the JupyterLab front-end of ipywidgets 7: widgets would not render
+    assert checks["ipywidgets"].status == WARN and "ipywidgets==8.1.5" in checks["ipywidgets"].fix
+
+
+def test_an_unwritable_compile_cache_is_reported_with_the_way_out(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    host = _host(tmp_path, v6e_1(tmp_path / "sys"), env={"TPU_HELPERS_XLA_CACHE": str(blocker / "cache")})
+    check = _by_name(doctor(host))["compile cache"]
+    assert check.status == FAIL and "is not a directory" in check.detail
+    assert "TPU_HELPERS_XLA_CACHE=" in check.fix
+
+
+def test_doctor_command_runs_here_and_prints_a_report(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "tpu_helpers", "doctor"], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]
+    for name in ("python", "torch/torch_xla", "TPU chips", "TPU lock", "compile cache", "PJRT variables"):
+        assert name in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1] in ("all checks passed",) or "failed" in proc.stdout
+
+
+def test_runner_refuses_to_start_a_tpu_kernel_while_the_tpu_is_held(tmp_path, monkeypatch):
+    roots = {"sysfs_root": v5e_8(tmp_path / "sys"), "lockfile": tmp_path / "lockfile",
+             "proc_root": fake_proc(tmp_path / "proc", {4242: ["/dev/accel0"]})}
+    with pytest.raises(runner.RunError, match=r"cannot start the notebook's kernel: .*pid 4242.*kill 4242"):
+        runner.tpu_preflight("tpu", {}, **roots)
+    runner.tpu_preflight("cpu", {}, **roots)  # a CPU run does not need the TPU
+    runner.tpu_preflight("xla", {"PJRT_DEVICE": "CPU"}, **roots)  # nor does XLA:CPU
+    # run_notebook asks before it makes the run directory or starts papermill
+    real = runner.tpu_preflight
+    monkeypatch.setattr(runner, "tpu_preflight", lambda device, env: real(device, env, **roots))
+    with pytest.raises(runner.RunError, match="pid 4242"):
+        runner.run_notebook(NOTEBOOKS["colab_tpu"], target="colab-v6e-1", runs_dir=tmp_path / "runs")
+    assert not (tmp_path / "runs").exists()
