@@ -124,9 +124,11 @@ def test_interrupted_save_without_manifest_is_skipped(tmp_path: Path) -> None:
     mgr.save(2, _state(2))
     # A save killed after the .pt rename but before the manifest: the data may even be complete.
     (tmp_path / "ckpt-00000003.pt").write_bytes((tmp_path / "ckpt-00000002.pt").read_bytes())
+    (tmp_path / ".ckpt-00000003.saving").touch()  # what save leaves until its manifest is in place
 
     info = mgr.list()[-1]
-    assert (info.step, info.valid, info.reason) == (3, False, "no manifest (save interrupted?)")
+    assert (info.step, info.valid, info.reason) == (3, False, "no manifest: its save was interrupted")
+    assert info.interrupted and not info.unverifiable and mgr.unverifiable() == []
     assert mgr.latest().step == 2
     with pytest.warns(UserWarning, match=r"ckpt-00000003\.pt.*no manifest.*falling back"):
         step, state = mgr.load_latest()
