@@ -12,7 +12,8 @@ never leaves a stale lock behind; the file itself stays, and only its lock state
 What it cannot promise: flock is kept by the kernel of the machine that took it. Processes on one machine always
 see each other's lock (network filesystems included), but on a filesystem shared between machines (gcsfuse, Google
 Drive, NFS, SMB) a run on another machine may not see it. `network_filesystem(path)` names such a filesystem from
-/proc/mounts, and `acquire` warns once about it. Where flock is missing (Windows) the lock is skipped with a warning.
+/proc/mounts, and `acquire` warns once about it. Where flock is missing (Windows) the lock is skipped with a warning. Forked children (DataLoader workers) close
+their copy of the lock's file descriptor, so the lock ends with the run, not with the last worker.
 """
 
 from __future__ import annotations
@@ -36,6 +37,22 @@ LOCK_NAME = ".run.lock"
 _NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "fuse.gcsfuse", "fuse.drive", "fuse.rclone",
                "fuse.sshfs", "fuse.s3fs", "fuse.blobfuse", "fuse", "lustre", "gpfs", "ceph", "glusterfs")
 _warned_network: set[str] = set()
+_HELD: set[int] = set()  # lock fds of this process
+
+
+def _drop_in_child() -> None:
+    # A forked child (a DataLoader worker) shares the lock's open file: if it kept the fd, the lock would outlive
+    # the run until the worker exits. Closing the child's copy leaves the parent's lock in place.
+    for fd in _HELD:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_in_child)
 
 
 class RunLocked(RuntimeError):
@@ -117,6 +134,7 @@ class RunLock:
                           "second run from sharing it", stacklevel=2)
             return self
         self._fd = fd
+        _HELD.add(fd)
         try:
             record = json.dumps(self.holder_record()).encode() + b"\n"
             os.ftruncate(fd, 0)
@@ -135,6 +153,7 @@ class RunLock:
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
+        _HELD.discard(fd)
         try:
             os.ftruncate(fd, 0)  # no holder any more (the file stays: deleting it would race a new holder)
         except OSError:
