@@ -9,6 +9,7 @@ and the model size before it commits to a long run.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from tpu_helpers.backend import Backend, get_backend
-from tpu_helpers.checkpoint import atomic_write_text
+from tpu_helpers.checkpoint import atomic_write_bytes, atomic_write_text
 from tpu_helpers.config import ConfigError, TrainConfig
 from tpu_helpers.data import TokenBlocks, build_datasets
 from tpu_helpers.models.gpt import GPT, gpt_config, sample_text
@@ -94,7 +95,7 @@ def save_results(run: GptRun, *, name: str = "results", **extra: Any) -> Path:
         directory.mkdir(parents=True, exist_ok=True)
         atomic_write_text(directory / f"{name}.json", text)
         fig = run.history.plot()
-        tmp = directory / ".loss.png.tmp"
-        fig.savefig(tmp, dpi=110, format="png")
-        os.replace(tmp, directory / "loss.png")
+        png = io.BytesIO()  # through a unique temp file: two writers never share one temp name
+        fig.savefig(png, dpi=110, format="png")
+        atomic_write_bytes(directory / "loss.png", png.getvalue())
     return out / f"{name}.json"
