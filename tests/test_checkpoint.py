@@ -310,3 +310,36 @@ def test_atomic_write_keeps_old_content_on_failure(tmp_path: Path, disk_full) ->
     assert exc.value.errno == errno.ENOSPC
     assert target.read_text() == '{"acc": 0.9}'
     assert _names(target.parent) == ["metrics.json"]
+
+
+def test_second_signal_during_a_save_stops_as_itself_not_as_a_checkpoint_error(tmp_path: Path, monkeypatch) -> None:
+    """Two SIGTERMs 1-30 ms apart: the second lands inside torch.save's writes. It must end the process as the
+    stop it is (SystemExit 143 from the signal guard), not as a misleading CheckpointError "unexpected pos"."""
+    import os
+    import signal
+
+    def second_sigterm(signum, frame):  # what training.signals does on a second signal
+        raise SystemExit(128 + signum)
+
+    real_write, calls = os.write, []
+
+    def write(fd, data):
+        n = real_write(fd, data)
+        calls.append(n)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered before the next bytecode: inside this write
+        return n
+
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, _state(1))
+    previous = signal.signal(signal.SIGTERM, second_sigterm)
+    monkeypatch.setattr(os, "write", write)
+    try:
+        with pytest.raises(SystemExit) as info:
+            mgr.save(2, _state(2))
+    finally:
+        monkeypatch.undo()
+        signal.signal(signal.SIGTERM, previous)
+    assert info.value.code == 143
+    assert [(i.step, i.valid) for i in mgr.list()] == [(1, True)]
+    assert not list(tmp_path.glob(".*.tmp"))
