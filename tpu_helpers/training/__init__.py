@@ -4,7 +4,8 @@
     report = fit(model, train_dataset, val_dataset, config=TrainConfig(steps=200))
 
 Modules: `callbacks` (the hook interface, a leaf), `trainer` (the loop with overridable steps), `run_state` (save
-and resume), `signals` (clean stop on SIGTERM/SIGINT), `validation` (checks of Trainer arguments), `step_timing`
+and resume), `run_lock` (one run per out_dir), `resume_policy` (what a changed setting does on resume), `finite`
+(nan/inf: stop, never save), `signals` (clean stop on SIGTERM/SIGINT), `validation` (checks of Trainer arguments), `step_timing`
 (where a step's time goes, MFU), `history` (loss history and the run report), `recipes` (train the package's GPT).
 """
 
