@@ -266,8 +266,9 @@ class CheckpointManager:
             free = shutil.disk_usage(self.directory).free
         except OSError:
             return
-        newest = self.latest()
-        needed = newest.path.stat().st_size if newest is not None else _tensor_bytes(state)
+        existing = [self.path_for(s) for s in sorted(self._steps(), reverse=True)]
+        newest = next((p for p in existing if p.exists()), None)  # its size, unverified: hashing costs seconds
+        needed = newest.stat().st_size if newest is not None else _tensor_bytes(state)
         if free >= needed * 1.1 + (1 << 20):
             return
         keep = max(1, self.keep_last - 1)
@@ -345,7 +346,8 @@ class CheckpointManager:
             return set()
         return {int(m.group(1)) for p in self.directory.iterdir() if (m := _CKPT_RE.match(p.name))}
 
-    def _verify(self, path: Path) -> CheckpointInfo:
+    def _verify(self, path: Path, *, deep: bool = True) -> CheckpointInfo:
+        """Check `path` against its manifest; `deep=False` stops after reading the manifest (no size or hash)."""
         m = _CKPT_RE.match(path.name)
         if m is None or m.group(2) != "pt":
             raise ValueError(f"{path} is not a checkpoint file (expected a name like ckpt-00000012.pt)")
@@ -370,6 +372,8 @@ class CheckpointManager:
             return bad(f"unsupported manifest format {manifest.get('format')!r}")
         if manifest.get("step") != step:
             return bad(f"manifest says step {manifest.get('step')!r} but the file name says {step}")
+        if not deep:
+            return CheckpointInfo(path, step, True, None)
         try:  # a dying disk fails reads with EIO: that is damage to report, not a crash of the caller
             size = path.stat().st_size
             if size < expected_size:
@@ -394,16 +398,21 @@ class CheckpointManager:
                 return info
         return None
 
-    def unverifiable(self) -> list[CheckpointInfo]:
+    def unverifiable(self, any_valid: bool | None = None) -> list[CheckpointInfo]:
         """Checkpoints holding data that must not be overwritten or pruned silently by a run starting over.
 
         A .pt whose manifest is missing or unreadable (not from an interrupted save: copied without its manifest,
-        dropped by a sync), and, when no checkpoint is valid at all, every damaged one as well.
+        dropped by a sync), and, when no checkpoint is valid at all, every damaged one as well. Pass `any_valid`
+        (whether `latest()` found one) to spare hashing the files again.
         """
-        infos = self.list()
-        any_valid = any(i.valid for i in infos)
-        return [i for i in infos if i.unverifiable
-                or (not any_valid and not i.valid and not i.interrupted and i.path.exists())]
+        if any_valid is None:
+            any_valid = self.latest() is not None
+        shallow = [self._verify(self.path_for(s), deep=False) for s in sorted(self._steps())]
+        if any_valid:
+            return [i for i in shallow if i.unverifiable]
+        # None is valid, so hashing them all costs nothing that resuming would not have spent.
+        return [i for i in (self._verify(i.path) for i in shallow) if not i.valid and not i.interrupted
+                and i.path.exists()]
 
     def set_aside(self) -> Path | None:
         """Move all checkpoints, manifests, save markers and run.json into `<directory>/set-aside-<UTC time>/`.

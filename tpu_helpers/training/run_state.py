@@ -79,8 +79,8 @@ class RunState:
                 "folder and start over"
             )
 
-    def _check_unverifiable(self) -> None:
-        bad = self.manager.unverifiable()
+    def _check_unverifiable(self, any_valid: bool) -> None:
+        bad = self.manager.unverifiable(any_valid)
         if not bad:
             return
         listed = "\n".join(f"  {i.path.name}: {i.reason}" for i in bad)
@@ -104,9 +104,9 @@ class RunState:
                     _say(f"resume='force_new': moved the earlier checkpoints of {str(cfg.out_dir)!r} into "
                          f"{self.set_aside} (nothing deleted); starting a new run")
             t.backend.barrier()  # other processes must not read checkpoints the main one is moving away
-        self._check_unverifiable()
-        self._check_identity()
         latest = self.manager.latest()
+        self._check_unverifiable(latest is not None)
+        self._check_identity()
         if latest is not None and cfg.resume is False:
             raise ConfigError(
                 f"out_dir={str(cfg.out_dir)!r} already holds checkpoints (newest: step {latest.step}) and "
