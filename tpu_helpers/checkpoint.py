@@ -85,24 +85,25 @@ class _SinkWriter:
         self.interrupt: BaseException | None = None
 
     def write(self, data: Any) -> int:
-        if self.interrupt is not None:
-            raise self.interrupt
-        if self.error is not None:  # torch keeps writing after a failure; don't let a later write "succeed"
-            raise self.error
-        rest = view = memoryview(data).cast("B")
-        try:
-            while rest:
-                rest = rest[os.write(self.fd, rest) :]  # os.write may write less than asked (large buffers)
-        except OSError as e:
-            self.error = e
-            raise
+        try:  # all of it: a signal handler can raise between any two bytecodes of this method
+            if self.interrupt is not None:
+                raise self.interrupt
+            if self.error is not None:  # torch keeps writing after a failure; don't let a later write "succeed"
+                raise self.error
+            rest = view = memoryview(data).cast("B")
+            try:
+                while rest:
+                    rest = rest[os.write(self.fd, rest) :]  # os.write may write less than asked (large buffers)
+            except OSError as e:
+                self.error = e
+                raise
+            self.sha.update(view)
+            self.size += len(view)
+            return len(view)
         except BaseException as e:
-            if not isinstance(e, Exception):
+            if not isinstance(e, Exception) and self.interrupt is None:
                 self.interrupt = e
             raise
-        self.sha.update(view)
-        self.size += len(view)
-        return len(view)
 
     def flush(self) -> None:  # nothing is buffered in user space; fsync happens after the last write
         pass
