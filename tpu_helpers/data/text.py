@@ -156,7 +156,10 @@ def data_identity(source: str) -> dict[str, str]:
     if not path.exists():
         return {"dataset": source}  # a hub name: the name (and split) is what there is to record
     root = path.resolve()
-    files = _local_files(path)
+    try:
+        files = _local_files(path)
+    except (ValueError, OSError):  # not data this module reads (the caller brought its own Dataset): the path
+        return {"dataset": str(root)}
     sha, total = hashlib.sha256(), 0
     for f in files:
         size = f.stat().st_size

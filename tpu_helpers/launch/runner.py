@@ -109,11 +109,14 @@ class KernelSignals:
         self.received.append(signum)
         pid = self._forward(signum)
         where = f"the notebook's kernel (pid {pid})" if pid else "no kernel (none is running yet)"
-        if len(self.received) == 1:
+        if pid is None:  # nothing is training yet, so there is nothing to save: stop before a kernel starts
+            _say(f"received {name} before the notebook's kernel started: stopping now")
+        elif len(self.received) == 1:
             _say(f"received {name}: passed it to {where}; a training run finishes its step, saves a checkpoint "
                  "and stops (send it again to stop at once)")
             return
-        _say(f"received {name} again: passed it to {where} and stopping now")
+        else:
+            _say(f"received {name} again: passed it to {where} and stopping now")
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
         raise SystemExit(128 + signum)
