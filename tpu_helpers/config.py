@@ -79,7 +79,7 @@ class TrainConfig:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("xla_checks", self.xla_checks, XLA_CHECKS)
         _choice("on_nonfinite", self.on_nonfinite, ON_NONFINITE)
-        if self.resume not in RESUME or self.resume in (0, 1) and not isinstance(self.resume, bool):
+        if self.resume not in RESUME:  # the type check above already refused 0 and 1
             raise ConfigError(f"resume={self.resume!r} must be True (continue out_dir's run), False (refuse if it "
                               "has checkpoints) or 'force_new' (move its checkpoints into a dated set-aside folder "
                               "and start over)")
