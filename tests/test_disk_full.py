@@ -124,6 +124,6 @@ def test_full_disk_lowering_keep_last_helps_and_a_fresh_out_dir_fails_clearly(tm
         assert out["KEEP1"].startswith("CheckpointError ") and "the disk is full" in out["KEEP1"], out
         return
     assert out["KEEP3"].startswith("CheckpointError checkpoint step 3 could not be saved"), out
-    assert "or lower keep_last (now 3)" in out["KEEP3"]
     assert out["KEEP2"] == "steps 4", out  # the rerun with keep_last=2 made room before each save
+    assert "or lower keep_last (now 3)" in out["KEEP3"]
     assert out["CHECKPOINTS"] == "[(3, True), (4, True)]"
