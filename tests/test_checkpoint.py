@@ -124,9 +124,11 @@ def test_interrupted_save_without_manifest_is_skipped(tmp_path: Path) -> None:
     mgr.save(2, _state(2))
     # A save killed after the .pt rename but before the manifest: the data may even be complete.
     (tmp_path / "ckpt-00000003.pt").write_bytes((tmp_path / "ckpt-00000002.pt").read_bytes())
+    (tmp_path / ".ckpt-00000003.saving").touch()  # what save leaves until its manifest is in place
 
     info = mgr.list()[-1]
-    assert (info.step, info.valid, info.reason) == (3, False, "no manifest (save interrupted?)")
+    assert (info.step, info.valid, info.reason) == (3, False, "no manifest: its save was interrupted")
+    assert info.interrupted and not info.unverifiable and mgr.unverifiable() == []
     assert mgr.latest().step == 2
     with pytest.warns(UserWarning, match=r"ckpt-00000003\.pt.*no manifest.*falling back"):
         step, state = mgr.load_latest()
@@ -326,3 +328,36 @@ print("umask calls:", calls, "| umask now:", oct(real(0o027)), "| file mode:",
 """
     out = run_python(code).stdout.strip().splitlines()[-1]
     assert out == "umask calls: [] | umask now: 0o27 | file mode: 0o640"
+
+
+def test_second_signal_during_a_save_stops_as_itself_not_as_a_checkpoint_error(tmp_path: Path, monkeypatch) -> None:
+    """Two SIGTERMs 1-30 ms apart: the second lands inside torch.save's writes. It must end the process as the
+    stop it is (SystemExit 143 from the signal guard), not as a misleading CheckpointError "unexpected pos"."""
+    import os
+    import signal
+
+    def second_sigterm(signum, frame):  # what training.signals does on a second signal
+        raise SystemExit(128 + signum)
+
+    real_write, calls = os.write, []
+
+    def write(fd, data):
+        n = real_write(fd, data)
+        calls.append(n)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered before the next bytecode: inside this write
+        return n
+
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, _state(1))
+    previous = signal.signal(signal.SIGTERM, second_sigterm)
+    monkeypatch.setattr(os, "write", write)
+    try:
+        with pytest.raises(SystemExit) as info:
+            mgr.save(2, _state(2))
+    finally:
+        monkeypatch.undo()
+        signal.signal(signal.SIGTERM, previous)
+    assert info.value.code == 143
+    assert [(i.step, i.valid) for i in mgr.list()] == [(1, True)]
+    assert not list(tmp_path.glob(".*.tmp"))

@@ -70,3 +70,60 @@ def test_full_disk_during_training_fails_clearly_and_keeps_the_previous_checkpoi
     assert out["CHECKPOINTS"] == "[(1, True)]"
     assert out["LOADS"] == "1"
     assert not [n for n in ast.literal_eval(out["FILES"]) if n.endswith(".tmp")]  # no half-written temp left
+
+
+CODE_KEEP_LAST = r"""
+import sys, torch
+from tpu_helpers.checkpoint import CheckpointError, CheckpointManager
+from tpu_helpers.config import TrainConfig
+from tpu_helpers.data import build_datasets
+from tpu_helpers.models.gpt import GPT, gpt_config
+from tpu_helpers.training.trainer import Trainer
+
+out, mode = sys.argv[1], sys.argv[2]
+train, val, tok = build_datasets("embedded", "byte", block_size=32, max_chars=20_000)
+if mode == "fill":  # a fresh out_dir on a disk with no space left at all
+    try:
+        with open(out.rsplit("/", 1)[0] + "/filler", "wb") as f:
+            while True:
+                f.write(b"x" * 65536)
+    except OSError:
+        pass
+for keep_last in ((1,) if mode == "fill" else (3, 2)):
+    cfg = TrainConfig(device="cpu", preset="tiny", steps=4, batch_size=4, seq_len=32, eval_every=100, log_every=1,
+                      save_every=1, keep_last=keep_last, out_dir=out, max_chars=20_000)
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny", vocab_size=tok.vocab_size, block_size=32))
+    try:
+        print(f"KEEP{keep_last}", "steps", Trainer(model, train, val, config=cfg, progress=False).fit().steps)
+    except Exception as err:
+        print(f"KEEP{keep_last}", type(err).__name__, str(err).replace(chr(10), " "))
+if mode != "fill":
+    print("CHECKPOINTS", [(i.step, i.valid) for i in CheckpointManager(out + "/checkpoints").list()])
+"""
+
+
+@pytest.mark.skipif(not _namespaces_work(), reason="cannot mount a tmpfs in an unprivileged user namespace here")
+@pytest.mark.parametrize("mode", ["lower keep_last", "fill"])
+def test_full_disk_lowering_keep_last_helps_and_a_fresh_out_dir_fails_clearly(tmp_path: Path, mode: str) -> None:
+    """Following the advice "lower keep_last" works: older checkpoints go before the save when space is short
+    (before, pruning ran only after a successful save, so the rerun failed the same way). A fresh out_dir on a
+    full disk gives an error that says so, not a raw OSError."""
+    mount = tmp_path / "small_disk"
+    mount.mkdir()
+    script = tmp_path / "run.py"
+    script.write_text(CODE_KEEP_LAST)
+    size = "1m" if mode == "fill" else "4m"  # 4 MiB: two checkpoints of about 1.4 MB fit, a third does not
+    arg = "fill" if mode == "fill" else "keep"
+    shell = f"mount -t tmpfs -o size={size} tmpfs {mount} && exec {sys.executable} {script} {mount}/run {arg}"
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", shell], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.split(" ", 1)[0].isupper())
+    if mode == "fill":
+        assert out["KEEP1"].startswith("CheckpointError ") and "the disk is full" in out["KEEP1"], out
+        return
+    assert out["KEEP3"].startswith("CheckpointError checkpoint step 3 could not be saved"), out
+    assert out["KEEP2"] == "steps 4", out  # the rerun with keep_last=2 made room before each save
+    assert "or lower keep_last (now 3)" in out["KEEP3"]
+    assert out["CHECKPOINTS"] == "[(3, True), (4, True)]"

@@ -1,6 +1,7 @@
 """Command line: `python -m tpu_helpers run NOTEBOOK [NOTEBOOK ...] [--target T] [-p NAME VALUE ...]`.
 
-Several notebooks run one after another, then a summary table; the exit status is non-zero if any failed.
+Several notebooks run one after another, then a summary table; the exit status is non-zero if any failed, and
+128 + the signal's number (143 for SIGTERM, 130 for SIGINT) when a signal stopped the batch.
 `python -m tpu_helpers targets` lists the targets. `python -m tpu_helpers doctor` checks this machine (versions,
 TPU chips and lock, hugepages, compile cache, PJRT variables, widgets) and prints the fix for each failing check.
 """
@@ -8,6 +9,7 @@ TPU chips and lock, hugepages, compile cache, PJRT variables, widgets) and print
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 
@@ -44,13 +46,22 @@ def main(argv: list[str] | None = None) -> int:
         for nb in args.notebooks:
             print(f">> running {nb} (target {args.target})", flush=True)
             result = run_notebook(nb, target=args.target, params=params, runs_dir=args.runs_dir, kernel=args.kernel)
-            print(("   ok: " if result.ok else "   FAILED: ") + (result.error or str(result.directory)), flush=True)
+            status = "   ok: " if result.ok else "   STOPPED: " if result.stopped_by else "   FAILED: "
+            print(status + (result.error or str(result.directory)), flush=True)
             results.append(result)
+            if result.stopped_by:  # a stop request covers the whole batch, not just this notebook
+                break
     except RunError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C: the run directory was renamed .failed, the kernel stopped
+        print("stopped (second SIGINT)", file=sys.stderr)
+        return 128 + signal.SIGINT
     print()
     print(summary_table(results))
+    stopped = next((r.stopped_by for r in results if r.stopped_by), None)
+    if stopped is not None:
+        return 128 + signal.Signals[stopped].value  # as a process stopped by that signal reports it
     return 0 if all(r.ok for r in results) else 1
 
 

@@ -59,6 +59,13 @@ class CheckpointInfo:
     step: int
     valid: bool
     reason: str | None
+    interrupted: bool = False  # a save of ours was cut short here (its marker exists): nothing to recover
+
+    @property
+    def unverifiable(self) -> bool:
+        """Data that may be good but cannot be checked: a .pt whose manifest is missing or unreadable."""
+        return (not self.valid and not self.interrupted and self.path.exists()
+                and self.reason is not None and self.reason.startswith(("no manifest", "unreadable manifest")))
 
 
 class _SinkWriter:
@@ -73,20 +80,30 @@ class _SinkWriter:
         self.sha = hashlib.sha256()
         self.size = 0
         self.error: OSError | None = None
+        # A KeyboardInterrupt/SystemExit raised in a write (a second Ctrl-C or SIGTERM during a save): torch turns
+        # it into "unexpected pos" RuntimeErrors, so it is kept here and re-raised as itself.
+        self.interrupt: BaseException | None = None
 
     def write(self, data: Any) -> int:
-        if self.error is not None:  # torch keeps writing after a failure; don't let a later write "succeed"
-            raise self.error
-        rest = view = memoryview(data).cast("B")
-        try:
-            while rest:
-                rest = rest[os.write(self.fd, rest) :]  # os.write may write less than asked (large buffers)
-        except OSError as e:
-            self.error = e
+        try:  # all of it: a signal handler can raise between any two bytecodes of this method
+            if self.interrupt is not None:
+                raise self.interrupt
+            if self.error is not None:  # torch keeps writing after a failure; don't let a later write "succeed"
+                raise self.error
+            rest = view = memoryview(data).cast("B")
+            try:
+                while rest:
+                    rest = rest[os.write(self.fd, rest) :]  # os.write may write less than asked (large buffers)
+            except OSError as e:
+                self.error = e
+                raise
+            self.sha.update(view)
+            self.size += len(view)
+            return len(view)
+        except BaseException as e:
+            if not isinstance(e, Exception) and self.interrupt is None:
+                self.interrupt = e
             raise
-        self.sha.update(view)
-        self.size += len(view)
-        return len(view)
 
     def flush(self) -> None:  # nothing is buffered in user space; fsync happens after the last write
         pass
@@ -128,6 +145,8 @@ def _write_temp(path: Path, produce: Callable[[_SinkWriter], None]) -> tuple[Pat
             os.close(fd)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if writer.interrupt is not None and writer.interrupt is not e:
+            raise writer.interrupt from None  # the user's stop, not torch's "unexpected pos" wrapper of it
         if isinstance(e, Exception) and writer.error is not None and writer.error is not e:
             raise writer.error from None  # the real cause (e.g. ENOSPC), not torch's opaque wrapper
         raise
@@ -203,6 +222,7 @@ class CheckpointManager:
         try:
             meta_json = json.loads(json.dumps(meta or {}))  # fail before writing gigabytes, not after
             self.directory.mkdir(parents=True, exist_ok=True)
+            self._make_room(step, state)
             tmp_pt, writer = _write_temp(path, lambda w: torch.save(state, w))
             temps.append(tmp_pt)
             created = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -219,10 +239,16 @@ class CheckpointManager:
             temps.append(tmp_json)
             # Everything that can run out of space is done; only renames are left. Dropping an old manifest
             # of the same step first means a crash between the renames reads as "interrupted", not as rot.
+            # The marker says so on disk: a .pt without a manifest and without a marker is data whose manifest
+            # was lost (copied without it, dropped by a sync), which discovery must not treat as disposable.
+            marker = self._marker(step)
+            os.close(os.open(marker, os.O_WRONLY | os.O_CREAT, 0o666))
+            _fsync_dir(self.directory)
             manifest_path.unlink(missing_ok=True)
             os.replace(tmp_pt, path)
             os.replace(tmp_json, manifest_path)
             _fsync_dir(self.directory)
+            marker.unlink(missing_ok=True)
         except Exception as e:
             raise CheckpointError(self._save_failure(step, state, e)) from e
         finally:
@@ -234,6 +260,29 @@ class CheckpointManager:
             warnings.warn(f"saved {path} but could not prune old checkpoints: {e}", stacklevel=2)
         return path
 
+    def _marker(self, step: int) -> Path:
+        return self.directory / f".ckpt-{step:08d}.saving"
+
+    def _make_room(self, step: int, state: dict) -> None:
+        """Prune before writing when the disk cannot hold one more checkpoint (pruning normally follows a save).
+
+        Keeps the newest `keep_last - 1` valid checkpoints (at least one): the new one completes the quota. With
+        keep_last=1 the only good checkpoint must survive until its successor is complete, so nothing goes.
+        """
+        try:
+            free = shutil.disk_usage(self.directory).free
+        except OSError:
+            return
+        existing = [self.path_for(s) for s in sorted(self._steps(), reverse=True)]
+        newest = next((p for p in existing if p.exists()), None)  # its size, unverified: hashing costs seconds
+        needed = newest.stat().st_size if newest is not None else _tensor_bytes(state)
+        if free >= needed * 1.1 + (1 << 20):
+            return
+        keep = max(1, self.keep_last - 1)
+        valid = [i.step for i in self.list() if i.valid and i.step < step]
+        for old in sorted(valid, reverse=True)[keep:]:
+            self._delete(old)
+
     def _save_failure(self, step: int, state: dict, exc: BaseException) -> str:
         where = f"checkpoint step {step} could not be saved to {self.directory}"
         if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
@@ -244,7 +293,10 @@ class CheckpointManager:
                 free = ""
             return (
                 f"{where}: the disk is full ({exc.strerror}) while writing about {needed:,} bytes of tensors"
-                f"{free}. Earlier checkpoints are untouched; free some space or lower keep_last."
+                f"{free}. Earlier checkpoints are untouched. Free some space"
+                + (" (keep_last=1 needs room for two checkpoints while the next one is written)"
+                   if self.keep_last == 1 else f", or lower keep_last (now {self.keep_last}): older checkpoints are "
+                   "then deleted before a save when space is short") + "."
             )
         return f"{where}: {type(exc).__name__}: {exc}. Earlier checkpoints are untouched."
 
@@ -275,6 +327,11 @@ class CheckpointManager:
                 kept += 1
             else:
                 self._delete(step)
+        steps = self._steps()
+        for marker in self.directory.glob(".ckpt-*.saving"):
+            m = re.match(r"^\.ckpt-(\d{8,})\.saving$", marker.name)
+            if m and int(m.group(1)) not in steps:  # its checkpoint was pruned or never renamed into place
+                marker.unlink(missing_ok=True)
         if temps_before is None:
             return
         # Leftovers of writes killed before they could clean up (a live save's temps are newer than ours).
@@ -296,7 +353,8 @@ class CheckpointManager:
             return set()
         return {int(m.group(1)) for p in self.directory.iterdir() if (m := _CKPT_RE.match(p.name))}
 
-    def _verify(self, path: Path) -> CheckpointInfo:
+    def _verify(self, path: Path, *, deep: bool = True) -> CheckpointInfo:
+        """Check `path` against its manifest; `deep=False` stops after reading the manifest (no size or hash)."""
         m = _CKPT_RE.match(path.name)
         if m is None or m.group(2) != "pt":
             raise ValueError(f"{path} is not a checkpoint file (expected a name like ckpt-00000012.pt)")
@@ -309,7 +367,9 @@ class CheckpointManager:
         if not path.exists():
             return bad("data file missing (only the manifest exists)")
         if not manifest_path.exists():
-            return bad("no manifest (save interrupted?)")
+            if self._marker(step).exists():
+                return CheckpointInfo(path, step, False, "no manifest: its save was interrupted", interrupted=True)
+            return bad("no manifest (it was not copied, or a sync dropped it); the data cannot be verified")
         try:
             manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
             expected_size, expected_sha = int(manifest["bytes"]), str(manifest["sha256"])
@@ -319,6 +379,8 @@ class CheckpointManager:
             return bad(f"unsupported manifest format {manifest.get('format')!r}")
         if manifest.get("step") != step:
             return bad(f"manifest says step {manifest.get('step')!r} but the file name says {step}")
+        if not deep:
+            return CheckpointInfo(path, step, True, None)
         try:  # a dying disk fails reads with EIO: that is damage to report, not a crash of the caller
             size = path.stat().st_size
             if size < expected_size:
@@ -342,6 +404,45 @@ class CheckpointManager:
             if info.valid:
                 return info
         return None
+
+    def unverifiable(self, any_valid: bool | None = None) -> list[CheckpointInfo]:
+        """Checkpoints holding data that must not be overwritten or pruned silently by a run starting over.
+
+        A .pt whose manifest is missing or unreadable (not from an interrupted save: copied without its manifest,
+        dropped by a sync), and, when no checkpoint is valid at all, every damaged one as well. Pass `any_valid`
+        (whether `latest()` found one) to spare hashing the files again.
+        """
+        if any_valid is None:
+            any_valid = self.latest() is not None
+        shallow = [self._verify(self.path_for(s), deep=False) for s in sorted(self._steps())]
+        if any_valid:
+            return [i for i in shallow if i.unverifiable]
+        # None is valid, so hashing them all costs nothing that resuming would not have spent.
+        return [i for i in (self._verify(i.path) for i in shallow) if not i.valid and not i.interrupted
+                and i.path.exists()]
+
+    def set_aside(self) -> Path | None:
+        """Move all checkpoints, manifests, save markers and run.json into `<directory>/set-aside-<UTC time>/`.
+
+        Nothing is deleted; returns the new folder (None when there was nothing to move).
+        """
+        if not self.is_main or not self.directory.is_dir():
+            return None
+        names = [p for p in self.directory.iterdir() if _CKPT_RE.match(p.name) or p.name == self.run_info_path.name
+                 or (p.name.startswith(".ckpt-") and p.name.endswith(".saving"))]
+        if not names:
+            return None
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+        target = self.directory / f"set-aside-{stamp}"
+        n = 1
+        while target.exists():
+            n += 1
+            target = self.directory / f"set-aside-{stamp}-{n}"
+        target.mkdir()
+        for p in names:
+            os.replace(p, target / p.name)
+        _fsync_dir(self.directory)
+        return target
 
     def _torch_load(self, path: Path, map_location: Any) -> dict:
         # weights_only=False: optimizer and RNG states are arbitrary objects; these are our own trusted files.
@@ -387,14 +488,26 @@ class CheckpointManager:
 
     def write_run_info(self, info: dict) -> None:
         """Store a JSON fingerprint of the run (config hash, model name...) so a rerun can check it."""
-        if self.is_main:
+        if not self.is_main:
+            return
+        try:
             atomic_write_text(self.run_info_path, json.dumps(info, indent=2, sort_keys=True) + "\n")
+        except OSError as e:
+            full = " (the disk is full)" if e.errno in _DISK_FULL else ""
+            raise CheckpointError(f"could not write {self.run_info_path}{full}: {e.strerror or e}; nothing was "
+                                  "trained yet: free some space or choose another out_dir") from None
 
     def read_run_info(self) -> dict | None:
         """The stored fingerprint, or None if none was written."""
         if not self.run_info_path.exists():
             return None
         try:
-            return json.loads(self.run_info_path.read_text(encoding="utf-8"))
+            info = json.loads(self.run_info_path.read_text(encoding="utf-8"))
         except ValueError as e:
             raise CheckpointCorrupt(f"{self.run_info_path} is not valid JSON: {e}") from e
+        if not isinstance(info, dict):
+            raise CheckpointCorrupt(
+                f"{self.run_info_path} holds {json.dumps(info)[:60]} ({type(info).__name__}), not the JSON object "
+                "a run writes there, so it cannot tell which run these checkpoints belong to; restore it, or "
+                "move it away if the checkpoints are yours")
+        return info

@@ -10,6 +10,7 @@ Notebook parameters (UPPER_CASE globals) become a TrainConfig through `tpu_helpe
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -20,6 +21,8 @@ from tpu_helpers.training.schedule import Schedule
 
 OPTIMIZERS = ("adamw", "sgd")
 XLA_CHECKS = ("warn", "strict", "off")
+RESUME = (True, False, "force_new")
+ON_NONFINITE = ("stop", "warn")
 
 
 class ConfigError(ValueError):
@@ -60,7 +63,8 @@ class TrainConfig:
     out_dir: str = "runs/quickstart"
     save_every: int = 500
     keep_last: int = 3
-    resume: bool = True  # continue from the newest good checkpoint in out_dir
+    resume: bool | str = True  # True: continue from out_dir's newest good checkpoint | False | "force_new"
+    on_nonfinite: str = "stop"  # a nan/inf training loss at a log step: stop (raise, keep the good checkpoints) | warn
     seed: int = 0
     # XLA performance (see tpu_helpers.diagnostics)
     compile_cache_dir: str | None = "default"  # persistent XLA compile cache: "default" (on TPU), a dir, or None
@@ -73,6 +77,15 @@ class TrainConfig:
         _choice("precision", self.precision, PRECISIONS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("xla_checks", self.xla_checks, XLA_CHECKS)
+        _choice("on_nonfinite", self.on_nonfinite, ON_NONFINITE)
+        if self.resume not in RESUME:  # the type check above already refused 0 and 1
+            raise ConfigError(f"resume={self.resume!r} must be True (continue out_dir's run), False (refuse if it "
+                              "has checkpoints) or 'force_new' (move its checkpoints into a dated set-aside folder "
+                              "and start over)")
+        for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "val_fraction"):
+            value = getattr(self, name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{name}={value!r} is not a finite number")
         if self.compile_cache_dir == "":
             raise ConfigError("compile_cache_dir='' is empty: use 'default', a directory, or None to turn it off")
         if self.spmd not in (True, False, "auto"):

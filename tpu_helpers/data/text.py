@@ -7,6 +7,10 @@ Every block has the same length, because XLA compiles one graph per input shape.
 
 from __future__ import annotations
 
+import codecs
+import hashlib
+import json
+import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,11 +22,12 @@ from torch.utils.data import Dataset
 from tpu_helpers.data.corpus import generate_corpus
 from tpu_helpers.data.tokenizer import ByteTokenizer, Tokenizer, get_tokenizer
 
-__all__ = ["TokenBlocks", "build_datasets", "load_text", "pack_tokens", "split_train_val"]
+__all__ = ["TokenBlocks", "build_datasets", "data_identity", "load_text", "pack_tokens", "split_train_val"]
 
 _TEXT_SUFFIXES = (".txt", ".md", ".text")
 _JSON_SUFFIXES = (".json", ".jsonl")
 # A hub name like "user/data-v1.2" must not be mistaken for a file, so a "suffix" has to start with a letter.
+_WHOLE, _SAMPLE = 1 << 20, 1 << 18  # files up to 1 MiB are hashed whole, larger ones in three 256 KiB samples
 _FILE_SUFFIX = re.compile(r"\.[A-Za-z][A-Za-z0-9]{0,7}$")
 
 
@@ -58,16 +63,123 @@ def _join_column(ds: Any, text_field: str, max_chars: int | None, what: str) -> 
     return text if max_chars is None else text[:max_chars]
 
 
+def _skipped_dir(directory: Path) -> bool:
+    """Folders that are not training data: hidden ones (.ipynb_checkpoints, .git), caches, and run folders
+    (checkpoints/, anything holding a run.json or a run lock), whose results.json would read as text."""
+    name = directory.name
+    return (name.startswith(".") or name in ("__pycache__", "checkpoints")
+            or (directory / "run.json").exists() or (directory / ".run.lock").exists())
+
+
 def _local_files(path: Path) -> list[Path]:
     allowed = _TEXT_SUFFIXES + _JSON_SUFFIXES
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in allowed)
+        files: list[Path] = []
+        for root, dirs, names in os.walk(path):
+            dirs[:] = sorted(d for d in dirs if not _skipped_dir(Path(root) / d))
+            files += [Path(root) / n for n in names if not n.startswith(".") and Path(n).suffix.lower() in allowed]
+        files = sorted(f for f in files if f.is_file())
         if not files:
-            raise ValueError(f"directory {str(path)!r} has no {'/'.join(allowed)} files")
+            raise ValueError(f"directory {str(path)!r} has no {'/'.join(allowed)} files (hidden files and folders, "
+                             "checkpoints/ and run folders are skipped)")
         return files
     if path.suffix.lower() not in allowed:
         raise ValueError(f"cannot read {str(path)!r}: supported file types are {', '.join(allowed)}")
     return [path]
+
+
+def _file_problem(path: Path) -> str | None:
+    """What keeps `path` from being read as training data, or None (used to name the culprit of a failed load)."""
+    try:
+        if path.suffix.lower() in _JSON_SUFFIXES:
+            if path.stat().st_size == 0 or not path.read_bytes().strip():
+                return "empty file (a .jsonl file needs one JSON object per line)"
+            if path.suffix.lower() == ".json":
+                try:
+                    json.loads(path.read_text(encoding="utf-8"))
+                except ValueError as err:  # maybe JSON lines under a .json name: datasets reads those too
+                    first = path.read_text(encoding="utf-8").lstrip().splitlines()[0]
+                    try:
+                        json.loads(first)
+                    except ValueError:
+                        return f"not valid JSON: {err}"
+                    return _jsonl_problem(path)
+                return None
+            return _jsonl_problem(path)
+        with open(path, "rb") as f:
+            decoder = codecs.getincrementaldecoder("utf-8")()
+            while chunk := f.read(1 << 20):
+                decoder.decode(chunk)
+            decoder.decode(b"", final=True)
+    except UnicodeDecodeError as err:
+        return f"not UTF-8 text ({err.reason} at byte {err.start} of a chunk)"
+    except OSError as err:
+        return f"cannot be read: {err.strerror or err}"
+    return None
+
+
+def _jsonl_problem(path: Path) -> str | None:
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except ValueError as err:
+                    return f"line {number} is not valid JSON: {err}"
+                if not isinstance(record, dict):
+                    return f"line {number} holds a {type(record).__name__}, not a JSON object"
+    return None
+
+
+def _check_readable(files: list[Path], source: str, cause: BaseException | None = None) -> None:
+    problems = [(f, p) for f in files if (p := _file_problem(f)) is not None]
+    if problems:
+        listed = "\n".join(f"  {f}: {p}" for f, p in problems)
+        raise ValueError(f"{len(problems)} of the {len(files)} data file(s) under {source!r} cannot be read:\n"
+                         f"{listed}\nfix or remove them") from cause
+    if cause is not None:
+        raise ValueError(f"reading the data files under {source!r} failed ({type(cause).__name__}: {cause}); "
+                         f"none of the {len(files)} file(s) shows a problem on its own") from cause
+
+
+def data_identity(source: str) -> dict[str, str]:
+    """What identifies a run's data: `{"dataset": ...}` plus, for local files, `"data_fingerprint"`.
+
+    A local path is recorded resolved (a relative and an absolute path to one file are the same data), and the
+    files are fingerprinted by content: name, size and a SHA-256 of each file (of its first, middle and last
+    256 KiB when it is larger than 1 MiB, so that a terabyte of data costs milliseconds). Replacing a file's
+    contents changes the fingerprint; an edit of equal size in the unsampled middle of a large file does not.
+    """
+    if source == "embedded" or not isinstance(source, str):
+        return {"dataset": source}
+    path = Path(source).expanduser()
+    if not path.exists():
+        return {"dataset": source}  # a hub name: the name (and split) is what there is to record
+    root = path.resolve()
+    try:
+        files = _local_files(path)
+    except (ValueError, OSError):  # not data this module reads (the caller brought its own Dataset): the path
+        return {"dataset": str(root)}
+    sha, total = hashlib.sha256(), 0
+    for f in files:
+        size = f.stat().st_size
+        total += size
+        sha.update(f"{f.relative_to(path) if path.is_dir() else f.name}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            if size <= _WHOLE:
+                sha.update(fh.read())
+            else:
+                for offset in (0, size // 2 - _SAMPLE // 2, size - _SAMPLE):
+                    fh.seek(offset)
+                    sha.update(fh.read(_SAMPLE))
+    return {"dataset": str(root),
+            "data_fingerprint": f"{len(files)} file(s), {total:,} bytes, sha256 {sha.hexdigest()[:16]}"}
+
+
+def _check_empty_json(files: list[Path], source: str) -> None:
+    empty = [f for f in files if f.stat().st_size == 0]
+    if empty:
+        _check_readable(empty, source)
 
 
 def load_text(
@@ -106,10 +218,17 @@ def load_text(
         # One load_dataset call per builder: "text" and "json" files cannot share a call.
         texts = []
         for builder, suffixes in (("text", _TEXT_SUFFIXES), ("json", _JSON_SUFFIXES)):
-            chosen = [str(f) for f in files if f.suffix.lower() in suffixes]
-            if chosen:
-                ds = datasets.load_dataset(builder, data_files=chosen, split="train")
-                texts.append(_join_column(ds, text_field, max_chars, f"{builder} files under {source!r}"))
+            chosen = [f for f in files if f.suffix.lower() in suffixes]
+            if not chosen:
+                continue
+            if builder == "json":
+                _check_empty_json(chosen, source)  # datasets fails on them with a bare StopIteration
+            try:
+                ds = datasets.load_dataset(builder, data_files=[str(f) for f in chosen], split="train")
+            except (Exception, StopIteration) as err:  # e.g. DatasetGenerationError, which names no file
+                _check_readable(chosen, source, err)
+                raise
+            texts.append(_join_column(ds, text_field, max_chars, f"{builder} files under {source!r}"))
         text = "\n".join(texts)
         return text if max_chars is None else text[:max_chars]
     if _looks_like_path(source):

@@ -1,7 +1,14 @@
 """Run notebooks headlessly with papermill: `python -m tpu_helpers run NOTEBOOK [...] --target T -p NAME VALUE`.
 
 Each run executes into `runs/<name>-<timestamp>.running/`, which is renamed to `runs/<name>-<timestamp>/` when the
-notebook finished, or to `...failed/` when a cell failed, so a directory without a suffix is always a finished run.
+notebook finished, to `...failed/` when a cell failed, or to `...stopped/` when a signal stopped it, so a
+directory without a suffix is always a finished run and none stays `.running` once the runner has exited.
+
+Signals (SIGTERM from a preemption or `kill`, Ctrl-C in a terminal): the kernel runs in a session of its own, so
+the terminal's Ctrl-C never reaches it, and nbclient would only shut it down. The runner passes the first signal on
+to the kernel process itself, where `Trainer.fit` finishes its step, saves a checkpoint and returns; the rest of
+the notebook runs (results of the partial run are saved) and the run directory ends `.stopped`. A second signal
+is passed on too (the training stops at once) and the runner stops at once, the directory ending `.failed`.
 It holds the executed notebook, `params.json`, and the `results.json`/`loss.png` the notebook saved. A target
 (`--target`) is a named preset of parameters and environment variables for a platform; `-p` overrides win over it.
 Unknown `-p` names are refused before anything runs (papermill itself would only warn).
@@ -13,6 +20,9 @@ import ast
 import json
 import os
 import re
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +49,12 @@ def notebook_parameters(path: Path) -> dict[str, Any]:
     """Names and default values of the notebook's `parameters` cell (error if it has none or several)."""
     import nbformat
 
-    nb = nbformat.read(path, as_version=4)
+    _check_notebook_path(path)
+    try:
+        nb = nbformat.read(path, as_version=4)
+    except Exception as err:  # not JSON, not a notebook, unreadable
+        raise RunError(f"notebook {str(path)!r} cannot be read as a Jupyter notebook: {type(err).__name__}: "
+                       f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}") from None
     tagged = [c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", [])]
     if len(tagged) != 1:
         raise RunError(f"{path} has {len(tagged)} cells tagged 'parameters'; papermill needs exactly one")
@@ -66,6 +81,100 @@ def tpu_preflight(device: Any, env: dict[str, str], **roots: Any) -> None:
         raise RunError(f"cannot start the notebook's kernel: {err}") from None
 
 
+class KernelSignals:
+    """While a notebook runs: pass SIGTERM/SIGINT on to its kernel (see the module docstring)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.km: Any = None  # the kernel manager, set when nbclient creates it
+        self.received: list[int] = []
+        self._previous: dict = {}
+
+    def manager_class(self) -> type:
+        """A kernel manager class that reports each instance back here (nbclient creates it itself)."""
+        from jupyter_client.manager import AsyncKernelManager
+
+        tracker = self
+
+        class TrackedKernelManager(AsyncKernelManager):
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                tracker.km = self
+
+        return TrackedKernelManager
+
+    def kernel_pid(self) -> int | None:
+        process = getattr(getattr(self.km, "provisioner", None), "process", None)
+        return getattr(process, "pid", None)
+
+    def _forward(self, signum: int) -> int | None:
+        pid = self.kernel_pid()
+        if pid is not None:
+            try:
+                os.kill(pid, signum)
+            except OSError:
+                return None
+        return pid
+
+    def handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        self.received.append(signum)
+        pid = self._forward(signum)
+        where = f"the notebook's kernel (pid {pid})" if pid else "no kernel (none is running yet)"
+        if pid is None:  # nothing is training yet, so there is nothing to save: stop before a kernel starts
+            _say(f"received {name} before the notebook's kernel started: stopping now")
+        elif len(self.received) == 1:
+            _say(f"received {name}: passed it to {where}; a training run finishes its step, saves a checkpoint "
+                 "and stops (send it again to stop at once)")
+            return
+        else:
+            _say(f"received {name} again: passed it to {where} and stopping now")
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+    def __enter__(self) -> KernelSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.getsignal(s) for s in self.SIGNALS}
+            for s in self.SIGNALS:
+                signal.signal(s, self.handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+
+    def stop_kernel(self, grace: float = 3.0) -> None:
+        """After a second signal: give the kernel `grace` seconds to go, then SIGKILL it (never leave it training)."""
+        pid = self.kernel_pid()
+        process = getattr(getattr(self.km, "provisioner", None), "process", None)
+        if pid is None or process is None:
+            return
+        deadline = time.monotonic() + grace
+        while process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if process.poll() is None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                process.wait(5)
+            except (OSError, Exception):
+                pass
+
+
+def _say(message: str) -> None:
+    print(f"[tpu_helpers] {message}", file=sys.stderr, flush=True)
+
+
+def _check_notebook_path(path: Path) -> None:
+    if not path.exists():
+        raise RunError(f"notebook {str(path)!r} does not exist")
+    if path.is_dir():
+        raise RunError(f"notebook {str(path)!r} is a directory; give a .ipynb file inside it")
+    if path.suffix != ".ipynb":
+        raise RunError(f"notebook {str(path)!r} is not a Jupyter notebook (expected a .ipynb file)")
+
+
 @dataclass
 class RunResult:
     notebook: str
@@ -74,6 +183,7 @@ class RunResult:
     seconds: float
     error: str | None = None
     results: dict | None = None
+    stopped_by: str | None = None  # the signal that stopped the run ("SIGTERM"), if one did
 
 
 def run_notebook(notebook: str | Path, *, target: str = "local", params: dict[str, Any] | None = None,
@@ -81,8 +191,7 @@ def run_notebook(notebook: str | Path, *, target: str = "local", params: dict[st
     import papermill as pm
 
     path = Path(notebook)
-    if not path.exists():
-        raise RunError(f"notebook {str(path)!r} does not exist")
+    _check_notebook_path(path)
     if target == "auto":
         target = auto_target()
     if target not in TARGETS:
@@ -108,17 +217,21 @@ def run_notebook(notebook: str | Path, *, target: str = "local", params: dict[st
     os.environ[RUN_DIR_ENV] = str(work.resolve())
     started = time.perf_counter()
     error = None
+    signals = KernelSignals()
     try:
-        pm.execute_notebook(str(path), str(work / path.name), parameters=merged, cwd=os.getcwd(),
-                            kernel_name=kernel, progress_bar=False, log_output=False)
+        with signals:
+            pm.execute_notebook(str(path), str(work / path.name), parameters=merged, cwd=os.getcwd(),
+                                kernel_name=kernel, progress_bar=False, log_output=False,
+                                kernel_manager_class=signals.manager_class())
     except pm.PapermillExecutionError as err:
         first_line = (err.source or "").strip().splitlines()[0] if err.source else ""
         error = (f"cell {err.cell_index} (execution count {err.exec_count}) failed: {err.ename}: "
                  f"{err.evalue}" + (f"\n  cell starts with: {first_line}" if first_line else ""))
     except Exception as err:  # a dead kernel, a missing kernelspec...: still a failed run, not a running one
         error = f"the notebook did not run to the end: {type(err).__name__}: {err}"
-    except BaseException:  # Ctrl-C: leave a failed directory behind, never one that looks running or finished
+    except BaseException:  # a second signal: leave a failed directory behind, never one that looks running
         os.replace(work, final.with_name(final.name + ".failed"))
+        signals.stop_kernel()
         raise
     finally:
         for k, v in env_before.items():
@@ -127,11 +240,16 @@ def run_notebook(notebook: str | Path, *, target: str = "local", params: dict[st
             else:
                 os.environ[k] = v
     seconds = time.perf_counter() - started
-    done = final if error is None else final.with_name(final.name + ".failed")
+    stopped_by = signal.Signals(signals.received[0]).name if signals.received else None
+    if error is None and stopped_by is not None:
+        error = f"stopped by {stopped_by}: the notebook's training saved a checkpoint and the notebook ran to its end"
+        done = final.with_name(final.name + ".stopped")
+    else:
+        done = final if error is None else final.with_name(final.name + ".failed")
     os.replace(work, done)
     results_file = done / "results.json"
     results = json.loads(results_file.read_text()) if results_file.exists() else None
-    return RunResult(str(path), done, error is None, seconds, error, results)
+    return RunResult(str(path), done, error is None, seconds, error, results, stopped_by)
 
 
 def summary_table(results: list[RunResult]) -> str:
@@ -140,7 +258,8 @@ def summary_table(results: list[RunResult]) -> str:
         rep = (r.results or {}).get("report", {})
         val = rep.get("final_val_loss")
         tok = rep.get("tokens_per_s")
-        rows.append((Path(r.notebook).name, "ok" if r.ok else "FAILED", f"{r.seconds:.0f}",
+        status = "ok" if r.ok else "STOPPED" if r.stopped_by else "FAILED"
+        rows.append((Path(r.notebook).name, status, f"{r.seconds:.0f}",
                      f"{val:.3f}" if isinstance(val, float) else "-",
                      f"{tok:,.0f}" if isinstance(tok, (int, float)) else "-", str(r.directory)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

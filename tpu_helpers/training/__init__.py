@@ -4,9 +4,10 @@
     report = fit(model, train_dataset, val_dataset, config=TrainConfig(steps=200))
 
 Modules: `callbacks` (the hook interface, a leaf), `schedule` (when to log, evaluate and save), `trainer` (the loop
-with overridable steps), `run_state` (save and resume), `signals` (clean stop on SIGTERM/SIGINT), `validation`
-(checks of Trainer arguments), `step_timing` (where a step's time goes, MFU), `history` (loss history and the run
-report), `results` (results.json and the figure of a run), `recipes` (train the package's GPT).
+with overridable steps), `run_state` (save and resume), `run_lock` (one run per out_dir), `resume_policy` (what a
+changed setting does on resume), `finite` (nan/inf: stop, never save), `signals` (clean stop on SIGTERM/SIGINT),
+`validation` (checks of Trainer arguments), `step_timing` (where a step's time goes, MFU), `history` (loss history
+and the run report), `results` (results.json and the figure of a run), `recipes` (train the package's GPT).
 
 Names load their module on first use, so importing a light module (`schedule`, `results`, `history`) does not
 import the trainer.

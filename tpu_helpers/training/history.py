@@ -94,6 +94,7 @@ class RunReport:
     stop_reason: str | None = None  # why the run ended before `steps` (a signal, a callback), else None
     timing: dict = field(default_factory=dict)  # step time split, steady tokens/s (tpu_helpers.training.step_timing)
     mfu: float | None = None  # model FLOPs utilisation against the catalog's bf16 peak (TPU/GPU only)
+    resume_changes: list = field(default_factory=list)  # settings applied on resume ("lr 0.003 -> 3e-05 from step 20")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -129,6 +130,8 @@ class RunReport:
             lines.append(format_timing(self.timing))
         if self.checkpoint:
             lines.append(f"checkpoint    {self.checkpoint}")
+        for change in self.resume_changes:
+            lines.append(f"changed       {change}")
         if self.stop_reason:
             lines.append(f"stopped early {self.stop_reason}")
         return "\n".join(lines)

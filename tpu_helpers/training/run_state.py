@@ -4,27 +4,43 @@ A checkpoint holds the model, optimizer, scheduler, step, data position (epoch a
 consumed) and every RNG stream, so a resumed run continues the same run, on any number of chips or processes that
 keeps the global batch (per-chip batch x chips x accumulation). Checkpoints live in `<out_dir>/checkpoints/` and are written by
 `tpu_helpers.checkpoint.CheckpointManager` (atomic, checksummed). `<out_dir>/checkpoints/run.json` records what
-identifies the run (model, data, batch, seed); resuming with a different identity is an error rather than a
-silent mix of two runs.
+identifies the run (model, data by resolved path and content fingerprint, batch, seed); resuming with a different
+identity is an error rather than a silent mix of two runs. What each setting does on resume: `resume_policy`.
+
+One run per out_dir: `resume_or_start` takes the directory's run lock (`run_lock.RunLock`) and `release_lock`
+(called when `fit` ends, however it ends) gives it back. Checkpoints that cannot be verified (a `.pt` without its
+manifest) are never overwritten or pruned silently: the run refuses to start until told, and `resume="force_new"`
+moves every checkpoint into a dated `set-aside-*` folder (nothing is deleted) and starts over.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tpu_helpers.checkpoint import CheckpointManager
 from tpu_helpers.config import ConfigError
+from tpu_helpers.data.text import data_identity
+from tpu_helpers.training import finite
 from tpu_helpers.training.history import History, RunReport
+from tpu_helpers.training.resume_policy import (
+    IDENTITY_FIELDS,
+    apply_changes,
+    checkpoint_config_mismatch,
+    mismatched_identity,
+)
+from tpu_helpers.training.run_lock import RunLock
 from tpu_helpers.training.validation import check_out_dir
 
 if TYPE_CHECKING:
     from tpu_helpers.training.trainer import Trainer
 
-# Fields that define which run a checkpoint belongs to. Steps, logging and evaluation may change on resume.
-# The batch enters as the global batch (recorded separately), so the chip count may change between runs.
-IDENTITY_FIELDS = ("preset", "dataset", "text_field", "tokenizer", "max_chars", "seq_len", "val_fraction",
-                   "optimizer", "seed")
+__all__ = ["IDENTITY_FIELDS", "RunState"]
+
+
+def _say(message: str) -> None:
+    print(f"[tpu_helpers] {message}", file=sys.stderr, flush=True)
 
 
 class RunState:
@@ -33,55 +49,105 @@ class RunState:
         cfg = trainer.config
         self.directory = Path(cfg.out_dir) / "checkpoints"
         self.manager = CheckpointManager(self.directory, keep_last=cfg.keep_last, is_main=trainer.backend.is_main)
+        self.lock = RunLock(cfg.out_dir)
         model = trainer.raw_model
         self.identity = {
             **{k: getattr(cfg, k) for k in IDENTITY_FIELDS},
+            **data_identity(cfg.dataset),
             "global_batch": cfg.batch_size * trainer.backend.num_replicas * cfg.grad_accum,
             "model": type(model).__name__,
             "parameters": sum(p.numel() for p in model.parameters()),
             **(run_identity or {}),
         }
         self.resumed_from: int | None = None
+        self.resume_changes: list[str] = []
+        self.set_aside: Path | None = None
         self.last_path: Path | None = None
 
     def _check_identity(self) -> None:
         stored = self.manager.read_run_info()
         if stored is None:
             return
-        # Keys an older run.json lacks are not compared, so its checkpoints stay resumable.
-        diff = {k: (stored[k], v) for k, v in self.identity.items() if k in stored and stored[k] != v}
+        diff = mismatched_identity(stored, self.identity)
         if diff:
             details = ", ".join(f"{k}: {old!r} there vs {new!r} now" for k, (old, new) in sorted(diff.items()))
             hint = (" (global_batch = batch_size x chips x grad_accum: keep it to resume on another number of "
                     "chips, e.g. batch_size = global_batch / (chips x grad_accum))" if "global_batch" in diff else "")
             raise ConfigError(
                 f"out_dir={str(self.trainer.config.out_dir)!r} holds checkpoints of a different run ({details}){hint}; "
-                "choose another out_dir, or delete that directory to start over"
+                "choose another out_dir, or pass resume='force_new' to move its checkpoints into a dated set-aside "
+                "folder and start over"
             )
 
+    def _check_unverifiable(self, any_valid: bool) -> None:
+        bad = self.manager.unverifiable(any_valid)
+        if not bad:
+            return
+        listed = "\n".join(f"  {i.path.name}: {i.reason}" for i in bad)
+        raise ConfigError(
+            f"out_dir={str(self.trainer.config.out_dir)!r} holds checkpoint data that cannot be verified, and "
+            f"starting this run would overwrite or delete it:\n{listed}\n"
+            "Copy the matching .json manifests back next to them to resume, or pass resume='force_new' to move "
+            f"every checkpoint into a dated set-aside folder under {str(self.directory)!r} (nothing is deleted) "
+            "and start over"
+        )
+
     def resume_or_start(self) -> None:
-        t = self.trainer
+        t, cfg = self.trainer, self.trainer.config
         if t.backend.is_main:
-            check_out_dir(t.config.out_dir)  # now, not at the first save an hour into the run
-        self._check_identity()
+            check_out_dir(cfg.out_dir)  # now, not at the first save an hour into the run
+            self.lock.acquire()  # refuses at once, naming the holder, if another run uses this out_dir
+        if cfg.resume == "force_new":
+            if t.backend.is_main:
+                self.set_aside = self.manager.set_aside()
+                if self.set_aside is not None:
+                    _say(f"resume='force_new': moved the earlier checkpoints of {str(cfg.out_dir)!r} into "
+                         f"{self.set_aside} (nothing deleted); starting a new run")
+            t.backend.barrier()  # other processes must not read checkpoints the main one is moving away
         latest = self.manager.latest()
-        if latest is not None and not t.config.resume:
+        self._check_unverifiable(latest is not None)
+        self._check_identity()
+        if latest is not None and cfg.resume is False:
             raise ConfigError(
-                f"out_dir={str(t.config.out_dir)!r} already holds checkpoints (newest: step {latest.step}) and "
-                "resume=False; pass resume=True to continue that run, or choose another out_dir"
+                f"out_dir={str(cfg.out_dir)!r} already holds checkpoints (newest: step {latest.step}) and "
+                "resume=False; pass resume=True to continue that run, resume='force_new' to set them aside and "
+                "start over, or choose another out_dir"
             )
         if t.backend.is_main:
             self.manager.write_run_info(self.identity)
-        if latest is None or not t.config.resume:
-            t.backend.manual_seed(t.config.seed)
+        if latest is None or cfg.resume is not True:
+            t.backend.manual_seed(cfg.seed)
             return
         loaded = self.manager.load_latest()
         if loaded is None:
-            t.backend.manual_seed(t.config.seed)
+            t.backend.manual_seed(cfg.seed)
             return
         step, state = loaded
-        self.load_state(state)
+        self._load_checked(step, state)
         self.resumed_from = step
+        self.resume_changes = apply_changes(t, state.get("config"))
+        if self.resume_changes and t.backend.is_main:
+            _say(f"resumed from step {step} with changed settings: " + "; ".join(self.resume_changes))
+
+    def _load_checked(self, step: int, state: dict) -> None:
+        """load_state, with "this checkpoint belongs to another run" instead of a raw state_dict error."""
+        path = self.manager.path_for(step)
+        mismatch = checkpoint_config_mismatch(state.get("config") if isinstance(state, dict) else None,
+                                              self.trainer.config)
+        try:
+            if mismatch:
+                raise ValueError("its config differs: " + ", ".join(mismatch))
+            self.load_state(state)
+        except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ConfigError(
+                f"checkpoint {path} does not belong to this run ({type(err).__name__}: {first[:400]}); it was "
+                "probably copied in from another run. Choose another out_dir, or pass resume='force_new' to move "
+                "the checkpoints into a dated set-aside folder and start over"
+            ) from err
+
+    def release_lock(self) -> None:
+        self.lock.release()
 
     def state_dict(self) -> dict:
         t = self.trainer
@@ -109,9 +175,18 @@ class RunState:
         t.history.truncate(t.step)
         t.backend.set_rng_state(state["rng"])
 
-    def save(self) -> Path:
+    def save(self) -> Path | None:
+        """Save a checkpoint unless the state is non-finite (then the good checkpoints stay as they are)."""
         t = self.trainer
-        self.last_path = self.manager.save(t.step, self.state_dict(), meta={"epoch": t.epoch})
+        if t.diverged is not None and t.config.on_nonfinite == "stop":
+            return None  # the loss went nan/inf: the weights are not worth a checkpoint slot
+        state = self.state_dict()
+        bad = finite.nonfinite_tensors(state["model"])
+        if bad:
+            finite.flag(t, f"the weights hold nan/inf at step {t.step} ({', '.join(bad[:3])}"
+                           f"{', ...' if len(bad) > 3 else ''})")
+            return None
+        self.last_path = self.manager.save(t.step, state, meta={"epoch": t.epoch})
         t.backend.barrier()
         return self.last_path
 
@@ -139,4 +214,5 @@ class RunState:
             if t.backend.is_xla else {},
             memory=t.backend.memory_info(),
             stop_reason=t.stop_reason,
+            resume_changes=list(self.resume_changes),
         )

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 from tpu_helpers.backend import Backend, backend_for
 from tpu_helpers.config import ConfigError, TrainConfig
 from tpu_helpers.data import make_loader
+from tpu_helpers.training import finite
 from tpu_helpers.training.callbacks import Callback, as_callback
 from tpu_helpers.training.history import History, RunReport
 from tpu_helpers.training.run_state import RunState
@@ -90,6 +91,7 @@ class Trainer:
         self.timer = StepTimer()
         # ---- end XLA diagnostics ----
         self.stop_reason: str | None = None  # set (e.g. by a signal handler) to end after the current step
+        self.diverged: str | None = None  # what went nan/inf, if anything (training/finite.py)
         if cfg.gradient_checkpointing:
             if not hasattr(model, "set_gradient_checkpointing"):
                 raise ConfigError(
@@ -234,7 +236,13 @@ class Trainer:
     def fit(self) -> RunReport:
         """Train to `config.steps`, resuming from out_dir's checkpoints; SIGTERM/Ctrl-C stop cleanly (signals.py)."""
         with stop_on_signals(self):
-            return self._fit()
+            try:
+                report = self._fit()
+            finally:
+                self.state.release_lock()  # one run per out_dir: held from resume_or_start to here
+        if self.diverged is not None and self.config.on_nonfinite == "stop":
+            raise finite.diverged_error(self, report)
+        return report
 
     def _fit(self) -> RunReport:
         cfg, b = self.config, self.backend
@@ -296,6 +304,7 @@ class Trainer:
         seconds = max(time.perf_counter() - t0, 1e-9)
         loss_sum, norm_sum = window.tolist()
         loss = loss_sum / steps
+        finite.check_logged_loss(self, step, loss, first_step)  # nan/inf: stop after this step, save nothing
         tok_s = steps * self.tokens_per_step / seconds
         norm = norm_sum / steps if self.config.grad_clip is not None else None
         self.history.log_train(step, loss=loss, lr=lr, tokens_per_s=tok_s, grad_norm=norm)

@@ -1,0 +1,93 @@
+"""What a setting does on resume: part of the run's identity (a change is refused) or applied from the resume step.
+
+Each TrainConfig field is in exactly one group (the README's resume table lists them):
+
+- IDENTITY_FIELDS: what the checkpoints are *of* (model, data, tokenization, optimizer kind, seed, global batch).
+  Resuming with another value is refused, naming the old and the new value (`RunState._check_identity`).
+- APPLIED_ON_RESUME: optimisation settings a user changes on purpose (a lower lr, more steps). The checkpoint's
+  optimizer and scheduler state would silently keep the old values, so `apply_changes` writes the new ones into
+  the optimizer and scheduler and returns lines for the report, e.g. "lr 0.003 -> 3e-05 from step 20".
+- everything else (logging, evaluation, saving, device, precision, batch split, paths) simply takes effect.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tpu_helpers.training.trainer import Trainer
+
+IDENTITY_FIELDS = ("preset", "dataset", "text_field", "tokenizer", "max_chars", "seq_len", "val_fraction",
+                   "optimizer", "seed")
+APPLIED_ON_RESUME = ("lr", "weight_decay", "steps", "warmup_steps", "min_lr_ratio", "grad_clip")
+
+
+def same_dataset(old: Any, new: Any) -> bool:
+    """run.json values of "dataset": equal, or an older run's relative path that resolves to the same place."""
+    if old == new:
+        return True
+    return isinstance(old, str) and isinstance(new, str) and Path(old).expanduser().resolve() == Path(new)
+
+
+def mismatched_identity(stored: dict, identity: dict) -> dict[str, tuple[Any, Any]]:
+    """{field: (old, new)} for identity values that differ (keys an older run.json lacks are not compared)."""
+    diff = {}
+    for key, new in identity.items():
+        if key not in stored:
+            continue
+        old = stored[key]
+        if key == "dataset" and same_dataset(old, new):
+            continue
+        if old != new:
+            diff[key] = (old, new)
+    return diff
+
+
+def checkpoint_config_mismatch(old_config: Any, config: Any) -> list[str]:
+    """Identity fields where the config stored inside a checkpoint differs from this run's (dataset aside:
+    its spelling may differ for the same data, which run.json's fingerprint covers)."""
+    if not isinstance(old_config, dict):
+        return []
+    return [f"{k} {old_config[k]!r} there vs {getattr(config, k)!r} now" for k in IDENTITY_FIELDS
+            if k != "dataset" and k in old_config and old_config[k] != getattr(config, k)]
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else repr(value)
+
+
+def apply_changes(trainer: Trainer, old_config: Any) -> list[str]:
+    """Apply APPLIED_ON_RESUME settings that differ from the checkpoint's; returns one line per change."""
+    if not isinstance(old_config, dict):
+        return []
+    cfg, step = trainer.config, trainer.step
+    changed = [k for k in APPLIED_ON_RESUME if k in old_config and old_config[k] != getattr(cfg, k)]
+    if not changed:
+        return []
+    lines = [f"{k} {_fmt(old_config[k])} -> {_fmt(getattr(cfg, k))} from step {step}" for k in changed]
+    groups = trainer.optimizer.param_groups
+    if "weight_decay" in changed:
+        old_wd = old_config["weight_decay"]
+        for i, group in enumerate(groups):
+            # The decayed groups carry the configured value; no-decay groups (biases, norms) stay at 0.
+            if group.get("weight_decay") == old_wd and (old_wd != 0 or i == 0):
+                group["weight_decay"] = cfg.weight_decay
+    sched = trainer.scheduler
+    lr_before = groups[0]["lr"]
+    if "lr" in changed:
+        sched.base_lrs = [cfg.lr for _ in groups]
+        for group in groups:
+            group["initial_lr"] = cfg.lr
+    # The schedule's shape comes from this run's config (steps, warmup, min ratio): re-evaluate it at this step.
+    lambdas = getattr(sched, "lr_lambdas", None)
+    if lambdas is not None:
+        for group, base, fn in zip(groups, sched.base_lrs, lambdas, strict=True):
+            group["lr"] = base * fn(sched.last_epoch)
+        sched._last_lr = [g["lr"] for g in groups]
+    lr_after = groups[0]["lr"]
+    if not math.isclose(lr_before, lr_after, rel_tol=1e-9):
+        lines.append(f"learning rate at step {step}: {lr_before:.3g} -> {lr_after:.3g} (the schedule now runs to "
+                     f"step {cfg.steps}, warmup {cfg.warmup_steps}, down to {cfg.min_lr_ratio:g} x lr)")
+    return lines
