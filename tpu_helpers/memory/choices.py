@@ -78,7 +78,9 @@ def chips_text(n: int) -> str:
 
 
 def duration_text(seconds: float) -> str:
-    """Readable at every scale: ``0.8 ms``, ``2.35 s``, ``42 s``, ``17 min``, ``5.2 h``, ``3.1 days``."""
+    """Readable at every scale: ``5.1 µs``, ``0.8 ms``, ``2.35 s``, ``42 s``, ``17 min``, ``5.2 h``, ``3.1 days``."""
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.3g} µs"
     if seconds < 1:
         return f"{seconds * 1e3:.3g} ms"
     if seconds < 120:

@@ -22,8 +22,9 @@ _COLOURS = {"params": "#4c72b0", "grads": "#55a868", "optimizer": "#c44e52", "ac
             "temporaries": "#ccb974"}
 
 
-def memory_figure(report: MemoryReport, *, stale: str | None = None) -> Figure:
-    """The chart for ``report``; ``stale`` (a reason) greys it and says so, for when a control holds a bad value."""
+def memory_figure(report: MemoryReport, *, stale: str | None = None, plan: str = "") -> Figure:
+    """The chart for ``report``; ``stale`` (a reason) greys it and says so, for when a control holds a bad value;
+    ``plan`` (e.g. "x 8 chips, global batch 64") completes the title."""
     gib = 2**30
     est = report.estimate
     fig = Figure(figsize=(9.0, 2.9), dpi=100)
@@ -31,10 +32,12 @@ def memory_figure(report: MemoryReport, *, stale: str | None = None) -> Figure:
     hbm, budget, peak = report.hbm_bytes / gib, report.budget_bytes / gib, est.peak_bytes / gib
     start = 0.0
     for name, value in est.breakdown.items():
-        left.barh(["estimate"], [value / gib], left=start, color=_COLOURS.get(name), label=name)
+        left.barh(["estimate"], [value / gib], left=start, color=_COLOURS.get(name))
         start += value / gib
     left.barh(["HBM"], [hbm], color="lightgray")
-    left.axvline(budget, color="red", linestyle="--", label=f"budget ({100 * report.safety_margin:.0f}% margin)")
+    left.axvline(budget, color="red", linestyle="--")
+    left.text(budget, 1.01, f"budget ({100 * report.safety_margin:.0f}% margin)", color="red", fontsize=7,
+              ha="right", va="bottom", transform=left.get_xaxis_transform())
     colour = "green" if report.fits else "red"
     if peak < 0.02 * hbm:  # thinner than a pixel or two at this scale: mark where it ends
         left.plot([peak], [0], marker="<", color=colour, markersize=9)
@@ -42,9 +45,8 @@ def memory_figure(report: MemoryReport, *, stale: str | None = None) -> Figure:
               va="center", ha="left", fontsize=9, color=colour, fontweight="bold")
     left.set_xlim(0, max(hbm, peak) * 1.05)
     left.set_xlabel(f"GiB per chip ({report.hardware.name}: {format_bytes(report.hbm_bytes)})")
-    left.set_title(f"batch {est.batch_size}/chip: {'fits' if report.fits else 'does NOT fit'}", fontsize=10,
-                   color=colour)
-    left.legend(fontsize=7, loc="lower right")
+    left.set_title(f"batch {est.batch_size}/chip {plan}: {'fits' if report.fits else 'does NOT fit'}", fontsize=10,
+                   color=colour, loc="left")
     names = list(est.breakdown)
     values = [est.breakdown[n] for n in names]
     unit, scale = ("GiB", gib) if est.peak_bytes >= gib else ("MiB", 2**20)

@@ -177,11 +177,12 @@ class TuningPanel:
         rep, st = self.report, self.state
         assert rep is not None
         pct = 100 * rep.utilization
-        text = (f"{pct:.0f}% of HBM: {format_bytes(rep.estimate.peak_bytes)} of {format_bytes(rep.hbm_bytes)} per "
+        text = (f"{format_bytes(rep.estimate.peak_bytes)} of {format_bytes(rep.hbm_bytes)} per "
                 f"chip on {rep.hardware.name} at batch {st.batch_size}/chip (budget {100 * (1 - rep.safety_margin):.0f}"
                 f"%). Largest batch that fits: {rep.max_batch_size}/chip.")
+        shown = f"{pct:.0f}%" if pct >= 10 else f"{pct:.2g}%"
         return {"fits": rep.fits, "headline": "FITS" if rep.fits else "DOES NOT FIT", "percent": pct,
-                "max_batch_size": rep.max_batch_size, "text": text}
+                "percent_text": f"{shown} of HBM", "max_batch_size": rep.max_batch_size, "text": text}
 
     def _max_batch_with(self, **changes: Any) -> int:
         st = dataclasses.replace(self.state, **changes)
@@ -256,7 +257,7 @@ class TuningPanel:
 
     def summary(self) -> str:
         v, s = self.verdict(), self.suggestion()
-        lines = [f"{v['headline']}: {v['text']}"] + ([f"suggestion: {s.text}"] if s else [])
+        lines = [f"{v['headline']} ({v['percent_text']}): {v['text']}"] + ([f"suggestion: {s.text}"] if s else [])
         lines += [f"warning: {w}" for w in self.warnings()] + self.details()
         if self.error:
             lines.insert(0, f"STALE (last valid values shown): {self.error}")
@@ -264,7 +265,8 @@ class TuningPanel:
 
     def figure(self):
         assert self.report is not None
-        return memory_figure(self.report, stale=self.error)
+        plan = f"x {chips_text(self.state.chips)}, global batch {self._result['global_batch']}"
+        return memory_figure(self.report, stale=self.error, plan=plan)
 
     def widget(self, backend=None, **probe_kwargs: Any):
         """The ipywidgets panel over this logic (``tpu_helpers.memory.widgets.PanelView``); ``show`` displays it."""
@@ -344,9 +346,12 @@ class TuningPanel:
         return result
 
     def probe_changes(self) -> dict | None:
-        """Settings that use the probe's batch while keeping the global batch (None before a useful probe)."""
+        """Settings that use the probe's batch (None before a useful probe): that batch per chip; with a global
+        batch set, the largest micro-batch up to it that divides the global batch."""
         p = self.probe_result
         if p is None or p.max_batch_size < 1:
             return None
-        b, a = _split(self.state.batch_size * self.state.accumulation, p.max_batch_size)
+        if self.state.global_batch is None:
+            return {"batch_size": p.max_batch_size}
+        b, a = _split(self.state.global_batch // self.state.chips, p.max_batch_size)
         return {"batch_size": b, "accumulation": a}

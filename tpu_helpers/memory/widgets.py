@@ -4,7 +4,7 @@
     panel.show(backend)            # or PanelView(panel, backend).show()
 
 Layout: the verdict first (FITS / DOES NOT FIT on a coloured band), the suggestion with an "apply suggestion"
-button, then the controls as fixed-width items (label 150 px) in rows that wrap, so every control stays visible at
+button, then the controls as fixed-width items (label 150 px, item 275 px) in rows that wrap, so every control stays visible at
 a laptop's 1280 px and spreads out at 1920 px; warnings, the figures, the chart, and the probe with its busy state.
 
 Works with ipywidgets 7.7.1 (what Colab's runtime ships) and 8.x: only APIs both have are used (no Output widget
@@ -37,7 +37,7 @@ from tpu_helpers.models.gpt import PRESETS
 
 __all__ = ["PanelView", "TuningPanel", "enable_colab_widgets", "panel_from_config", "save_tuning_results"]
 
-LABEL_WIDTH, ITEM_WIDTH = "150px", "300px"
+LABEL_WIDTH, ITEM_WIDTH = "150px", "275px"
 CUSTOM = "custom"
 
 
@@ -138,8 +138,7 @@ class PanelView:
         st, c = self.panel.state, self.controls
         self._syncing = True
         try:
-            spec = resolve_hardware(st.hardware)
-            c["chips"].options = [(chips_text(n), n) for n in slice_sizes(spec)]
+            self._set_chip_options(resolve_hardware(st.hardware))
             for name in ("preset", "seq_len", "batch_size", "accumulation", "precision", "gradient_checkpointing",
                          "optimizer", "hardware", "chips", "mfu", "steps"):
                 c[name].value = getattr(st, name)
@@ -149,6 +148,11 @@ class PanelView:
             c["global_batch"].disabled, c["accumulation"].disabled = not glob, glob
         finally:
             self._syncing = False
+
+    def _set_chip_options(self, spec) -> None:
+        options = tuple((chips_text(n), n) for n in slice_sizes(spec))
+        if tuple(self.controls["chips"].options) != options:  # resetting options resets the value: only on change
+            self.controls["chips"].options = options
 
     def _read_controls(self) -> dict:
         c = {k: v.value for k, v in self.controls.items()}
@@ -176,7 +180,7 @@ class PanelView:
                 self._syncing = True
                 try:
                     chips = nearest_slice(c["chips"].value, spec)
-                    c["chips"].options = [(chips_text(n), n) for n in slice_sizes(spec)]
+                    self._set_chip_options(spec)
                     c["chips"].value = chips
                 finally:
                     self._syncing = False
@@ -211,7 +215,7 @@ class PanelView:
         self.verdict.value = (
             f"<div style='background:{colour};color:white;padding:8px 14px;border-radius:4px;line-height:1.4'>"
             f"<span style='font-size:22px;font-weight:bold'>{v['headline']}{stale}</span>"
-            f"<span style='font-size:15px;font-weight:bold;margin-left:14px'>{v['percent']:.0f}% of HBM</span>"
+            f"<span style='font-size:18px;font-weight:bold;margin-left:14px'>{v['percent_text']}</span>"
             f"<br><span style='font-size:14px'>{html.escape(v['text'])}</span></div>")
         self.error.value = "" if not p.error else (
             f"<div style='color:#b00020;font-weight:bold'>Not applied: {html.escape(p.error)}. "
@@ -234,6 +238,7 @@ class PanelView:
             self._probing = True
             self.probe_button.disabled, self.use_probe.disabled = True, True
             self.probe_button.description, self.probe_button.icon = "probing...", "hourglass-half"
+            self.probe_button.button_style = "warning"
             self.probe_button.add_class("tpu-busy")
             kw = self.probe_kwargs
             plan = self.panel.probe_start(self.backend, kw.get("cpu_limit_bytes", 1 << 30),
@@ -257,6 +262,7 @@ class PanelView:
             self._probing = False
             self.probe_button.remove_class("tpu-busy")
             self.probe_button.description, self.probe_button.icon = "probe this device", "search"
+            self.probe_button.button_style = ""
             self.probe_button.disabled = False
             changes = self.panel.probe_changes() if r is not None else None
             self.use_probe.disabled = changes is None
