@@ -36,8 +36,8 @@ def memory_figure(report: MemoryReport, *, stale: str | None = None, plan: str =
         start += value / gib
     left.barh(["HBM"], [hbm], color="lightgray")
     left.axvline(budget, color="red", linestyle="--")
-    left.text(budget, 1.01, f"budget ({100 * report.safety_margin:.0f}% margin)", color="red", fontsize=7,
-              ha="right", va="bottom", transform=left.get_xaxis_transform())
+    left.text(budget, 0.5, f"budget ({100 * report.safety_margin:.0f}% margin) ", color="red", fontsize=7,
+              ha="right", va="center", transform=left.get_xaxis_transform())
     colour = "green" if report.fits else "red"
     if peak < 0.02 * hbm:  # thinner than a pixel or two at this scale: mark where it ends
         left.plot([peak], [0], marker="<", color=colour, markersize=9)

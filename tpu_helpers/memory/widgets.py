@@ -209,6 +209,8 @@ class PanelView:
     # ---- rendering ----------------------------------------------------------------------------------------------
     def _render(self) -> None:
         p = self.panel
+        # The chart first: updates reach the browser in order, so new text there means the chart is new too.
+        self.chart.value = figure_png(p.figure())
         v = p.verdict()
         colour = "#1b7f3b" if v["fits"] else "#b00020"
         stale = " (STALE: last valid values)" if p.error else ""
@@ -227,7 +229,6 @@ class PanelView:
         self.warnings.value = "".join(f"<div style='color:#a15c00'><b>Warning:</b> {html.escape(x)}</div>"
                                       for x in p.warnings())
         self.details.value = "<br>".join(html.escape(x) for x in p.details())
-        self.chart.value = figure_png(p.figure())
         self.renders += 1
 
     # ---- the probe ----------------------------------------------------------------------------------------------
