@@ -57,7 +57,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    """A JupyterLab server over a parameterised copy of the tuning notebook: (base url, token, notebook name)."""
+    """A JupyterLab server over a parameterised copy of the tuning notebook: (base url, token, notebook, chromium)."""
+    chromium = _chromium()
     for module in ("playwright", "jupyterlab", "papermill"):
         try:
             __import__(module)
@@ -98,7 +99,7 @@ def lab(tmp_path_factory):
                     raise AssertionError(f"JupyterLab did not start:\n{(root / 'lab.log').read_text()[-3000:]}") \
                         from None
                 time.sleep(0.3)
-        yield base, token, "tuning.ipynb"
+        yield base, token, "tuning.ipynb", chromium
     finally:
         proc.terminate()
         try:
@@ -165,7 +166,7 @@ def _fill(page, control: str, value: str) -> None:
 def test_panel_in_jupyterlab_at_laptop_and_desktop_width(lab):
     from playwright.sync_api import sync_playwright
 
-    base, token, name = lab
+    base, token, name, chromium = lab
     t0 = time.perf_counter()
 
     def mark(what: str) -> None:
@@ -173,7 +174,7 @@ def test_panel_in_jupyterlab_at_laptop_and_desktop_width(lab):
 
     shots = _artifacts()
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=_chromium(), headless=True,
+        browser = pw.chromium.launch(executable_path=chromium, headless=True,
                                      args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 900})

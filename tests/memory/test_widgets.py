@@ -249,6 +249,28 @@ def test_widget_controls_drive_the_panel():
     assert c["accumulation"].value == 2 and c["config"].value == "custom"
 
 
+def test_colab_gets_its_custom_widget_manager_only_with_ipywidgets_8(monkeypatch):
+    import sys
+    import types
+
+    import ipywidgets
+
+    from tpu_helpers.memory.widgets import enable_colab_widgets
+
+    monkeypatch.delenv("COLAB_RELEASE_TAG", raising=False)
+    assert enable_colab_widgets() == "not colab"
+    calls = []
+    output = types.SimpleNamespace(enable_custom_widget_manager=lambda: calls.append("enabled"))
+    colab = types.ModuleType("google.colab")
+    colab.output = output
+    monkeypatch.setitem(sys.modules, "google.colab", colab)
+    monkeypatch.setitem(sys.modules, "google.colab.output", output)
+    monkeypatch.setattr(ipywidgets, "__version__", "7.7.1")
+    assert enable_colab_widgets() == "builtin" and calls == []  # what Colab ships renders as it is
+    monkeypatch.setattr(ipywidgets, "__version__", "8.1.7")
+    assert enable_colab_widgets() == "custom manager" and calls == ["enabled"]
+
+
 @pytest.mark.notebooks
 def test_tuning_notebook_records_its_numbers(tmp_path):
     import papermill as pm

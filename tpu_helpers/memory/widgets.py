@@ -16,6 +16,7 @@ enables Colab's custom widget manager first, without which Colab does not render
 from __future__ import annotations
 
 import html
+import os
 import sys
 import threading
 from typing import Any
@@ -42,16 +43,23 @@ CUSTOM = "custom"
 
 
 def enable_colab_widgets() -> str:
-    """Make the panel render in Colab: ``"not colab"``, ``"builtin"`` (ipywidgets 7, rendered natively) or
-    ``"custom manager"`` (ipywidgets 8: Colab's CDN widget manager, switched on here)."""
-    if "google.colab" not in sys.modules:
+    """Make the panel render in Colab: ``"not colab"``, ``"builtin"`` (ipywidgets 7, which Colab's runtime ships
+    and renders natively) or ``"custom manager"`` (ipywidgets 8: Colab's own renderer shows a "third-party widgets"
+    notice instead of the controls; its CDN widget manager, switched on here, renders them).
+
+    The manager is tagged onto display messages by a display hook (google/colab/output/_widgets.py), so the panel
+    is shown with ``display`` (``show``), not as a cell's result.
+    """
+    if "google.colab" not in sys.modules and not os.environ.get("COLAB_RELEASE_TAG"):
         return "not colab"
     import ipywidgets
 
     if int(ipywidgets.__version__.split(".")[0]) < 8:
         return "builtin"
-    from google.colab import output  # type: ignore[import-not-found]
-
+    try:
+        from google.colab import output  # type: ignore[import-not-found]
+    except ImportError:  # a Colab-like environment variable without Colab's package
+        return "not colab"
     output.enable_custom_widget_manager()
     return "custom manager"
 
