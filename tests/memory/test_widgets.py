@@ -215,6 +215,13 @@ def test_panel_probe_starts_from_the_estimate_for_the_device_it_runs_on():
     expected = largest_fitting_batch(lambda b: analytic_estimate("tiny", b, 64, precision="fp32"), 16 * 2**20)
     assert plan == {"start": expected, "precision": "fp32", "memory_limit_bytes": 16 * 2**20}
     assert plan["start"] != panel.result()["max_batch_size"]  # not the target chip's answer
+    result = panel.probe(backend, max_tries=2, max_batch_size=256, cpu_limit_bytes=16 * 2**20)
+    assert result.tries[0]["batch_size"] == plan["start"] and result.memory_limit_bytes == 16 * 2**20
+    assert panel.probe_changes() == {"batch_size": result.max_batch_size}  # "use this batch"
+    panel.set(hardware="v6e", chips=4)  # another target: the probe still applies
+    assert panel.probe_changes() == {"batch_size": result.max_batch_size}
+    panel.set(seq_len=32)  # another model shape: it does not
+    assert panel.probe_changes() is None
     panel._probe_lock.acquire()
     try:
         with pytest.raises(RuntimeError, match="already running"):

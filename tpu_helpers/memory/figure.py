@@ -42,7 +42,8 @@ def memory_figure(report: MemoryReport, *, stale: str | None = None, plan: str =
     if peak < 0.02 * hbm:  # thinner than a pixel or two at this scale: mark where it ends
         left.plot([peak], [0], marker="<", color=colour, markersize=9)
     left.text(min(peak, hbm) + 0.01 * hbm, 0, f" {format_bytes(est.peak_bytes)} ({100 * report.utilization:.1f}%)",
-              va="center", ha="left", fontsize=9, color=colour, fontweight="bold")
+              va="center", ha="left", fontsize=9, color=colour, fontweight="bold",
+              bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1})
     left.set_xlim(0, max(hbm, peak) * 1.05)
     left.set_xlabel(f"GiB per chip ({report.hardware.name}: {format_bytes(report.hbm_bytes)})")
     left.set_title(f"batch {est.batch_size}/chip {plan}: {'fits' if report.fits else 'does NOT fit'}", fontsize=10,

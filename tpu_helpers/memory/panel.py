@@ -342,14 +342,19 @@ class TuningPanel:
                                   growth=growth, **kwargs)
         if plan["precision"] == "pure-bf16":
             result.precision = "pure-bf16"
-        self.probe_result = result
+        self.probe_result, self._probe_key = result, self._model_key(st)
         return result
 
+    @staticmethod
+    def _model_key(st: TuningState) -> tuple:
+        return (st.preset, st.n_layer, st.n_head, st.n_embd, st.vocab_size, st.seq_len, st.precision,
+                st.gradient_checkpointing, st.optimizer)
+
     def probe_changes(self) -> dict | None:
-        """Settings that use the probe's batch (None before a useful probe): that batch per chip; with a global
-        batch set, the largest micro-batch up to it that divides the global batch."""
+        """Settings that use the probe's batch: that batch per chip (with a global batch set, the largest
+        micro-batch up to it that divides it). None before a useful probe or once the model settings changed."""
         p = self.probe_result
-        if p is None or p.max_batch_size < 1:
+        if p is None or p.max_batch_size < 1 or getattr(self, "_probe_key", None) != self._model_key(self.state):
             return None
         if self.state.global_batch is None:
             return {"batch_size": p.max_batch_size}

@@ -237,6 +237,8 @@ class PanelView:
         self.warnings.value = "".join(f"<div style='color:#a15c00'><b>Warning:</b> {html.escape(x)}</div>"
                                       for x in p.warnings())
         self.details.value = "<br>".join(html.escape(x) for x in p.details())
+        if self.backend is not None and not self._probing:  # a probe of other model settings is not offered
+            self.use_probe.disabled = p.probe_changes() is None
         self.renders += 1
 
     # ---- the probe ----------------------------------------------------------------------------------------------
