@@ -31,8 +31,8 @@ from tests.support import NOTEBOOKS, ROOT
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-PARAMS = {"DEVICE": "cpu", "PRESET": "tiny", "SEQ_LEN": 64, "BATCH_SIZE": 8, "HARDWARE": "v5e", "CHIPS": 8,
-          "PROBE": False, "PROBE_MAX_TRIES": 6, "PROBE_MAX_BATCH": 256, "PROBE_CPU_LIMIT_MB": 16}
+PARAMS = {"DEVICE": "cpu", "PRESET": "tiny", "SEQ_LEN": 64, "BATCH_SIZE": 2, "HARDWARE": "v5e", "CHIPS": 8,
+          "PROBE": False, "PROBE_MAX_TRIES": 6, "PROBE_MAX_BATCH": 256, "PROBE_CPU_LIMIT_MB": 8}
 
 
 def _need(what: str, why: str):

@@ -40,8 +40,10 @@ def memory_figure(report: MemoryReport, *, stale: str | None = None, plan: str =
               ha="right", va="center", transform=left.get_xaxis_transform())
     colour = "green" if report.fits else "red"
     if peak < 0.02 * hbm:  # thinner than a pixel or two at this scale: mark where it ends
-        left.plot([peak], [0], marker="<", color=colour, markersize=9)
-    left.text(min(peak, hbm) + 0.01 * hbm, 0, f" {format_bytes(est.peak_bytes)} ({100 * report.utilization:.1f}%)",
+        left.plot([peak], [0], marker="<", color=colour, markersize=10, clip_on=False, zorder=5)
+    pct = 100 * report.utilization
+    left.text(min(peak, hbm) + 0.03 * hbm, 0, f"{format_bytes(est.peak_bytes)} ({pct:.0f}%)" if pct >= 10 else
+              f"{format_bytes(est.peak_bytes)} ({pct:.2g}%)",
               va="center", ha="left", fontsize=9, color=colour, fontweight="bold",
               bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1})
     left.set_xlim(0, max(hbm, peak) * 1.05)

@@ -238,7 +238,9 @@ class PanelView:
                                       for x in p.warnings())
         self.details.value = "<br>".join(html.escape(x) for x in p.details())
         if self.backend is not None and not self._probing:  # a probe of other model settings is not offered
-            self.use_probe.disabled = p.probe_changes() is None
+            changes = p.probe_changes()
+            self.use_probe.disabled = changes is None
+            self.use_probe.description = f"use batch {changes['batch_size']}/chip" if changes else "use this batch"
         self.renders += 1
 
     # ---- the probe ----------------------------------------------------------------------------------------------
@@ -254,10 +256,12 @@ class PanelView:
             kw = self.probe_kwargs
             plan = self.panel.probe_start(self.backend, kw.get("cpu_limit_bytes", 1 << 30),
                                           kw.get("max_batch_size", 1024))
-            cap = "" if plan["memory_limit_bytes"] is None else \
-                f", memory capped at {plan['memory_limit_bytes'] / 2**20:.0f} MiB"
+            status = self.backend.status()
+            said = [plan["precision"]] if plan["precision"] not in status else []
+            if plan["memory_limit_bytes"] is not None:
+                said.append(f"memory capped at {plan['memory_limit_bytes'] / 2**20:.0f} MiB")
             self.probe_status.value = (
-                f"<b>Probing on {html.escape(self.backend.status())}</b> ({plan['precision']}{cap}): starting at "
+                f"<b>Probing on {html.escape(status)}</b>{' (' + ', '.join(said) + ')' if said else ''}: starting at "
                 f"batch {plan['start']}/chip, the estimate for this device; each try runs two training steps ...")
         threading.Thread(target=self._run_probe, name="tpu-helpers-probe", daemon=True).start()
 
