@@ -14,7 +14,7 @@ TARGET ?= auto
 DEVICE ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup run test lint clean-runs print-venv
+.PHONY: setup browser run test lint clean-runs print-venv
 
 setup: $(STAMP)
 
@@ -27,12 +27,21 @@ $(STAMP):
 	$(PY) -m pip install -q -r $(REQS)
 	touch $(STAMP)
 
+# The browser test (tests/memory/test_panel_browser.py) drives Debian's chromium: Playwright cannot download its own
+# browser here. Installed once per machine where we are root with apt-get; elsewhere the test skips and says why
+# (under CI=true it fails instead).
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && echo ">> installing chromium (browser test)" && \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; } || \
+	echo ">> no chromium: the browser test will skip (install it with: apt-get install -y chromium)"
+
 # The package is installed editable on every call (cheap), so the cached venv always imports this clone.
 run: setup
 	PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m tpu_helpers run notebooks/quickstart.ipynb --target $(TARGET) $(if $(DEVICE),-p DEVICE $(DEVICE) -p OUT_DIR runs/quickstart-$(DEVICE))
 
-test: setup
+test: setup browser
 	PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m ruff check tpu_helpers tests benchmarks
 	$(PY) -m pytest $(PYTEST_ARGS)

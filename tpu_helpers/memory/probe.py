@@ -2,8 +2,11 @@
 
 Each try runs ``steps_per_try`` full training steps (the first creates the optimizer state, the second is the
 steady state) at one batch size, each ending with the backend's sync, then reads the loss on the host: XLA compiles
-at the sync but runs the graph asynchronously, and an allocation failure surfaces only when something waits for it. Sizes: start from ``start`` (the estimate), double while it fits (halve while it does not), then
-bisect between the last size that ran and the first that did not, stopping after ``max_tries``. Out-of-memory is
+at the sync but runs the graph asynchronously, and an allocation failure surfaces only when something waits for it.
+Sizes: start from ``start`` (the estimate), grow by ``growth`` while it fits (shrink while it does not), then bisect
+between the last size that ran and the first that did not, stopping after ``max_tries``: the result is exact
+when the two are neighbours (``exact``), otherwise a lower bound ("at least N"). A start close to the real limit
+with a small ``growth`` (1.25) narrows it in a few tries; the default 2 finds it from far away. Out-of-memory is
 recognised by ``backend.is_out_of_memory`` (CUDA's ``torch.OutOfMemoryError``, TPU's ``RESOURCE_EXHAUSTED``
 ``ValueError``, XLA:CPU's "Out of memory allocating"); anything else is re-raised. After every try the model's and
 optimizer's state dicts and the gradients are restored from a host copy taken first (which also drops an XLA
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tpu_helpers.backend.base import tree_map_tensors
+from tpu_helpers.hardware import format_bytes
 from tpu_helpers.memory.live import LiveBytes
 from tpu_helpers.memory.step import PRECISIONS, LossFn, check_positive, training_step
 from tpu_helpers.memory.traced import BatchFn
@@ -35,21 +39,51 @@ from tpu_helpers.memory.traced import BatchFn
 
 @dataclass
 class ProbeResult:
-    """``max_batch_size`` is 0 when even the smallest size tried did not fit."""
+    """``max_batch_size`` is 0 when even the smallest size tried did not fit; ``first_failed`` is the smallest size
+    that ran out of memory (None if none did), ``cap`` the probe's ``max_batch_size``."""
 
     max_batch_size: int
     tries: list[dict] = field(default_factory=list)
     compilations: int = 0
     seconds: float = 0.0
+    first_failed: int | None = None
+    cap: int | None = None
+    device: str = ""
+    precision: str = ""
+    memory_limit_bytes: int | None = None
+
+    @property
+    def exact(self) -> bool:
+        """The limit is known exactly: the next size failed (or the largest, 1, failed)."""
+        return self.first_failed is not None and self.first_failed - self.max_batch_size == 1
+
+    def answer(self) -> str:
+        """``"exactly 14/chip"``, ``"at least 14/chip"`` (the budget ran out), or "not even 1/chip"."""
+        n = self.max_batch_size
+        if self.exact:
+            return "not even 1/chip" if n == 0 else f"exactly {n}/chip ({n + 1} ran out of memory)"
+        if self.first_failed is None:
+            return f"at least {n}/chip (the probe's cap; nothing it tried ran out of memory)" if n == self.cap \
+                else f"at least {n}/chip (nothing it tried ran out of memory)"
+        return f"at least {n}/chip ({self.first_failed} ran out of memory; not narrowed within {len(self.tries)} tries)"
+
+    def conditions(self) -> str:
+        """Where and how it ran: device, precision and any imposed memory cap."""
+        cap = "" if self.memory_limit_bytes is None else \
+            f", under an imposed memory cap of {format_bytes(self.memory_limit_bytes)}"
+        device = self.device or "this device"
+        precision = "" if self.precision and self.precision in device else f", {self.precision or '?'}"
+        return f"on {device}{precision}{cap}"
 
     def summary(self) -> str:
         tried = ", ".join(f"{t['batch_size']}{'' if t['ok'] else ' (OOM)'}" for t in self.tries)
-        return (f"largest batch that ran: {self.max_batch_size}/chip after {len(self.tries)} tries [{tried}] in "
+        return (f"largest batch that ran: {self.answer()} {self.conditions()}; {len(self.tries)} tries [{tried}] in "
                 f"{self.seconds:.1f} s, {self.compilations} compilations")
 
     def to_dict(self) -> dict:
-        return {"max_batch_size": self.max_batch_size, "tries": self.tries, "compilations": self.compilations,
-                "seconds": self.seconds}
+        return {"max_batch_size": self.max_batch_size, "exact": self.exact, "first_failed": self.first_failed,
+                "tries": self.tries, "compilations": self.compilations, "seconds": self.seconds,
+                "device": self.device, "precision": self.precision, "memory_limit_bytes": self.memory_limit_bytes}
 
 
 class _Snapshot:
@@ -88,11 +122,14 @@ def probe_batch_size(
     steps_per_try: int = 2,
     loss_fn: LossFn | None = None,
     memory_limit_bytes: int | None = None,
+    growth: float = 2.0,
 ) -> ProbeResult:
     """Largest batch in ``[1, max_batch_size]`` that runs ``steps_per_try`` steps (see the module docstring)."""
     for name, value in (("start", start), ("max_batch_size", max_batch_size), ("max_tries", max_tries),
                         ("steps_per_try", steps_per_try)):
         check_positive(name, value)
+    if not growth > 1.0:
+        raise ValueError(f"growth must be > 1 (the factor between sizes before bisecting), got {growth!r}")
     if memory_limit_bytes is not None and not backend.runs_on_host:
         raise ValueError(f"memory_limit_bytes works on the CPU backend only (this is {backend.name}); on XLA:CPU "
                          "limit the address space with resource.setrlimit(RLIMIT_AS, ...)")
@@ -100,7 +137,8 @@ def probe_batch_size(
     t0 = time.perf_counter()
     compiles0 = backend.metrics().get("compilations", 0)
     snap = _Snapshot(model, optimizer, backend)
-    result = ProbeResult(0)
+    result = ProbeResult(0, cap=max_batch_size, device=backend.status(), precision=precision,
+                         memory_limit_bytes=memory_limit_bytes)
 
     def attempt(bs: int) -> bool:
         batch = backend.to_device(batch_fn(bs))
@@ -133,15 +171,16 @@ def probe_batch_size(
             good = bs
             if bad - good <= 1:
                 break
-            bs = min(bs * 2, max_batch_size) if bad > max_batch_size else (good + bad) // 2
+            bs = min(max(bs + 1, int(bs * growth)), max_batch_size) if bad > max_batch_size else (good + bad) // 2
         else:
             bad = bs
             if bs == 1 or bad - good <= 1:
                 break
-            bs = max(1, bs // 2) if good == 0 else (good + bad) // 2
+            bs = max(1, min(bs - 1, int(bs / growth))) if good == 0 else (good + bad) // 2
         if bs == good or bs == bad:
             break
     result.max_batch_size = good
+    result.first_failed = bad if bad <= max_batch_size else None
     result.compilations = backend.metrics().get("compilations", 0) - compiles0
     result.seconds = time.perf_counter() - t0
     return result

@@ -1,249 +1,294 @@
-"""Interactive batch-size tuning: the logic as a plain class, and a thin ipywidgets panel over it.
+"""The batch-size tuning panel as ipywidgets: a thin view over :class:`tpu_helpers.memory.panel.TuningPanel`.
 
-:class:`TuningPanel` holds the choices (model preset or sizes, sequence length, per-chip batch, accumulation,
-precision, gradient checkpointing, optimizer, target hardware, chips, assumed MFU, run length) and computes, on every
-change, the analytic memory report against the target's HBM, the global batch, and an *estimated* step time and
-cost per run from the catalog's peak bf16 FLOP/s and price at the assumed MFU. Tests drive it directly::
+    panel = TuningPanel(preset="small", seq_len=1024, hardware="v5e", chips=8)
+    panel.show(backend)            # or PanelView(panel, backend).show()
 
-    panel = TuningPanel(preset="mini", hardware="v5e")
-    panel.set(batch_size=64, precision="bf16")
-    panel.result()["max_batch_size"]
+Layout: the verdict first (FITS / DOES NOT FIT on a coloured band), the suggestion with an "apply suggestion"
+button, then the controls as fixed-width items (label 150 px, item 275 px) in rows that wrap, so every control stays visible at
+a laptop's 1280 px and spreads out at 1920 px; warnings, the figures, the chart, and the probe with its busy state.
 
-In a notebook, ``panel.widget()`` shows the controls, a bar chart of the breakdown against HBM, the figures, and a
-"probe this device" button that runs :func:`tpu_helpers.memory.probe.probe_batch_size` here. ``panel.show_static()``
-renders the same figures without widgets (papermill runs).
+Works with ipywidgets 7.7.1 (what Colab's runtime ships) and 8.x: only APIs both have are used (no Output widget
+either: the chart is an Image of a ``matplotlib.figure.Figure``, the text HTML, both set from any thread). Callbacks
+are serialised by one lock (ipykernel 7 may run them on another thread). On Colab with ipywidgets 8, ``show``
+enables Colab's custom widget manager first, without which Colab does not render ipywidgets 8 controls.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from pathlib import Path
+import html
+import os
+import sys
+import threading
 from typing import Any
 
 from tpu_helpers.hardware import CATALOG
-from tpu_helpers.memory.analytic import analytic_estimate, resolve_config
-from tpu_helpers.memory.report import MemoryReport, memory_report, resolve_hardware
+from tpu_helpers.memory.choices import (
+    NOTEBOOK_PRESETS,
+    chips_text,
+    nearest_slice,
+    preset_settings,
+    slice_sizes,
+)
+from tpu_helpers.memory.figure import figure_png
+from tpu_helpers.memory.panel import TuningPanel
+from tpu_helpers.memory.panel_io import panel_from_config, save_tuning_results
+from tpu_helpers.memory.report import resolve_hardware
 from tpu_helpers.memory.step import OPTIMIZERS, PRECISIONS
-from tpu_helpers.models.gpt import PRESETS, flops_per_token
+from tpu_helpers.models.gpt import PRESETS
 
-HARDWARE_CHOICES = tuple(CATALOG)
+__all__ = ["PanelView", "TuningPanel", "enable_colab_widgets", "panel_from_config", "save_tuning_results"]
 
-
-@dataclasses.dataclass
-class TuningState:
-    preset: str = "mini"
-    n_layer: int | None = None      # None: the preset's value
-    n_head: int | None = None
-    n_embd: int | None = None
-    vocab_size: int | None = None
-    seq_len: int = 256
-    batch_size: int = 32            # per chip
-    accumulation: int = 1
-    precision: str = "bf16"
-    gradient_checkpointing: bool = False
-    optimizer: str = "adamw"
-    hardware: str = "v5e"
-    chips: int = 8
-    mfu: float = 0.4                # assumed model FLOP utilisation (an estimate, editable)
-    steps: int = 10_000             # optimizer steps in the run, for the cost
-    safety_margin: float = 0.1
+LABEL_WIDTH, ITEM_WIDTH = "150px", "275px"
+CUSTOM = "custom"
 
 
-class TuningPanel:
-    """The panel's logic: ``set(**changes)`` validates and recomputes; ``result()`` returns the figures."""
+def enable_colab_widgets() -> str:
+    """Make the panel render in Colab: ``"not colab"``, ``"builtin"`` (ipywidgets 7, which Colab's runtime ships
+    and renders natively) or ``"custom manager"`` (ipywidgets 8: Colab's own renderer shows a "third-party widgets"
+    notice instead of the controls; its CDN widget manager, switched on here, renders them).
 
-    def __init__(self, **values: Any) -> None:
-        self.state = TuningState()
-        self._result: dict = {}
-        self.report: MemoryReport | None = None
-        self.probe_result = None
-        self.set(**values)
+    The manager is tagged onto display messages by a display hook (google/colab/output/_widgets.py), so the panel
+    is shown with ``display`` (``show``), not as a cell's result.
+    """
+    if "google.colab" not in sys.modules and not os.environ.get("COLAB_RELEASE_TAG"):
+        return "not colab"
+    import ipywidgets
 
-    def set(self, **changes: Any) -> dict:
-        known = {f.name for f in dataclasses.fields(TuningState)}
-        unknown = sorted(set(changes) - known)
-        if unknown:
-            raise ValueError(f"unknown panel setting(s) {unknown}; known: {sorted(known)}")
-        new = dataclasses.replace(self.state, **changes)
-        self._compute(new)  # raises on a bad value, leaving the previous state in place
-        self.state = new
-        return self._result
+    if int(ipywidgets.__version__.split(".")[0]) < 8:
+        return "builtin"
+    try:
+        from google.colab import output  # type: ignore[import-not-found]
+    except ImportError:  # a Colab-like environment variable without Colab's package
+        return "not colab"
+    output.enable_custom_widget_manager()
+    return "custom manager"
 
-    def result(self) -> dict:
-        return dict(self._result)
 
-    def model_config(self, state: TuningState | None = None):
-        st = state or self.state
-        if st.preset not in PRESETS:
-            raise ValueError(f"unknown preset {st.preset!r}; choose one of {sorted(PRESETS)}")
-        sizes = {k: getattr(st, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size") if getattr(st, k)}
-        return resolve_config(st.preset, block_size=max(st.seq_len, PRESETS[st.preset].block_size), **sizes)
+class PanelView:
+    """Controls -> ``panel.update`` -> verdict, suggestion, figures and chart; the probe runs on a thread."""
 
-    def _compute(self, st: TuningState) -> None:
-        for name in ("seq_len", "batch_size", "accumulation", "chips", "steps"):
-            value = getattr(st, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not 0.0 < st.mfu <= 1.0:
-            raise ValueError(f"mfu must be in (0, 1], got {st.mfu!r}")
-        if st.precision not in PRECISIONS:
-            raise ValueError(f"precision={st.precision!r} is not one of {PRECISIONS}")
-        if st.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer={st.optimizer!r} is not one of {OPTIMIZERS}")
-        spec = resolve_hardware(st.hardware)
-        cfg = self.model_config(st)
-        # XLA lowers scaled_dot_product_attention to matmul-softmax-matmul: the attention matrix is materialised.
-        attention = "math" if spec.kind == "tpu" else "flash"
-
-        def estimator(b: int):
-            return analytic_estimate(cfg, b, st.seq_len, precision=st.precision, optimizer=st.optimizer,
-                                     gradient_checkpointing=st.gradient_checkpointing, attention=attention)
-
-        report = memory_report(estimator, st.batch_size, spec, safety_margin=st.safety_margin)
-        global_batch = st.batch_size * st.chips * st.accumulation
-        tokens = global_batch * st.seq_len
-        flops = flops_per_token(cfg, st.seq_len) * tokens
-        # Recomputing the blocks' forward in the backward costs about one more forward (2N of the 6N).
-        if st.gradient_checkpointing:
-            flops *= 8 / 6
-        step_s = cost = None
-        if spec.bf16_tflops:
-            step_s = flops / (st.chips * spec.bf16_tflops * 1e12 * st.mfu)
-            if spec.price_per_chip_hour is not None:
-                cost = step_s * st.steps / 3600 * st.chips * spec.price_per_chip_hour
-        self.report = report
-        self._result = {
-            "peak_bytes": report.estimate.peak_bytes, "breakdown": dict(report.estimate.breakdown),
-            "hbm_bytes": report.hbm_bytes, "budget_bytes": report.budget_bytes, "fits": report.fits,
-            "max_batch_size": report.max_batch_size, "global_batch": global_batch, "tokens_per_step": tokens,
-            "step_seconds_estimate": step_s, "run_hours_estimate": None if step_s is None else step_s * st.steps / 3600,
-            "run_cost_usd_estimate": cost, "hardware": spec.name, "attention": attention,
-            "settings": dataclasses.asdict(st),
-        }
-
-    def summary(self) -> str:
-        r, st = self._result, self.state
-        lines = [self.report.summary() if self.report else "",
-                 f"global batch {r['global_batch']} = {st.batch_size}/chip x {st.chips} chips x {st.accumulation} "
-                 f"accumulation ({r['tokens_per_step']:,} tokens/step)"]
-        if r["step_seconds_estimate"] is not None:
-            lines.append(f"ESTIMATE at an assumed {100 * st.mfu:.0f}% MFU: {r['step_seconds_estimate'] * 1e3:.1f} ms/step, "
-                         f"{r['run_hours_estimate']:.2f} h for {st.steps:,} steps")
-        if r["run_cost_usd_estimate"] is not None:
-            lines.append(f"ESTIMATED cost: ${r['run_cost_usd_estimate']:,.2f} for the run "
-                         f"({st.chips} chips, catalog price, on demand)")
-        return "\n".join(lines)
-
-    def figure(self):
-        assert self.report is not None
-        return self.report.plot()
-
-    def show_static(self) -> dict:
-        """Print the figures and draw the chart (what a papermill run records); returns ``result()``."""
-        print(self.summary())
-        self.figure()
-        return self.result()
-
-    def probe(self, backend, *, max_tries: int = 6, max_batch_size: int = 1024,
-              cpu_limit_bytes: int | None = 1 << 30, **kwargs: Any):
-        """Build the configured GPT on ``backend`` and probe the largest batch that runs there.
-
-        On the CPU, where running out of memory means the OS kills the process rather than an error, the tries run
-        under a :class:`~tpu_helpers.memory.live.LiveBytes` limit of ``cpu_limit_bytes`` (None: no limit).
-        """
-        import torch
-
-        from tpu_helpers.memory.probe import probe_batch_size
-        from tpu_helpers.memory.step import make_optimizer
-        from tpu_helpers.memory.traced import gpt_batch
-        from tpu_helpers.models.gpt import GPT
-
-        cfg = self.model_config()
-        model = backend.prepare_model(GPT(cfg))
-        if self.state.precision == "pure-bf16":
-            model = model.to(torch.bfloat16)
-        if self.state.gradient_checkpointing:
-            model.set_gradient_checkpointing(backend.checkpoint_fn())
-        opt = make_optimizer(self.state.optimizer, model.parameters())
-        start = max(1, min(self._result["max_batch_size"] or self.state.batch_size, max_batch_size))
-        if backend.runs_on_host and cpu_limit_bytes is not None:
-            kwargs.setdefault("memory_limit_bytes", cpu_limit_bytes)
-        self.probe_result = probe_batch_size(model, opt, gpt_batch(self.state.seq_len, cfg.vocab_size), backend,
-                                             start=start, max_tries=max_tries, max_batch_size=max_batch_size,
-                                             **kwargs)
-        return self.probe_result
-
-    def widget(self, backend=None):
-        """The ipywidgets panel (controls -> chart and figures; a probe button when ``backend`` is given)."""
+    def __init__(self, panel: TuningPanel, backend=None, **probe_kwargs: Any) -> None:
         import ipywidgets as w
-        import matplotlib.pyplot as plt
 
-        st = self.state
-        controls = {
-            "preset": w.Dropdown(options=sorted(PRESETS), value=st.preset, description="model"),
-            "seq_len": w.IntText(value=st.seq_len, description="seq len"),
-            "batch_size": w.IntText(value=st.batch_size, description="batch/chip"),
-            "accumulation": w.IntText(value=st.accumulation, description="accumulation"),
-            "precision": w.Dropdown(options=PRECISIONS, value=st.precision, description="precision"),
-            "gradient_checkpointing": w.Checkbox(value=st.gradient_checkpointing, description="checkpointing"),
-            "optimizer": w.Dropdown(options=OPTIMIZERS, value=st.optimizer, description="optimizer"),
-            "hardware": w.Dropdown(options=HARDWARE_CHOICES, value=st.hardware, description="hardware"),
-            "chips": w.IntText(value=st.chips, description="chips"),
-            "mfu": w.FloatText(value=st.mfu, description="MFU (assumed)"),
-            "steps": w.IntText(value=st.steps, description="run steps"),
+        self.panel, self.backend, self.probe_kwargs = panel, backend, probe_kwargs
+        self._lock = threading.RLock()
+        self._syncing = False
+        self.renders = 0
+        style, item = {"description_width": LABEL_WIDTH}, w.Layout(width=ITEM_WIDTH)
+
+        def ctl(cls, name: str, label: str, **kw: Any):
+            c = cls(description=label, style=style, layout=w.Layout(width=ITEM_WIDTH), **kw)
+            c.add_class(f"tpu-ctl-{name}")
+            return c
+
+        self.controls = {
+            "config": ctl(w.Dropdown, "config", "notebook config", options=[CUSTOM, *NOTEBOOK_PRESETS], value=CUSTOM),
+            "preset": ctl(w.Dropdown, "preset", "model", options=sorted(PRESETS)),
+            "seq_len": ctl(w.IntText, "seq_len", "sequence length"),
+            "mode": ctl(w.Dropdown, "mode", "batch given as",
+                        options=[("per chip", "per_chip"), ("global batch", "global")]),
+            "batch_size": ctl(w.IntText, "batch_size", "batch per chip"),
+            "accumulation": ctl(w.IntText, "accumulation", "accumulation steps"),
+            "global_batch": ctl(w.IntText, "global_batch", "global batch"),
+            "precision": ctl(w.Dropdown, "precision", "precision", options=list(PRECISIONS)),
+            "gradient_checkpointing": ctl(w.Checkbox, "gradient_checkpointing", "gradient checkpointing",
+                                          indent=False),
+            "optimizer": ctl(w.Dropdown, "optimizer", "optimizer", options=list(OPTIMIZERS)),
+            "hardware": ctl(w.Dropdown, "hardware", "target chip",
+                            options=[(spec.name, key) for key, spec in CATALOG.items()]),
+            "chips": ctl(w.Dropdown, "chips", "chips (slice)", options=[("1 chip", 1)]),
+            "mfu": ctl(w.FloatText, "mfu", "MFU (assumed)", step=0.05),
+            "steps": ctl(w.IntText, "steps", "run steps"),
         }
-        out, message = w.Output(), w.HTML()
-
-        def redraw(*_: Any) -> None:
-            try:
-                self.set(**{k: c.value for k, c in controls.items()})
-                message.value = ""
-            except (ValueError, TypeError) as err:
-                message.value = f"<b style='color:red'>{err}</b>"
-                return
-            with out:
-                out.clear_output(wait=True)
-                print(self.summary())
-                fig = self.figure()
-                plt.show()
-                plt.close(fig)
-
-        for c in controls.values():
-            c.observe(redraw, names="value")
-        items = [w.HBox(list(controls.values())[:6]), w.HBox(list(controls.values())[6:]), message, out]
+        self.verdict, self.error, self.suggestion = w.HTML(), w.HTML(), w.HTML()
+        self.apply = w.Button(description="apply suggestion", button_style="primary", layout=item)
+        self.warnings, self.details = w.HTML(), w.HTML()
+        self.chart = w.Image(format="png", layout=w.Layout(width="100%", max_width="900px"))
+        for name, widget in (("verdict", self.verdict), ("error", self.error), ("suggestion", self.suggestion),
+                             ("apply", self.apply), ("warnings", self.warnings), ("details", self.details),
+                             ("chart", self.chart)):
+            widget.add_class(f"tpu-{name}")
+        grid = w.Box(list(self.controls.values()),
+                     layout=w.Layout(display="flex", flex_flow="row wrap", width="100%", align_items="center"))
+        grid.add_class("tpu-controls")
+        items = [self.verdict, w.HBox([self.apply, self.suggestion], layout=w.Layout(align_items="center")),
+                 grid, self.error, self.warnings, self.details, self.chart]
         if backend is not None:
-            button, probe_out = w.Button(description="probe this device"), w.Output()
+            self.probe_button = w.Button(description="probe this device", icon="search", layout=item)
+            self.use_probe = w.Button(description="use this batch", disabled=True, layout=item)
+            self.probe_status = w.HTML()
+            for name, widget in (("probe", self.probe_button), ("use-probe", self.use_probe),
+                                 ("probe-status", self.probe_status)):
+                widget.add_class(f"tpu-{name}")
+            self.probe_button.on_click(self._on_probe)
+            self.use_probe.on_click(self._on_use_probe)
+            items.append(w.VBox([w.HBox([self.probe_button, self.use_probe]), self.probe_status]))
+        self.box = w.VBox(items, layout=w.Layout(width="100%"))
+        self.box.add_class("tpu-tuning-panel")
+        self._probing = False
+        with self._lock:
+            self._sync_controls()
+            self._render()
+        for name, c in self.controls.items():
+            c.observe(lambda change, name=name: self._on_change(name), names="value")
+        self.apply.on_click(self._on_apply)
 
-            def on_probe(_: Any) -> None:
-                with probe_out:
-                    probe_out.clear_output()
-                    print(f"probing on {backend.status()} ...")
-                    print(self.probe(backend).summary())
+    def show(self) -> PanelView:
+        from IPython.display import display
 
-            button.on_click(on_probe)
-            items += [button, probe_out]
-        redraw()
-        return w.VBox(items)
+        enable_colab_widgets()  # before display: Colab's hook tags display messages, not cell results
+        display(self.box)
+        return self
 
+    # ---- controls <-> panel -------------------------------------------------------------------------------------
+    def _sync_controls(self) -> None:
+        """Put the panel's state into the controls without triggering their callbacks."""
+        st, c = self.panel.state, self.controls
+        self._syncing = True
+        try:
+            self._set_chip_options(resolve_hardware(st.hardware))
+            for name in ("preset", "seq_len", "batch_size", "accumulation", "precision", "gradient_checkpointing",
+                         "optimizer", "hardware", "chips", "mfu", "steps"):
+                c[name].value = getattr(st, name)
+            glob = st.global_batch is not None
+            c["mode"].value = "global" if glob else "per_chip"
+            c["global_batch"].value = st.global_batch if glob else self.panel.result()["global_batch"]
+            c["global_batch"].disabled, c["accumulation"].disabled = not glob, glob
+        finally:
+            self._syncing = False
 
-def panel_from_config(config) -> TuningPanel:
-    """A panel from a notebook's validated TrainConfig (``config.extra`` holds the tuning-only parameters)."""
-    ex = config.extra
-    precision = {"auto": "bf16", "fp16": "bf16"}.get(config.precision, config.precision)
-    if precision == "bf16" and ex.get("pure_bf16", False):
-        precision = "pure-bf16"
-    return TuningPanel(preset=config.preset, seq_len=config.seq_len, batch_size=config.batch_size,
-                       accumulation=config.grad_accum, precision=precision,
-                       gradient_checkpointing=config.gradient_checkpointing, optimizer=config.optimizer,
-                       hardware=ex.get("hardware", "v5e"), chips=ex.get("chips", 8), mfu=ex.get("mfu", 0.4),
-                       steps=config.steps, safety_margin=ex.get("safety_margin", 0.1))
+    def _set_chip_options(self, spec) -> None:
+        options = tuple((chips_text(n), n) for n in slice_sizes(spec))
+        if tuple(self.controls["chips"].options) != options:  # resetting options resets the value: only on change
+            self.controls["chips"].options = options
 
+    def _read_controls(self) -> dict:
+        c = {k: v.value for k, v in self.controls.items()}
+        changes = {k: c[k] for k in ("preset", "seq_len", "batch_size", "precision", "gradient_checkpointing",
+                                     "optimizer", "hardware", "chips", "mfu", "steps")}
+        if c["mode"] == "global":
+            changes["global_batch"] = c["global_batch"]
+        else:
+            changes.update(global_batch=None, accumulation=c["accumulation"])
+        return changes
 
-def save_tuning_results(panel: TuningPanel, out_dir: str, **extra: Any) -> Path:
-    """Write ``results.json`` (the panel's figures, the probe's if run, ``extra``) and ``memory.png``, atomically,
-    into ``out_dir`` and, under ``python -m tpu_helpers run``, the run's directory."""
-    from tpu_helpers.training.results import write_results
+    def _on_change(self, name: str) -> None:
+        if self._syncing:
+            return
+        with self._lock:
+            c = self.controls
+            if name == "config":
+                if c["config"].value != CUSTOM:
+                    self.panel.update(**preset_settings(c["config"].value))
+                    self._sync_controls()
+                self._render()
+                return
+            if name == "hardware":  # offer the slice sizes this chip comes in, keeping the nearest count
+                spec = resolve_hardware(c["hardware"].value)
+                self._syncing = True
+                try:
+                    chips = nearest_slice(c["chips"].value, spec)
+                    self._set_chip_options(spec)
+                    c["chips"].value = chips
+                finally:
+                    self._syncing = False
+            changes = self._read_controls()
+            if name == "mode" and c["mode"].value == "global":
+                changes["global_batch"] = self.panel.result()["global_batch"]  # start from the current one
+            self.panel.update(**changes)
+            self._syncing = True
+            try:
+                c["config"].value = CUSTOM  # a hand-made change: no longer a notebook's configuration
+            finally:
+                self._syncing = False
+            if self.panel.error is None:
+                self._sync_controls()
+            self._render()
 
-    results = {**panel.result(), "probe": panel.probe_result.to_dict() if panel.probe_result else None, **extra}
-    return write_results(out_dir, results, figure=panel.figure(), figure_name="memory.png")
+    def _on_apply(self, _: Any) -> None:
+        with self._lock:
+            try:
+                self.panel.apply_suggestion()
+            except ValueError as err:
+                self.panel.error = str(err)
+            self._sync_controls()
+            self._render()
 
+    # ---- rendering ----------------------------------------------------------------------------------------------
+    def _render(self) -> None:
+        p = self.panel
+        # The chart first: updates reach the browser in order, so new text there means the chart is new too.
+        self.chart.value = figure_png(p.figure())
+        v = p.verdict()
+        colour = "#1b7f3b" if v["fits"] else "#b00020"
+        stale = " (STALE: last valid values)" if p.error else ""
+        self.verdict.value = (
+            f"<div style='background:{colour};color:white;padding:8px 14px;border-radius:4px;line-height:1.4'>"
+            f"<span style='font-size:22px;font-weight:bold'>{v['headline']}{stale}</span>"
+            f"<span style='font-size:18px;font-weight:bold;margin-left:14px'>{v['percent_text']}</span>"
+            f"<br><span style='font-size:14px'>{html.escape(v['text'])}</span></div>")
+        self.error.value = "" if not p.error else (
+            f"<div style='color:#b00020;font-weight:bold'>Not applied: {html.escape(p.error)}. "
+            f"The verdict, figures and chart show the last valid values.</div>")
+        s = p.suggestion()
+        self.suggestion.value = (f"<span style='font-size:14px'><b>Suggestion:</b> {html.escape(s.text)}</span>"
+                                 if s else "<span style='color:#555'>No change needed.</span>")
+        self.apply.disabled = s is None or s.changes is None or p.error is not None
+        self.warnings.value = "".join(f"<div style='color:#a15c00'><b>Warning:</b> {html.escape(x)}</div>"
+                                      for x in p.warnings())
+        self.details.value = "<br>".join(html.escape(x) for x in p.details())
+        if self.backend is not None and not self._probing:  # a probe of other model settings is not offered
+            changes = p.probe_changes()
+            self.use_probe.disabled = changes is None
+            self.use_probe.description = f"use batch {changes['batch_size']}/chip" if changes else "use this batch"
+        self.renders += 1
+
+    # ---- the probe ----------------------------------------------------------------------------------------------
+    def _on_probe(self, _: Any) -> None:
+        with self._lock:
+            if self._probing:  # a second click while the first probe runs does nothing
+                return
+            self._probing = True
+            self.probe_button.disabled, self.use_probe.disabled = True, True
+            self.probe_button.description, self.probe_button.icon = "probing...", "hourglass-half"
+            self.probe_button.button_style = "warning"
+            self.probe_button.add_class("tpu-busy")
+            kw = self.probe_kwargs
+            plan = self.panel.probe_start(self.backend, kw.get("cpu_limit_bytes", 1 << 30),
+                                          kw.get("max_batch_size", 1024))
+            status = self.backend.status()
+            said = [plan["precision"]] if plan["precision"] not in status else []
+            if plan["memory_limit_bytes"] is not None:
+                said.append(f"memory capped at {plan['memory_limit_bytes'] / 2**20:.0f} MiB")
+            self.probe_status.value = (
+                f"<b>Probing on {html.escape(status)}</b>{' (' + ', '.join(said) + ')' if said else ''}: starting at "
+                f"batch {plan['start']}/chip, the estimate for this device; each try runs two training steps ...")
+        threading.Thread(target=self._run_probe, name="tpu-helpers-probe", daemon=True).start()
+
+    def _run_probe(self) -> None:
+        try:
+            r = self.panel.probe(self.backend, **self.probe_kwargs)
+            tries = ", ".join(f"{t['batch_size']}{'' if t['ok'] else ' (OOM)'}" for t in r.tries)
+            text = (f"<b>Largest batch that ran: {html.escape(r.answer())}</b> {html.escape(r.conditions())}. "
+                    f"Tries: {tries} ({r.seconds:.1f} s).")
+        except Exception as err:  # noqa: BLE001 - shown to the user, the panel stays usable
+            r, text = None, f"<b style='color:#b00020'>Probe failed: {html.escape(repr(err))}</b>"
+        with self._lock:
+            self._probing = False
+            self.probe_button.remove_class("tpu-busy")
+            self.probe_button.description, self.probe_button.icon = "probe this device", "search"
+            self.probe_button.button_style = ""
+            self.probe_button.disabled = False
+            changes = self.panel.probe_changes() if r is not None else None
+            self.use_probe.disabled = changes is None
+            if changes:
+                self.use_probe.description = f"use batch {changes['batch_size']}/chip"
+            self.probe_status.value = text
+
+    def _on_use_probe(self, _: Any) -> None:
+        with self._lock:
+            changes = self.panel.probe_changes()
+            if changes:
+                self.panel.update(**changes)
+                self._sync_controls()
+                self._render()

@@ -1,0 +1,106 @@
+"""What the tuning panel offers and how it words things: slice sizes, the notebooks' configurations, text helpers.
+
+- :func:`slice_sizes` -- the chip counts that exist for a chip (TPU slices 1, 4, 8, 16, ...; GPUs 1, 2, 4, 8 and
+  whole 8-GPU hosts), so the panel never plans for 3 chips of a v5e;
+- :data:`NOTEBOOK_PRESETS` / :func:`preset_settings` -- the configurations the real notebooks run, read from the
+  platform targets (``tpu_helpers.launch.targets``) so the panel and the notebooks cannot drift apart;
+- :func:`chips_text`, :func:`duration_text`, :func:`cost_text`, :func:`precision_warning` -- wording.
+"""
+
+from __future__ import annotations
+
+from tpu_helpers.hardware import HardwareSpec
+
+# Smallest slice and the largest the panel lists, per TPU generation (chips, not cores: a v4-8 is 4 chips).
+_TPU_RANGE = {"TPU v5e": (1, 256), "TPU v6e": (1, 256), "TPU v4": (4, 4096), "TPU v5p": (4, 8192),
+              "TPU v2": (4, 256), "TPU v3": (4, 1024), "TPU7x": (4, 8192)}
+
+
+def slice_sizes(spec: HardwareSpec) -> tuple[int, ...]:
+    """Chip counts one can rent of ``spec``: powers of two from the smallest slice (TPU), or 1, 2, 4, 8 GPUs and
+    then whole hosts of ``chips_per_host`` (GPU); the CPU is one "chip"."""
+    if spec.kind == "cpu":
+        return (1,)
+    if spec.kind == "tpu":
+        low, high = _TPU_RANGE.get(spec.name, (1, 256))
+        sizes, n = [], low
+        while n <= high:
+            sizes.append(n)
+            n *= 2 if n > 1 else 4  # v5e / v6e: 1, then 4, 8, 16, ... (there is no v5e-2)
+        return tuple(sizes)
+    per_host = max(1, spec.chips_per_host)
+    small = [n for n in (1, 2, 4, 8) if n <= per_host]
+    return tuple(small + [per_host * k for k in (2, 4, 8, 16, 32, 64, 128)])
+
+
+def check_chips(chips: int, spec: HardwareSpec) -> None:
+    sizes = slice_sizes(spec)
+    if chips not in sizes:
+        shown = ", ".join(map(str, sizes[:6])) + (", ..." if len(sizes) > 6 else "")
+        raise ValueError(f"chips={chips} is not a size {spec.name} comes in; choose one of {shown}")
+
+
+def nearest_slice(chips: int, spec: HardwareSpec) -> int:
+    """The existing slice size closest to ``chips`` (ties go to the smaller one)."""
+    return min(slice_sizes(spec), key=lambda n: (abs(n - chips), n))
+
+
+# name shown -> (platform target, catalog hardware, chips, precision). The target supplies the model, sequence
+# length, batch, global batch and run length exactly as the notebooks run them.
+NOTEBOOK_PRESETS: dict[str, tuple[str, str, int, str]] = {
+    "quickstart (CPU)": ("cpu", "cpu", 1, "fp32"),
+    "Colab TPU v5e-1": ("colab-v5e-1", "v5e", 1, "bf16"),
+    "Colab TPU v6e-1": ("colab-v6e-1", "v6e", 1, "bf16"),
+    "TPU VM v5e-8": ("tpuvm-v5e-8", "v5e", 8, "bf16"),
+}
+
+
+def preset_settings(name: str) -> dict:
+    """Panel settings for one of :data:`NOTEBOOK_PRESETS` (a global batch when the notebook asks for one)."""
+    from tpu_helpers.launch.targets import TARGETS
+
+    if name not in NOTEBOOK_PRESETS:
+        raise ValueError(f"unknown notebook preset {name!r}; choose one of {list(NOTEBOOK_PRESETS)}")
+    target, hardware, chips, precision = NOTEBOOK_PRESETS[name]
+    p = TARGETS[target].params
+    settings = {"preset": p["PRESET"], "seq_len": p["SEQ_LEN"], "batch_size": p["BATCH_SIZE"], "hardware": hardware,
+                "chips": chips, "precision": precision, "steps": p["STEPS"], "gradient_checkpointing": False,
+                "n_layer": None, "n_head": None, "n_embd": None, "vocab_size": None}
+    if "GLOBAL_BATCH" in p and p.get("MODE") == "spmd":
+        settings["global_batch"] = p["GLOBAL_BATCH"]
+    else:
+        settings.update(global_batch=None, accumulation=1)
+    return settings
+
+
+def chips_text(n: int) -> str:
+    return f"{n} chip" if n == 1 else f"{n} chips"
+
+
+def duration_text(seconds: float) -> str:
+    """Readable at every scale: ``5.1 µs``, ``0.8 ms``, ``2.35 s``, ``42 s``, ``17 min``, ``5.2 h``, ``3.1 days``."""
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.3g} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.3g} ms"
+    if seconds < 120:
+        return f"{seconds:.3g} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 48 * 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+def cost_text(cost: float | None, spec: HardwareSpec, chips: int) -> str:
+    if cost is None:
+        return f"cost: no catalog price for {spec.name}"
+    shown = f"${cost:,.2f}" if cost >= 0.01 else "under $0.01"
+    return f"ESTIMATED cost: {shown} for the run ({chips_text(chips)} at the catalog's on-demand price)"
+
+
+def precision_warning(precision: str, spec: HardwareSpec) -> str | None:
+    if precision in ("bf16", "pure-bf16") and not spec.bf16_supported:
+        return (f"{spec.name} has no bf16: train in fp16 there (autocast with a GradScaler, about the memory of bf16 "
+                f"autocast shown here) or in fp32")
+    return None

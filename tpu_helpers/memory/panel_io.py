@@ -1,0 +1,37 @@
+"""The tuning notebook's glue: a panel from its parameters, and its results written to disk.
+
+    panel = panel_from_config(config)                 # config: th.config_from_parameters(...)
+    save_tuning_results(panel, "runs/batch_size_tuning", device=backend.status())
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from tpu_helpers.memory.panel import TuningPanel
+
+
+def panel_from_config(config) -> TuningPanel:
+    """A panel from a notebook's validated TrainConfig (``config.extra`` holds the tuning-only parameters)."""
+    ex = config.extra
+    precision = {"auto": "bf16", "fp16": "bf16"}.get(config.precision, config.precision)
+    if precision == "bf16" and ex.get("pure_bf16", False):
+        precision = "pure-bf16"
+    return TuningPanel(preset=config.preset, seq_len=config.seq_len, batch_size=config.batch_size,
+                       accumulation=config.grad_accum, precision=precision,
+                       gradient_checkpointing=config.gradient_checkpointing, optimizer=config.optimizer,
+                       hardware=ex.get("hardware", "v5e"), chips=ex.get("chips", 8), mfu=ex.get("mfu", 0.4),
+                       steps=config.steps, safety_margin=ex.get("safety_margin", 0.1))
+
+
+def save_tuning_results(panel: TuningPanel, out_dir: str, **extra: Any) -> Path:
+    """Write ``results.json`` (the panel's figures, the probe's if run, ``extra``) and ``memory.png``, atomically,
+    into ``out_dir`` and, under ``python -m tpu_helpers run``, the run's directory."""
+    from tpu_helpers.training.results import write_results
+
+    results = {**panel.result(), "verdict": panel.verdict(), "warnings": panel.warnings(),
+               "suggestion": dataclasses.asdict(s) if (s := panel.suggestion()) else None,
+               "probe": panel.probe_result.to_dict() if panel.probe_result else None, **extra}
+    return write_results(out_dir, results, figure=panel.figure(), figure_name="memory.png")
