@@ -189,7 +189,8 @@ def test_xla_training_with_bf16_and_xla_gradient_checkpointing(tmp_path, tiny_da
 def test_saving_results_leaves_no_figure_open(tmp_path, monkeypatch):
     import matplotlib.pyplot as plt
 
-    from tpu_helpers.training.recipes import RUN_DIR_ENV, save_results, train_gpt
+    from tpu_helpers.training.recipes import save_results, train_gpt
+    from tpu_helpers.training.results import RUN_DIR_ENV
 
     monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / "runner_dir"))  # two directories, one loss.png each
     run = train_gpt(tiny_config(tmp_path, steps=2, eval_every=2, log_every=1, save_every=2, max_chars=20_000),
