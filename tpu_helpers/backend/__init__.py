@@ -31,7 +31,7 @@ from tpu_helpers.backend.base import Backend, BackendUnavailable, warn_fallback
 DEVICES = ("auto", "tpu", "cuda", "cpu", "xla")
 
 __all__ = ["DEFAULT_COMPILE_CACHE", "DEVICES", "Backend", "BackendUnavailable", "get_backend", "resolve_compile_cache",
-           "tpu_chip_count", "xla_module"]
+           "tpu_chip_count", "xla_dump_env", "xla_module"]
 
 _GOOGLE_PCI_VENDOR = "0x1ae0"
 _XLA_BACKEND = None  # the XLA runtime is per process: build its backend once and hand the same one out
@@ -55,6 +55,18 @@ def resolve_compile_cache(setting: str | None, pjrt_device: str) -> str | None:
         setting = os.environ.get("TPU_HELPERS_XLA_CACHE") or DEFAULT_COMPILE_CACHE
     return os.path.abspath(os.path.expanduser(setting))
 # ---- end compile cache ---------------------------------------------------------------------------------------------
+
+
+def xla_dump_env(dump_dir: str | os.PathLike, env: dict | None = None) -> dict:
+    """A copy of `env` (default: os.environ) whose XLA_FLAGS make the compiler write its artefacts to `dump_dir`.
+
+    Among them is a ``*memory-usage-report.txt`` per compiled program ("Total bytes used: N"), which
+    `tpu_helpers.memory.compiled.parse_memory_reports` reads. XLA reads XLA_FLAGS once, when the runtime starts, so
+    the environment is for a fresh process.
+    """
+    env = dict(os.environ if env is None else env)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={os.fspath(dump_dir)}").strip()
+    return env
 
 
 def tpu_chip_count() -> int:

@@ -32,6 +32,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from tpu_helpers.backend import xla_dump_env
 from tpu_helpers.memory.report import MemoryEstimate
 from tpu_helpers.memory.step import OPTIMIZERS, PRECISIONS, check_choice, check_positive
 
@@ -93,8 +94,7 @@ def compiled_estimate(
         spec.update(gpt=asdict(cfg), seq_len=s)
     dump = tempfile.mkdtemp(prefix="tpu_helpers_xla_dump_")
     try:
-        env = {**os.environ, "PJRT_DEVICE": pjrt_device,
-               "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}").strip(),
+        env = {**xla_dump_env(dump), "PJRT_DEVICE": pjrt_device,
                "PYTHONPATH": os.pathsep.join(p for p in (str(_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
         env.pop("CPU_NUM_DEVICES", None)
         proc = subprocess.run([sys.executable, "-m", "tpu_helpers.memory.compiled", json.dumps(spec)], env=env,
