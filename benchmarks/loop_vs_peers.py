@@ -35,6 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNERS = ("package", "hand", "accelerate")
+BASELINE = "baseline"  # the package's Trainer imported from another checkout (--baseline), e.g. before a change
 BATCH, SEQ, LOG_EVERY, LR = 16, 64, 10, 1e-3
 
 
@@ -215,7 +216,8 @@ def child(runner: str, device: str, steps: int, threads: int) -> dict:
 
         torch.set_num_threads(threads)
     clock = _Clock(device == "xla")
-    losses = {"package": _run_package, "hand": _run_hand, "accelerate": _run_accelerate}[runner](device, steps, clock)
+    run = {"package": _run_package, BASELINE: _run_package, "hand": _run_hand, "accelerate": _run_accelerate}[runner]
+    losses = run(device, steps, clock)
     t_end = clock.marks[-1][0]
     compilations, compile_s = clock.compile_stats()
     marks = clock.marks
@@ -231,18 +233,20 @@ def child(runner: str, device: str, steps: int, threads: int) -> dict:
 
 
 # ---- the parent: interleaved runs, summary --------------------------------------------------------------------------
-def _spawn(runner: str, device: str, steps: int, threads: int, dump: str | None) -> dict:
+def _spawn(runner: str, device: str, steps: int, threads: int, cpus: str, dump: str | None,
+           baseline: str | None) -> dict:
     from tpu_helpers.backend import xla_dump_env
     from tpu_helpers.memory.compiled import parse_memory_reports
 
     env = xla_dump_env(dump) if dump else dict(os.environ)
-    env.update(PJRT_DEVICE="CPU", PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p),
+    tree = baseline if runner == BASELINE else str(ROOT)
+    env.update(PJRT_DEVICE="CPU", PYTHONPATH=os.pathsep.join(p for p in (tree, env.get("PYTHONPATH")) if p),
                TOKENIZERS_PARALLELISM="false")
     env.pop("CPU_NUM_DEVICES", None)
     if device == "cpu":
         env["USE_TORCH_XLA"] = "0"  # accelerate picks XLA whenever torch_xla imports, even with cpu=True
     proc = subprocess.run([sys.executable, __file__, "--child", runner, "--device", device, "--steps", str(steps),
-                           "--threads", str(threads)],
+                           "--threads", str(threads), "--cpus", cpus],
                           env=env, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
         raise RuntimeError(f"{runner} on {device} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -289,9 +293,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads for eager CPU work (0: torch's default); 1 keeps a shared machine's "
                          "noise down")
-    ap.add_argument("--child", choices=RUNNERS, help=argparse.SUPPRESS)
+    ap.add_argument("--cpus", default="auto",
+                    help="CPU cores each run is pinned to, e.g. '1' or '0,1'; 'auto': the last core; 'all': no pinning. "
+                         "One core makes the CPU-seconds figure the work done, whatever else the machine runs")
+    ap.add_argument("--baseline", metavar="DIR",
+                    help="also run the package's Trainer imported from DIR (another checkout), interleaved with the rest")
+    ap.add_argument("--child", choices=(*RUNNERS, BASELINE), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
+        if args.cpus != "all":
+            os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
         print(json.dumps(child(args.child, args.device, args.steps, args.threads)))
         return
     if args.steps < 4 * LOG_EVERY or args.steps % LOG_EVERY:
@@ -299,6 +310,8 @@ def main() -> None:
     if args.runs < 1:
         ap.error(f"--runs={args.runs} must be >= 1")
     runners = [r for r in args.runners.split(",") if r]
+    if args.cpus == "auto":
+        args.cpus = str(max(os.sched_getaffinity(0)))
     unknown = sorted(set(runners) - set(RUNNERS))
     if unknown:
         ap.error(f"--runners: unknown {unknown}; choose from {RUNNERS}")
@@ -308,16 +321,20 @@ def main() -> None:
         except ImportError:
             print("accelerate is not installed: comparing the package with the hand-written loop only")
             runners.remove("accelerate")
+    if args.baseline:
+        if not (Path(args.baseline) / "tpu_helpers").is_dir():
+            ap.error(f"--baseline={args.baseline!r} holds no tpu_helpers package")
+        runners.insert(1, BASELINE)
     devices = ("cpu", "xla") if args.device == "both" else (args.device,)
     print(f"2-layer GPT d128 h4, batch {BATCH} x seq {SEQ}, AdamW lr {LR} constant, {args.steps} steps, log every "
-          f"{LOG_EVERY}; runners {runners}; torch threads {args.threads or 'default'}; the machine may be shared, so read medians and ranges, not single runs")
+          f"{LOG_EVERY}; runners {runners}; torch threads {args.threads or 'default'}; pinned to CPU {args.cpus}; the machine may be shared, so read medians and ranges, not single runs")
     for device in devices:
         results: dict[str, list[dict]] = {r: [] for r in runners}
         for i in range(args.runs):
             for runner in runners if i % 2 == 0 else runners[::-1]:
                 dump = tempfile.mkdtemp(prefix="loop_vs_peers_dump_") if device == "xla" else None
                 try:
-                    r = _spawn(runner, device, args.steps, args.threads, dump)
+                    r = _spawn(runner, device, args.steps, args.threads, args.cpus, dump, args.baseline)
                 finally:
                     if dump:
                         shutil.rmtree(dump, ignore_errors=True)
