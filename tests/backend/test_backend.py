@@ -152,3 +152,15 @@ def test_save_moves_xla_tensors_to_the_cpu_and_writes_atomically(tmp_path):
     loaded = torch.load(tmp_path / "s.pt")
     assert loaded["step"] == 3 and loaded["w"].device.type == "cpu" and loaded["w"].tolist() == [0, 1, 2, 3]
     assert [p.name for p in tmp_path.iterdir()] == ["s.pt"]  # no temporary file left behind
+
+
+def test_xla_dump_env_adds_the_dump_flag_to_existing_xla_flags_without_touching_the_caller_env():
+    from tpu_helpers.backend import xla_dump_env
+
+    base = {"XLA_FLAGS": "--xla_cpu_use_thunk_runtime=true", "OTHER": "1"}
+    env = xla_dump_env("/tmp/dump", base)
+    assert env["XLA_FLAGS"] == "--xla_cpu_use_thunk_runtime=true --xla_dump_to=/tmp/dump"
+    assert env["OTHER"] == "1" and base["XLA_FLAGS"] == "--xla_cpu_use_thunk_runtime=true"
+    assert xla_dump_env("d", {})["XLA_FLAGS"] == "--xla_dump_to=d"
+    with pytest.raises(ValueError, match="'/tmp/my dump'.*no spaces"):
+        xla_dump_env("/tmp/my dump", {})

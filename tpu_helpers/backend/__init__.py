@@ -64,8 +64,12 @@ def xla_dump_env(dump_dir: str | os.PathLike, env: dict | None = None) -> dict:
     `tpu_helpers.memory.compiled.parse_memory_reports` reads. XLA reads XLA_FLAGS once, when the runtime starts, so
     the environment is for a fresh process.
     """
+    path = os.fspath(dump_dir)
+    if not path or any(c.isspace() for c in path):
+        raise ValueError(f"dump_dir={path!r}: XLA_FLAGS is split on whitespace, so the path must be non-empty and "
+                         "contain no spaces")
     env = dict(os.environ if env is None else env)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={os.fspath(dump_dir)}").strip()
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={path}").strip()
     return env
 
 
