@@ -1,6 +1,7 @@
 """Steady-state speed of the package's loop against a best-practice hand-written loop and HF accelerate.
 
     PYTHONPATH=. python benchmarks/loop_vs_peers.py --device both --runs 5 --steps 120
+    PYTHONPATH=. python benchmarks/loop_vs_peers.py --device xla --baseline /path/to/older/checkout   # before/after
 
 Every runner trains the same model (a 2-layer decoder LM: the package's GPT, d_model 128, 4 heads, seq 64) from the
 same seeded initial weights, on the same seeded DataLoader (batch 16), with AdamW lr 1e-3 constant, no clipping, no
@@ -18,6 +19,10 @@ between log reads, i.e. not counting the one read per log), steady seconds = wal
 time (median and range over the runs), the seconds of steps 21..N (timed between log reads: no compile in them),
 XLA's memory-usage report of the largest compiled program (the steady step) and the ratio of the steady median to
 the fastest peer's. On XLA:CPU the "device" is the host's cores, so compare runners with each other, not with a TPU.
+
+Each run is pinned to one CPU core (--cpus; eager torch and XLA then do the same single-threaded work, and the CPU
+seconds of steps 21+ measure that work even when other programs share the machine). --baseline DIR adds the
+package's Trainer imported from another checkout as one more interleaved runner, for before/after figures.
 """
 
 from __future__ import annotations

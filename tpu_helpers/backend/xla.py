@@ -78,10 +78,12 @@ class XlaBackend(Backend):
 
     compile_cache_dir: str | None = None  # set by get_backend when it turned the persistent cache on
 
-    # TPU guides advise set_to_none=False so the first step's graph matches the others. Measured with torch_xla 2.9
-    # on XLA:CPU (benchmarks/zero_grad.py, FIGURES) set_to_none=True compiles no more graphs (evaluation and
-    # gradient accumulation included), steps faster and its compiled step needs less memory: the step no longer
-    # carries a zeroed params-sized gradient buffer per parameter in and out of the graph.
+    # TPU guides advise set_to_none=False so the first step's graph matches the others. Measured instead, torch_xla
+    # 2.9 on XLA:CPU (benchmarks/zero_grad.py: 2-layer GPT d128, 40 steps, grad_accum 2, evaluation before step 1 and
+    # every 10, checkpoints): set_to_none=True compiled 4 graphs, False 5 (nothing after step 2 with either); XLA's
+    # memory report for the step 36.7 MiB against 38.8 MiB (the zeroed gradients no longer go in and out of every
+    # step's graph); CPU per steady step 128 ms against 138 ms (medians of 2 runs each, on a busy machine). A
+    # hand-written loop ran 6.14 s with True against 6.77 s with False (issue 14, 4 pairs). So True, on every backend.
     zero_grad_set_to_none = True
 
     def __init__(self, precision: str = "auto", *, spmd: bool = False) -> None:
