@@ -71,6 +71,9 @@ def test_evaluation_and_gradient_accumulation_compile_in_warmup_only(tmp_path, t
     after = _compiles_after_warmup(trainer.samples)
     assert after == [after[0]] * len(after), f"recompiled after warm-up: {after}"
     assert report.xla["problems"] == []
+    # One graph run per optimizer step (both micro-batches in it) plus one per evaluation batch at steps 4 and 8;
+    # MpDeviceLoader's own per-batch sync used to cut each step in two (20 runs here).
+    assert report.xla["executions"] <= cfg.steps + 2 * cfg.eval_batches + 1, report.xla["executions"]
 
 
 class ChangingScalar(MetricsProbe):
