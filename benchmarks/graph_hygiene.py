@@ -6,6 +6,9 @@ Trains the tiny GPT for 200 steps with evaluation every 50 and counts, from torc
 compiled (the evaluation before step 1 included), the step after which nothing compiled any more, and host
 transfers in steps that read nothing by design (not a log, evaluation or checkpoint step). Targets: at most 3
 distinct graphs, none after step 2, no host transfers between log intervals.
+
+`--inject-recompile` multiplies in a real recompile (a Python exponent that changes every step, a new constant in
+each step's graph) to show the check still catches one: then graphs keep compiling up to the last step.
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ class Probe(Trainer):
             self.eval0_compiles = self.backend.metrics()["compilations"] - before
         return value
 
+    def compute_loss(self, batch):
+        loss = super().compute_loss(batch)
+        return loss ** (1.0 + self.step / 1000.0) if self.inject_recompile else loss
+
 
 class PerStep(Callback):
     def on_fit_start(self, trainer):
@@ -50,6 +57,7 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--save-every", type=int, default=100)
+    ap.add_argument("--inject-recompile", action="store_true", help="add a real recompile to every step (a check)")
     args = ap.parse_args()
     cfg = TrainConfig(device="xla", preset="tiny", steps=args.steps, batch_size=8, seq_len=64, warmup_steps=10,
                       eval_every=args.eval_every, eval_batches=4, log_every=args.log_every,
@@ -59,6 +67,7 @@ def main() -> None:
     probe = PerStep()
     trainer = Probe(GPT(gpt_config("tiny", vocab_size=tok.vocab_size, block_size=cfg.seq_len)), train, val,
                     config=cfg, backend=backend, progress=False, callbacks=[probe])
+    trainer.inject_recompile = args.inject_recompile
     report = trainer.fit()
     samples = probe.samples
     compiles_by_step = [(s, m["compilations"] - p["compilations"]) for (s, m), (_, p) in zip(samples[1:], samples, strict=False)]

@@ -6,6 +6,7 @@ import pytest
 
 from tests.support import tiny_config
 from tpu_helpers.backend import get_backend
+from tpu_helpers.diagnostics import XlaPerformanceWarning
 from tpu_helpers.models.gpt import GPT, gpt_config
 from tpu_helpers.training.trainer import Trainer
 
@@ -50,3 +51,46 @@ def test_thirty_steps_compile_during_warmup_only_and_read_host_only_at_log_steps
     assert [r["step"] for r in trainer.history.train] == [10, 20, 30]
     assert losses[-1] < losses[0]
     assert report.final_val_loss < report.first_val_loss
+
+
+def _compiles_after_warmup(samples) -> list[int]:
+    """Compilations counted before each step after the two warm-up steps (flat = no recompilation)."""
+    return [m["compilations"] for _, m in samples[3:]]
+
+
+def test_evaluation_and_gradient_accumulation_compile_in_warmup_only(tmp_path, tiny_data):
+    # Gradients are dropped after each step (zero_grad(set_to_none=True), the measured default): the first
+    # micro-batch creates them, the second adds into them, inside one graph that is the same every step.
+    train, val, tok = tiny_data
+    cfg = tiny_config(tmp_path, device="xla", steps=8, grad_accum=2, log_every=4, eval_every=4, save_every=1000)
+    model = GPT(gpt_config("tiny", vocab_size=tok.vocab_size, block_size=32))
+    trainer = MetricsProbe(model, train, val, config=cfg, backend=get_backend("xla", spmd=False), progress=False)
+    trainer.samples = []
+    report = trainer.fit()
+    assert trainer.backend.zero_grad_set_to_none is True
+    after = _compiles_after_warmup(trainer.samples)
+    assert after == [after[0]] * len(after), f"recompiled after warm-up: {after}"
+    assert report.xla["problems"] == []
+    # One graph run per optimizer step (both micro-batches in it) plus one per evaluation batch at steps 4 and 8;
+    # MpDeviceLoader's own per-batch sync used to cut each step in two (20 runs here).
+    assert report.xla["executions"] <= cfg.steps + 2 * cfg.eval_batches + 1, report.xla["executions"]
+
+
+class ChangingScalar(MetricsProbe):
+    """A real recompile: a Python float that changes every step reaches the graph as a constant (an exponent)."""
+
+    def compute_loss(self, batch):
+        return super().compute_loss(batch) ** (1.0 + self.step / 1000.0)
+
+
+def test_the_hygiene_check_and_the_detector_catch_a_real_recompile(tmp_path, tiny_data):
+    train, val, tok = tiny_data
+    cfg = tiny_config(tmp_path, device="xla", steps=6, log_every=3, eval_every=1000, save_every=1000)
+    model = GPT(gpt_config("tiny", vocab_size=tok.vocab_size, block_size=32))
+    trainer = ChangingScalar(model, train, None, config=cfg, backend=get_backend("xla", spmd=False), progress=False)
+    trainer.samples = []
+    with pytest.warns(XlaPerformanceWarning, match="recompiled with unchanged input shapes"):
+        report = trainer.fit()
+    after = _compiles_after_warmup(trainer.samples)
+    assert after == sorted(after) and after[-1] > after[0], f"the recompiles went unseen: {after}"
+    assert [p["cause"] for p in report.xla["problems"]] == ["changing_value"]

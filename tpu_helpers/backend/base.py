@@ -135,8 +135,10 @@ class Backend:
         """Yield batches already on the device (XLA overlaps the transfer with compute on a thread)."""
         return _DeviceIterable(loader, self.to_device)
 
+    zero_grad_set_to_none = True  # drop the gradient tensors between steps (frees their memory until backward)
+
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=self.zero_grad_set_to_none)
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()

@@ -105,8 +105,12 @@ def debug_env(log_file: str | Path, level: int = 2) -> dict[str, str]:
 
 def dump_dir_flags(path: str | Path, flags: str = "") -> str:
     """`flags` (an XLA_FLAGS value) plus the flag that makes the compiler write its dumps (HLO, memory-usage
-    reports) into `path`."""
-    return f"{flags} --xla_dump_to={os.fspath(path)}".strip()
+    reports) into `path`. XLA_FLAGS is split on whitespace, so a path with spaces is refused."""
+    text = os.fspath(path)
+    if not text or any(c.isspace() for c in text):
+        raise ValueError(f"dump_dir={text!r}: XLA_FLAGS is split on whitespace, so the path must be non-empty and "
+                         "contain no spaces")
+    return f"{flags} --xla_dump_to={text}".strip()
 
 
 def dump_env(path: str | Path, *, pjrt: str = "CPU", environ: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -5,7 +5,7 @@ Per chip, for one training step of a per-chip micro-batch ``b`` of ``s`` tokens,
 every chip, so the figure does not depend on the number of chips)::
 
     weights      P * w                       w = 4 bytes (fp32 and bf16 autocast), 2 (pure bf16)
-    gradients    P * w                       kept between steps (zero_grad(set_to_none=False), as on XLA)
+    gradients    P * w                       alive at the step's peak (the optimizer step reads them all)
     optimizer    AdamW 2*P*w, SGD+momentum P*w, Adafactor-like ~ (rows + columns) * w
     activations  L * (alpha * s*b*h + 4*a*s*b)  [+ a*s^2*b*e for the unfused "math" attention that XLA compiles]
                  + max(lam * s*b*V + c1 * s*b*h,  c2 * s*b*h)

@@ -141,8 +141,8 @@ def training_step(
             loss = loss_fn(model, batch) / accumulation
         loss.backward()
     optimizer.step()
-    # Keep the gradient buffers (set_to_none=False), as the XLA backend does: their memory then counts at every
-    # step's peak, which is what a long run sees.
+    # Keep the gradient buffers (set_to_none=False): their memory then counts at every step's peak, an upper bound
+    # for the package's loop, which drops them between steps (Backend.zero_grad_set_to_none).
     optimizer.zero_grad(set_to_none=False)
     if sync is not None:
         sync()
