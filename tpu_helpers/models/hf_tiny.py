@@ -91,7 +91,8 @@ def build_tiny_model(tokenizer, *, seed: int = 0, **arch):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, **{**TINY_ARCH, **arch})
+    sizes = {"vocab_size": len(tokenizer), **TINY_ARCH, **arch}
+    config = Qwen2Config(bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         **sizes)
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(config)
