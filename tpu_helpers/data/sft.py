@@ -199,7 +199,7 @@ def tokenize_records(tokenizer: Any, records: Sequence[dict], seq_len: int) -> t
     if not rows:
         raise ConfigError(f"no record has a trained token within seq_len={seq_len} ({stats['records']} records); "
                           "raise SEQ_LEN or check the data")
-    stats["tokens_trained"] = sum(sum(x != -100 for x in r) for r in labels)
+    stats["tokens_trained"] = sum(sum(x != -100 for x in r[1:]) for r in labels)  # what the loss counts
     return SFTDataset(torch.tensor(rows), torch.tensor(masks), torch.tensor(labels)), stats
 
 
