@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,7 @@ class FinetuneConfig:
     distill_alpha: float = 0.5  # weight of the hard-label loss; the soft loss gets 1 - this
     max_records: int | None = None
     attn_implementation: str = "eager"
+    grad_checkpointing: bool = False  # recompute activations in backward (torch_xla's checkpoint on XLA)
     export_merged: bool = True
     num_samples: int = 8  # held-out prompts shown before and after training
     max_new_tokens: int = 4
@@ -82,7 +84,8 @@ def finetune_from_parameters(namespace: dict, *, base: TrainConfig | None = None
         ft = FinetuneConfig(**ft_values)
     except TypeError as err:
         raise ConfigError(str(err)) from None
-    return ft, cfg.replace(dataset=ft.dataset, tokenizer=ft.model)
+    return ft, cfg.replace(dataset=ft.dataset, tokenizer=ft.model,
+                           gradient_checkpointing=ft.grad_checkpointing or cfg.gradient_checkpointing)
 
 
 class Finetune:
@@ -223,3 +226,26 @@ class Finetune:
             paths["merged"] = str(lora.export_merged(model, self.tokenizer, out / "merged", base_source=self.source))
         (out / "finetune.json").write_text(json.dumps({**dataclasses.asdict(self.ft), "paths": paths}, indent=1))
         return paths
+
+    # ---- 7. results --------------------------------------------------------------------------------------------
+    def save_results(self, report: Any, *, before: dict | None = None, after: dict | None = None,
+                     paths: dict | None = None, plan: Any = None) -> Path:
+        """`<out_dir>/results.json` (report, history, samples, exports, plan) and `loss.png`, atomically; copied
+        into the run directory when run by `python -m tpu_helpers run`."""
+        from tpu_helpers.checkpoint import atomic_write_text
+        from tpu_helpers.training.recipes import RUN_DIR_ENV
+
+        history = self.trainer.history
+        results = {"report": report.to_dict(), "config": self.cfg.to_dict(), "finetune": dataclasses.asdict(self.ft),
+                   "history": history.to_dict(), "samples_before": before, "samples_after": after,
+                   "exports": paths or {}, "parameters": self.parameter_summary(), "data": self.data_stats,
+                   "plan": plan.to_dict() if plan is not None else None}
+        text = json.dumps(results, indent=2, default=str)
+        out = Path(self.cfg.out_dir)
+        for directory in [out] + ([Path(os.environ[RUN_DIR_ENV])] if os.environ.get(RUN_DIR_ENV) else []):
+            directory.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(directory / "results.json", text)
+            fig = history.plot()
+            fig.savefig(directory / ".loss.png.tmp", dpi=110, format="png")
+            os.replace(directory / ".loss.png.tmp", directory / "loss.png")
+        return out / "results.json"
