@@ -134,6 +134,7 @@ class Finetune:
                                                   attn_implementation=ft.attn_implementation)
         hf.check_seq_len(model, self.cfg.seq_len)
         if self.uses_lora:
+            torch.manual_seed(self.cfg.seed)  # the adapters' initial values depend on the seed only
             model = lora.add_lora(model, r=ft.lora_r, alpha=ft.lora_alpha, dropout=ft.lora_dropout,
                                   targets=ft.lora_targets)
         self.teacher = None
