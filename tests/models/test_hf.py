@@ -109,3 +109,14 @@ def test_generation_compiles_a_fixed_number_of_graphs_not_one_per_token(tiny_lm_
     cpu_model, _ = hf.load_causal_lm(str(tiny_lm_dir))
     assert hf.generate(cpu_model, tok, prompts, device="cpu", max_new_tokens=9, prompt_len=24,
                        batch_size=4) == out
+
+
+@pytest.mark.xla
+def test_tied_embedding_and_head_stay_tied_after_the_move_to_xla_under_peft(tiny_lm_dir):
+    model, _ = hf.load_causal_lm(str(tiny_lm_dir))
+    model = XLA_BACKEND.prepare_model(lora.add_lora(model, r=4))
+    base = model.get_base_model()
+    head, emb = base.get_output_embeddings().weight, base.get_input_embeddings().weight
+    # Module.to() would give the head a Parameter of its own on XLA: twice the memory, and a full fine-tune would
+    # train two diverging copies.
+    assert head is emb and head.device.type == "xla"
