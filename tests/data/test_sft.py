@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from tpu_helpers.config import ConfigError
@@ -82,3 +83,44 @@ def test_bad_data_inputs_name_the_value(tmp_path, tok):
         encode_record(bare, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
     with pytest.raises(ConfigError, match=r"no record has a trained token within seq_len=4"):
         tokenize_records(tok, [{"prompt": "What letter comes after k?", "response": "l"}], seq_len=4)
+
+
+def test_packed_rows_restart_positions_and_train_no_token_across_examples():
+    from tpu_helpers.data.sft import pack_examples
+
+    ex = [([5, 6, 7], [-100, 6, 7]), ([8, 9, 10, 11], [8, 9, 10, 11]), ([12, 13], [-100, 13]), ([1] * 6, [1] * 6)]
+    data = pack_examples(ex, seq_len=8, pad=0)
+    assert len(data) == 2 and data.attention_mask is None
+    row = data[0]
+    assert set(row) == {"input_ids", "position_ids", "labels"}
+    assert row["input_ids"].tolist() == [5, 6, 7, 8, 9, 10, 11, 0]  # first fit: ex 3 (2 tokens) goes to row 2
+    assert row["position_ids"].tolist() == [0, 1, 2, 0, 1, 2, 3, 0]
+    assert row["labels"].tolist() == [-100, 6, 7, -100, 9, 10, 11, -100]
+    assert data[1]["input_ids"].tolist() == [12, 13, 1, 1, 1, 1, 1, 1]
+    assert data[1]["position_ids"].tolist() == [0, 1, 0, 1, 2, 3, 4, 5]
+
+
+def test_packed_loss_equals_the_examples_one_per_row():
+    from types import SimpleNamespace
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tpu_helpers.data.sft import pack_examples
+    from tpu_helpers.training.causal_lm import CausalLMTrainer
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, use_cache=False,
+                                         attn_implementation="eager"))
+    g = torch.Generator().manual_seed(1)
+    ex = []
+    for n in (5, 7, 4):
+        ids = torch.randint(1, 32, (n,), generator=g).tolist()
+        ex.append((ids, [-100, -100] + ids[2:]))
+    packed = pack_examples(ex, seq_len=16, pad=0)
+    assert len(packed) == 1
+    fake = SimpleNamespace(model=model)
+    got = CausalLMTrainer.loss_sum(fake, {k: v.unsqueeze(0) for k, v in packed[0].items()})
+    want = sum(CausalLMTrainer.loss_sum(fake, {"input_ids": torch.tensor([ids]), "labels": torch.tensor([lab])})
+               for ids, lab in ex)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -160,10 +160,17 @@ def encode_record(tokenizer: Any, record: dict) -> tuple[list[int], list[int]]:
 
 
 class SFTDataset(Dataset):
-    """Fixed-length rows: a dict of input_ids, attention_mask and labels (int64 tensors of length seq_len)."""
+    """Fixed-length rows: a dict of input_ids, attention_mask and labels (int64 tensors of length seq_len).
 
-    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> None:
+    Packed rows (``position_ids`` given) hold several examples each and carry position_ids instead of an
+    attention_mask: positions restart at 0 at every example, and a Hugging Face model given position_ids without
+    an attention mask attends only within each run of consecutive positions (transformers' packed-sequence mask).
+    """
+
+    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor,
+                 position_ids: torch.Tensor | None = None) -> None:
         self.input_ids, self.attention_mask, self.labels = input_ids, attention_mask, labels
+        self.position_ids = position_ids
 
     @property
     def seq_len(self) -> int:
@@ -173,15 +180,46 @@ class SFTDataset(Dataset):
         return self.input_ids.shape[0]
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if self.position_ids is not None:
+            return {"input_ids": self.input_ids[i], "position_ids": self.position_ids[i], "labels": self.labels[i]}
         return {"input_ids": self.input_ids[i], "attention_mask": self.attention_mask[i], "labels": self.labels[i]}
 
 
-def tokenize_records(tokenizer: Any, records: Sequence[dict], seq_len: int) -> tuple[SFTDataset, dict]:
-    """Pad (right) or truncate every record to `seq_len`; records with no trained token left are dropped."""
+def pack_examples(examples: Sequence[tuple[list[int], list[int]]], seq_len: int, pad: int) -> SFTDataset:
+    """Several (ids, labels) examples per row, first fit in the given order, each whole (none is split).
+
+    Each example's first token is no target (it would be predicted from the previous example's last token), and
+    the padding at a row's end is a run of its own (positions from 0, labels -100), so it never sees an example.
+    """
+    rows: list[list[tuple[list[int], list[int]]]] = []
+    room: list[int] = []
+    for ids, lab in examples:
+        k = next((j for j, free in enumerate(room) if free >= len(ids)), None)
+        if k is None:
+            rows.append([])
+            room.append(seq_len)
+            k = len(rows) - 1
+        rows[k].append((ids, [-100] + lab[1:]))
+        room[k] -= len(ids)
+    input_ids, position_ids, labels = [], [], []
+    for row, free in zip(rows, room, strict=True):
+        input_ids.append([t for ids, _ in row for t in ids] + [pad] * free)
+        labels.append([t for _, lab in row for t in lab] + [-100] * free)
+        position_ids.append([p for ids, _ in row for p in range(len(ids))] + list(range(free)))
+    return SFTDataset(torch.tensor(input_ids), None, torch.tensor(labels), torch.tensor(position_ids))
+
+
+def tokenize_records(tokenizer: Any, records: Sequence[dict], seq_len: int, *,
+                     pack: bool = False) -> tuple[SFTDataset, dict]:
+    """Pad (right) or truncate every record to `seq_len`; records with no trained token left are dropped.
+
+    ``pack=True`` puts several records in each row instead (see `pack_examples`): fewer rows, no padding waste.
+    """
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
         raise ConfigError("the tokenizer has neither a pad nor an eos token; set tokenizer.pad_token")
     rows, masks, labels = [], [], []
+    examples: list[tuple[list[int], list[int]]] = []
     stats = {"records": len(records), "truncated": 0, "dropped": 0}
     for k, record in enumerate(records):
         record_form(record, where=f"record {k}")
@@ -192,27 +230,35 @@ def tokenize_records(tokenizer: Any, records: Sequence[dict], seq_len: int) -> t
         if sum(x != -100 for x in lab[1:]) == 0:  # position 0 is never a target (the model shifts labels)
             stats["dropped"] += 1
             continue
+        if pack:
+            examples.append((ids, lab))
+            continue
         n = len(ids)
         rows.append(ids + [pad] * (seq_len - n))
         masks.append([1] * n + [0] * (seq_len - n))
         labels.append(lab + [-100] * (seq_len - n))
-    if not rows:
+    if not rows and not examples:
         raise ConfigError(f"no record has a trained token within seq_len={seq_len} ({stats['records']} records); "
                           "raise SEQ_LEN or check the data")
+    if pack:
+        data = pack_examples(examples, seq_len, pad)
+        stats["rows"] = len(data)
+        stats["tokens_trained"] = int((data.labels[:, 1:] != -100).sum())
+        return data, stats
     stats["tokens_trained"] = sum(sum(x != -100 for x in r[1:]) for r in labels)  # what the loss counts
     return SFTDataset(torch.tensor(rows), torch.tensor(masks), torch.tensor(labels)), stats
 
 
 def build_sft_datasets(tokenizer: Any, records: Sequence[dict], *, seq_len: int, val_fraction: float = 0.05,
-                       seed: int = 0) -> tuple[SFTDataset, SFTDataset, dict]:
+                       seed: int = 0, pack: bool = False) -> tuple[SFTDataset, SFTDataset, dict]:
     """Shuffle (seeded), split and tokenize; returns (train, val, stats)."""
     order = list(range(len(records)))
     random.Random(seed).shuffle(order)
     n_val = max(1, int(len(order) * val_fraction))
     val_rec = [records[i] for i in order[:n_val]]
     train_rec = [records[i] for i in order[n_val:]]
-    train, stats = tokenize_records(tokenizer, train_rec, seq_len)
-    val, _ = tokenize_records(tokenizer, val_rec, seq_len)
+    train, stats = tokenize_records(tokenizer, train_rec, seq_len, pack=pack)
+    val, _ = tokenize_records(tokenizer, val_rec, seq_len, pack=pack)
     return train, val, stats
 
 

@@ -35,7 +35,9 @@ class CausalLMTrainer(Trainer):
 
     def loss_sum(self, batch: dict) -> torch.Tensor:
         """Summed token loss of one micro-batch (float32)."""
-        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+        # Packed rows (data/sft.py) carry position_ids and no attention mask: the model masks per example.
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                            position_ids=batch.get("position_ids")).logits
         return causal_lm_loss_sum(logits, batch["labels"])
 
     def compute_loss(self, batch: Any) -> torch.Tensor:
@@ -90,10 +92,11 @@ class DistillTrainer(CausalLMTrainer):
 
     def loss_sum(self, batch: dict) -> torch.Tensor:
         ids, mask, labels = batch["input_ids"], batch.get("attention_mask"), batch["labels"]
-        logits = self.model(input_ids=ids, attention_mask=mask).logits
+        pos = batch.get("position_ids")
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
         hard = causal_lm_loss_sum(logits, labels)
         with torch.no_grad():
-            t_logits = self.teacher(input_ids=ids, attention_mask=mask).logits
+            t_logits = self.teacher(input_ids=ids, attention_mask=mask, position_ids=pos).logits
         t = self.temperature
         s_logp = torch.log_softmax(logits[:, :-1].float() / t, dim=-1)
         t_logp = torch.log_softmax(t_logits[:, :-1].float() / t, dim=-1)

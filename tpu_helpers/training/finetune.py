@@ -54,6 +54,7 @@ class FinetuneConfig:
     temperature: float = 2.0
     distill_alpha: float = 0.5  # weight of the hard-label loss; the soft loss gets 1 - this
     max_records: int | None = None
+    pack: bool = False  # several examples per row (positions restart per example) instead of one padded row each
     attn_implementation: str = "eager"
     grad_checkpointing: bool = False  # recompute activations in backward (torch_xla's checkpoint on XLA)
     export_merged: bool = True
@@ -161,7 +162,8 @@ class Finetune:
             raise ConfigError(f"DATASET={self.ft.dataset!r} has no records")
         record_form(records[0], where=f"DATASET={self.ft.dataset!r} record 0")
         self.train_data, self.val_data, self.data_stats = build_sft_datasets(
-            self.tokenizer, records, seq_len=self.cfg.seq_len, val_fraction=self.cfg.val_fraction, seed=self.cfg.seed)
+            self.tokenizer, records, seq_len=self.cfg.seq_len, val_fraction=self.cfg.val_fraction, seed=self.cfg.seed,
+            pack=self.ft.pack)
         if self.ft.dataset == DEFAULT_DATASET:
             held = load_records(DEFAULT_DATASET, split="test")
         else:
