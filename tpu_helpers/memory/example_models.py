@@ -64,3 +64,20 @@ def tiny_lm_batch(batch_size: int) -> dict[str, torch.Tensor]:
 def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The mean next-token loss the model computes itself from ``labels``."""
     return model(**batch).loss
+
+
+def tiny_causal_lm_lora() -> nn.Module:
+    """The tiny model with peft LoRA adapters (r=8) on q/k/v/o: only the adapters train."""
+    from tpu_helpers.models.lora import add_lora
+
+    return add_lora(tiny_causal_lm(), r=8, targets="q_proj,k_proj,v_proj,o_proj")
+
+
+def lm_batch(seq_len: int, vocab_size: int):
+    """Batch factory (plain tensor factories, so it also runs under the traced estimate's fake mode)."""
+
+    def make(batch_size: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, vocab_size, (batch_size, seq_len))
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+    return make
