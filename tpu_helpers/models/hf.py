@@ -23,6 +23,13 @@ import torch
 from tpu_helpers.config import ConfigError
 
 TINY = "tiny"
+# The attention implementation models load with: eager, by the numbers of benchmarks/attention_impl.py (tiny
+# Qwen2, LoRA SFT, batch 8 x 128, XLA:CPU on a loaded 2-core machine, step times best of 2-3 runs). Both compile
+# 2 training graphs; compiled step: eager 44.6 MiB, sdpa 50.6 MiB (+13%); generation: eager <= 3 graphs, sdpa 4;
+# ms/step eager 203.5, sdpa 110.3 on XLA:CPU, BUT sdpa reads the device from the host in every step (4
+# device-to-host transfers per step with 3 layers, 8 with a teacher; seen by the strict runs of test_finetune.py,
+# likely transformers reading the padding mask to pick its causal path): a stall per step on a TPU.
+DEFAULT_ATTN = "eager"
 
 
 def resolve_model_source(model: str, cache_dir: str | os.PathLike | None = None) -> str:
@@ -42,7 +49,7 @@ def resolve_model_source(model: str, cache_dir: str | os.PathLike | None = None)
     return str(path) if path.exists() else model
 
 
-def load_causal_lm(model: str, *, dtype: torch.dtype | None = None, attn_implementation: str | None = "eager",
+def load_causal_lm(model: str, *, dtype: torch.dtype | None = None, attn_implementation: str | None = DEFAULT_ATTN,
                    cache_dir: str | os.PathLike | None = None) -> tuple[torch.nn.Module, Any]:
     """(model, tokenizer) through the Auto classes; the tokenizer gets a pad token (eos) when it has none."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -55,7 +55,7 @@ class FinetuneConfig:
     distill_alpha: float = 0.5  # weight of the hard-label loss; the soft loss gets 1 - this
     max_records: int | None = None
     pack: bool = False  # several examples per row (positions restart per example) instead of one padded row each
-    attn_implementation: str = "eager"
+    attn_implementation: str = hf.DEFAULT_ATTN  # sdpa | eager (see models/hf.py for the measured figures)
     grad_checkpointing: bool = False  # recompute activations in backward (torch_xla's checkpoint on XLA)
     export_merged: bool = True
     num_samples: int = 8  # held-out prompts shown before and after training
