@@ -28,7 +28,8 @@ TINY = "tiny"
 # 2 training graphs; compiled step: eager 44.6 MiB, sdpa 50.6 MiB (+13%); generation: eager <= 3 graphs, sdpa 4;
 # ms/step eager 203.5, sdpa 110.3 on XLA:CPU, BUT sdpa reads the device from the host in every step (4
 # device-to-host transfers per step with 3 layers, 8 with a teacher; seen by the strict runs of test_finetune.py,
-# likely transformers reading the padding mask to pick its causal path): a stall per step on a TPU.
+# transformers.masking_utils._ignore_causal_mask_sdpa calls fast_all(padding_mask) to pick is_causal): a stall per
+# step on a TPU.
 DEFAULT_ATTN = "eager"
 
 
