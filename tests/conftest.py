@@ -26,3 +26,23 @@ def tiny_data():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_lm_dir() -> Path:
+    """The offline tiny Qwen2 + tokenizer directory (built once into the package cache, then reused)."""
+    from tpu_helpers.models.hf_tiny import tiny_model_dir
+
+    return tiny_model_dir()
+
+
+@pytest.fixture(scope="session")
+def tiny_sft(tiny_lm_dir):
+    """(tokenizer, train, val) of the generated instruction set at 32 tokens."""
+    from transformers import AutoTokenizer
+
+    from tpu_helpers.data.sft import build_sft_datasets, instruction_records
+
+    tok = AutoTokenizer.from_pretrained(tiny_lm_dir)
+    train, val, _ = build_sft_datasets(tok, instruction_records(400), seq_len=32, val_fraction=0.1)
+    return tok, train, val

@@ -113,11 +113,23 @@ def dump_dir_flags(path: str | Path, flags: str = "") -> str:
     return f"{flags} --xla_dump_to={text}".strip()
 
 
-def dump_env(path: str | Path, *, pjrt: str = "CPU", environ: Mapping[str, str] | None = None) -> dict[str, str]:
+# XLA:CPU's default scheduler favours concurrency: it runs a checkpointed block's recomputation as early as it can,
+# so the recomputed activations live as long as saved ones would and the compiled figure ignores gradient
+# checkpointing (GPT mini, batch 8, seq 256: 815.79 MB without vs 815.80 MB with). The memory-aware scheduler, as a
+# TPU's is, shows the saving (774.1 MB -> 369.8 MB): compiled-memory estimates on the CPU use it.
+CPU_MEMORY_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
+def dump_env(path: str | Path, *, pjrt: str = "CPU", environ: Mapping[str, str] | None = None,
+             memory_scheduler: bool = False) -> dict[str, str]:
     """A child process's environment (`environ`, by default this one's) with the compiler's dumps going to `path`
-    and the runtime on `pjrt`; on a single device (XLA reads the flags once, so only a new process honours them)."""
+    and the runtime on `pjrt`; on a single device (XLA reads the flags once, so only a new process honours them).
+    `memory_scheduler` makes XLA:CPU schedule for memory (see CPU_MEMORY_SCHEDULER_FLAG), for memory estimates."""
     base = without_device_count(os.environ if environ is None else environ)
-    return {**base, PJRT_DEVICE: pjrt, XLA_FLAGS: dump_dir_flags(path, base.get(XLA_FLAGS, ""))}
+    flags = dump_dir_flags(path, base.get(XLA_FLAGS, ""))
+    if memory_scheduler and pjrt == "CPU":
+        flags = f"{flags} {CPU_MEMORY_SCHEDULER_FLAG}"
+    return {**base, PJRT_DEVICE: pjrt, XLA_FLAGS: flags}
 
 
 def runtime_started() -> bool:

@@ -202,7 +202,7 @@ def run_notebook(notebook: str | Path, *, target: str = "local", params: dict[st
     if unknown:
         raise RunError(f"unknown parameter(s) {unknown} for {path.name}; it declares: {', '.join(declared)}")
     # Target presets are generic: apply the names this notebook declares, then the explicit -p values on top.
-    merged = {k: v for k, v in TARGETS[target].params.items() if k in declared} | params
+    merged = TARGETS[target].params_for(path.stem, declared) | params
     tpu_preflight(merged.get("DEVICE", declared.get("DEVICE")), TARGETS[target].env)
 
     stem = name or path.stem

@@ -19,6 +19,13 @@ class Target:
     description: str
     params: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
+    # Parameters for one notebook (by file stem) on top of the generic ones, e.g. the fine-tuning notebook's model.
+    notebooks: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def params_for(self, notebook: str, declared: Any) -> dict[str, Any]:
+        """The target's parameters that `notebook` declares (generic first, then its own)."""
+        merged = {**self.params, **self.notebooks.get(notebook, {})}
+        return {k: v for k, v in merged.items() if k in declared}
 
 
 # Small enough for a CPU in minutes; DATASET "embedded" needs no network. GLOBAL_BATCH is the TPU VM notebook's.
@@ -28,6 +35,21 @@ _CPU_DEMO = {"PRESET": "tiny", "STEPS": 300, "BATCH_SIZE": 32, "GLOBAL_BATCH": 3
 # GPT-2 small (124M) at 1024 tokens in bf16: about 0.7 GB of activations per sequence over its 12 layers, plus 2 GB of
 # weights and AdamW state, so 8 sequences fit a 16 GB v5e chip and 16 a 32 GB v6e chip.
 _TPU = {"DEVICE": "tpu", "PRESET": "small", "STEPS": 2000, "SEQ_LEN": 1024, "FALLBACK": False}
+
+# The fine-tuning notebook: the offline tiny model and generated task on CPU and XLA:CPU; Qwen2.5-0.5B-Instruct with
+# LoRA on one TPU chip or GPU (bf16 base 1 GB, adapters and their AdamW state a few MB, activations at 512 tokens with
+# checkpointing well under 16 GB), full fine-tuning over the 8 chips of a v5e-8.
+_FT_CPU = {"MODEL": "tiny", "DATASET": "instructions", "METHOD": "lora", "STEPS": 200, "BATCH_SIZE": 16,
+           "SEQ_LEN": 48, "LR": 3e-3, "EVAL_EVERY": 50, "WARMUP_STEPS": 20, "TEACHER": None}
+_FT_QWEN = {"MODEL": "Qwen/Qwen2.5-0.5B-Instruct", "SEQ_LEN": 512, "STEPS": 500, "LR": 2e-4, "WARMUP_STEPS": 20,
+            "EVAL_EVERY": 100}
+_FT = {
+    "cpu": _FT_CPU, "xla-cpu": _FT_CPU, "xla-cpu-8": _FT_CPU,
+    "gpu": {**_FT_QWEN, "METHOD": "lora", "BATCH_SIZE": 8, "GRAD_ACCUM": 2},
+    "colab-v5e-1": {**_FT_QWEN, "METHOD": "lora", "BATCH_SIZE": 8, "GRAD_ACCUM": 2, "GRAD_CHECKPOINTING": True},
+    "colab-v6e-1": {**_FT_QWEN, "METHOD": "lora", "BATCH_SIZE": 16, "GRAD_CHECKPOINTING": True},
+    "tpuvm-v5e-8": {**_FT_QWEN, "METHOD": "full", "BATCH_SIZE": 8, "GRAD_CHECKPOINTING": True},
+}
 
 TARGETS: dict[str, Target] = {
     "local": Target("the notebook's own defaults, on whatever device it detects"),
@@ -47,6 +69,8 @@ TARGETS: dict[str, Target] = {
                            "/kaggle/working", {**_TPU, "GLOBAL_BATCH": 64, "BATCH_SIZE": 8, "MODE": "spmd",
                                               "OUT_DIR": "/kaggle/working/runs/tpuvm_v5e8"}),
 }
+for _name, _params in _FT.items():
+    TARGETS[_name].notebooks["finetune_llm"] = _params
 
 
 def auto_target() -> str:

@@ -31,3 +31,53 @@ class SmallCNN(nn.Module):
 def cnn_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random images and labels for :class:`SmallCNN`."""
     return torch.randn(batch_size, 3, 32, 32), torch.randint(0, 10, (batch_size,))
+
+
+# The offline tiny Qwen2 of the fine-tuning path (models/hf_tiny.py), built from its config alone (no tokenizer,
+# nothing on disk), with a fixed-length token batch: what the compiled estimate and benchmarks/finetune_memory.py
+# measure for a Hugging Face model.
+TINY_LM_SEQ = 128
+TINY_LM_VOCAB = 512
+
+
+def tiny_causal_lm(attn_implementation: str = "eager") -> nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tpu_helpers.models.hf_tiny import TINY_ARCH
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=TINY_LM_VOCAB, use_cache=False, attn_implementation=attn_implementation,
+                         **TINY_ARCH)
+    return Qwen2ForCausalLM(config)
+
+
+def tiny_causal_lm_sdpa() -> nn.Module:
+    return tiny_causal_lm("sdpa")
+
+
+def tiny_lm_batch(batch_size: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, TINY_LM_VOCAB, (batch_size, TINY_LM_SEQ), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The mean next-token loss the model computes itself from ``labels``."""
+    return model(**batch).loss
+
+
+def tiny_causal_lm_lora() -> nn.Module:
+    """The tiny model with peft LoRA adapters (r=8) on q/k/v/o: only the adapters train."""
+    from tpu_helpers.models.lora import add_lora
+
+    return add_lora(tiny_causal_lm(), r=8, targets="q_proj,k_proj,v_proj,o_proj")
+
+
+def lm_batch(seq_len: int, vocab_size: int):
+    """Batch factory (plain tensor factories, so it also runs under the traced estimate's fake mode)."""
+
+    def make(batch_size: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, vocab_size, (batch_size, seq_len))
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+    return make

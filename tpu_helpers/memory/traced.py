@@ -94,6 +94,19 @@ def _materialize_fake(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def _skip_grad_hooks_of_frozen(module: torch.nn.Module) -> None:
+    """MemTracker (torch 2.9) puts a gradient hook on every parameter, which torch refuses for frozen ones (the
+    base of a LoRA model): they never get a gradient, so a no-op hook counts them exactly."""
+    for p in module.parameters():
+        if not p.requires_grad:
+            p.register_hook = p.register_post_accumulate_grad_hook = lambda *a, **k: _NoHook()  # type: ignore
+
+
 def traced_estimate(
     model: ModelSpec,
     batch_fn: BatchFn,
@@ -112,12 +125,14 @@ def traced_estimate(
     check_choice("precision", precision, PRECISIONS)
     meta = build_on_meta(model)
     if gradient_checkpointing:
-        if not hasattr(meta, "set_gradient_checkpointing"):
-            raise ValueError(f"gradient_checkpointing=True needs a model with set_gradient_checkpointing(); "
-                             f"{type(meta).__name__} has none")
+        base = meta.get_base_model() if hasattr(meta, "get_base_model") else meta  # peft wraps HF models
+        if not hasattr(meta, "set_gradient_checkpointing") and not hasattr(base, "_set_gradient_checkpointing"):
+            raise ValueError(f"gradient_checkpointing=True needs a model with set_gradient_checkpointing() or a "
+                             f"Hugging Face model; {type(meta).__name__} is neither")
         from tpu_helpers.models.gpt import default_checkpoint_fn
+        from tpu_helpers.models.hf import set_gradient_checkpointing
 
-        meta.set_gradient_checkpointing(default_checkpoint_fn())
+        set_gradient_checkpointing(meta, default_checkpoint_fn())
     with FakeTensorMode(allow_non_fake_inputs=True):
         module = _materialize_fake(meta)
         if precision == "pure-bf16":
@@ -128,6 +143,7 @@ def traced_estimate(
             batch = batch_fn(batch_size)
         except Exception as err:
             raise ValueError(f"batch_fn({batch_size}) failed under the fake mode: {err}") from err
+        _skip_grad_hooks_of_frozen(module)
         tracker = MemTracker()
         tracker.track_external(module, opt)
         with tracker:

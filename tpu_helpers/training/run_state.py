@@ -1,6 +1,7 @@
 """Saving and resuming a Trainer's whole state, and refusing to mix two runs in one directory.
 
-A checkpoint holds the model, optimizer, scheduler, step, data position (epoch and samples of the global order
+A checkpoint holds the model (only its trainable weights when the trainer sets `save_trainable_only`, as
+LoRA fine-tuning does: the frozen base is identified by a fingerprint in run.json instead), optimizer, scheduler, step, data position (epoch and samples of the global order
 consumed) and every RNG stream, so a resumed run continues the same run, on any number of chips or processes that
 keeps the global batch (per-chip batch x chips x accumulation). Checkpoints live in `<out_dir>/checkpoints/` and are written by
 `tpu_helpers.checkpoint.CheckpointManager` (atomic, checksummed). `<out_dir>/checkpoints/run.json` records what
@@ -156,7 +157,7 @@ class RunState:
             "step": t.step,
             "epoch": t.epoch,
             "samples_in_epoch": t.samples_in_epoch,
-            "model": model.state_dict(),
+            "model": _model_state(t, model),
             "optimizer": t.optimizer.state_dict(),
             "scheduler": t.scheduler.state_dict(),
             "rng": t.backend.rng_state(),
@@ -166,7 +167,7 @@ class RunState:
 
     def load_state(self, state: dict) -> None:
         t = self.trainer
-        getattr(t.model, "module", t.model).load_state_dict(state["model"])
+        _load_model_state(t, getattr(t.model, "module", t.model), state["model"])
         t.optimizer.load_state_dict(state["optimizer"])
         t.scheduler.load_state_dict(state["scheduler"])
         t.step, t.epoch = state["step"], state["epoch"]
@@ -216,3 +217,24 @@ class RunState:
             stop_reason=t.stop_reason,
             resume_changes=list(self.resume_changes),
         )
+
+
+def _model_state(trainer: Trainer, model) -> dict:
+    """The model's state dict; with `trainer.save_trainable_only` (LoRA) only the trainable weights."""
+    state = model.state_dict()
+    if getattr(trainer, "save_trainable_only", False):
+        names = {n for n, p in model.named_parameters() if p.requires_grad}
+        state = {k: v for k, v in state.items() if k in names}
+    return state
+
+
+def _load_model_state(trainer: Trainer, model, state: dict) -> None:
+    if not getattr(trainer, "save_trainable_only", False):
+        model.load_state_dict(state)
+        return
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    if set(state) != trainable:
+        missing, unexpected = sorted(trainable - set(state)), sorted(set(state) - trainable)
+        raise ConfigError(f"the checkpoint's trainable weights do not match the model's (missing {missing[:5]}, "
+                          f"unexpected {unexpected[:5]}); was it written with other LoRA settings?")
+    model.load_state_dict(state, strict=False)

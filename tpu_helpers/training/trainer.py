@@ -6,7 +6,8 @@
 
 It trains any `nn.Module`: with `loss_fn=None` the model is called as `model(inputs, targets)` and returns the loss
 (or `(output, loss)`, as the package's GPT does); otherwise `loss_fn(model(inputs), targets)`. Batches are
-`(inputs, targets)` pairs.
+`(inputs, targets)` pairs, or Hugging Face dict batches for a model that returns `.loss` (training/batches.py;
+`training.causal_lm.CausalLMTrainer` averages over the target tokens of a whole step).
 
 XLA hygiene is built in rather than left to the user:
 - exactly one `backend.sync()` per optimizer step (gradient accumulation stays inside one graph);
@@ -35,6 +36,7 @@ from tpu_helpers.backend import Backend, backend_for
 from tpu_helpers.config import ConfigError, TrainConfig
 from tpu_helpers.data import make_loader
 from tpu_helpers.training import finite
+from tpu_helpers.training.batches import batch_loss
 from tpu_helpers.training.callbacks import Callback, as_callback
 from tpu_helpers.training.history import History, RunReport
 from tpu_helpers.training.run_state import RunState
@@ -94,12 +96,16 @@ class Trainer:
         self.stop_reason: str | None = None  # set (e.g. by a signal handler) to end after the current step
         self.diverged: str | None = None  # what went nan/inf, if anything (training/finite.py)
         if cfg.gradient_checkpointing:
-            if not hasattr(model, "set_gradient_checkpointing"):
+            # The package GPT's set_gradient_checkpointing(fn), or a Hugging Face model's own hook (models/hf.py).
+            if not hasattr(model, "set_gradient_checkpointing") and not hasattr(
+                    getattr(model, "get_base_model", lambda: model)(), "_set_gradient_checkpointing"):
                 raise ConfigError(
                     f"gradient_checkpointing=True but {type(model).__name__} has no set_gradient_checkpointing(fn); "
                     "add one (see tpu_helpers.models.gpt.GPT) or turn it off"
                 )
-            model.set_gradient_checkpointing(self.backend.checkpoint_fn())
+            from tpu_helpers.models.hf import set_gradient_checkpointing
+
+            set_gradient_checkpointing(model, self.backend.checkpoint_fn())
         self.raw_model = model
         self.model = self.backend.prepare_model(model)
         self.train_loader = self._loader(train_data, shuffle=True)
@@ -158,11 +164,8 @@ class Trainer:
 
     # ---- the step ------------------------------------------------------------------------------------------------
     def compute_loss(self, batch: Any) -> torch.Tensor:
-        inputs, targets = batch
-        if self.loss_fn is None:
-            out = self.model(inputs, targets)
-            return out[1] if isinstance(out, tuple) else out
-        return self.loss_fn(self.model(inputs), targets)
+        # (inputs, targets) pairs or Hugging Face dict batches; anything else is an error listing both forms.
+        return batch_loss(self.model, batch, self.loss_fn)
 
     def train_step(self, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One optimizer step over `grad_accum` micro-batches; returns device tensors (loss, grad norm)."""

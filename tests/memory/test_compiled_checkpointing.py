@@ -1,0 +1,26 @@
+"""Gradient checkpointing cuts the compiled program's memory (XLA:CPU), for a Hugging Face model through its hook."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytestmark = pytest.mark.xla
+
+MODELS = "tpu_helpers.memory.example_models"
+
+
+@pytest.mark.slow
+def test_checkpointing_cuts_compiled_memory_of_tiny_hf_model():
+    from tpu_helpers.memory.compiled import compiled_estimate
+
+    def estimate(ckpt):
+        return compiled_estimate(f"{MODELS}:tiny_causal_lm", 8, batch_fn=f"{MODELS}:tiny_lm_batch",
+                                 loss_fn=f"{MODELS}:causal_lm_loss", gradient_checkpointing=ckpt)
+
+    with ThreadPoolExecutor(2) as pool:  # two compile subprocesses side by side
+        plain, ckpt = pool.map(estimate, (False, True))
+    # torch_xla's checkpoint went through the model's hook: one opt-barrier per recomputed decoder layer (3).
+    assert "opt-barriers: 0" in plain.notes and "opt-barriers: 3" in ckpt.notes
+    assert ckpt.breakdown["params"] == plain.breakdown["params"]
+    # Measured 41.1 MB -> 24.4 MB of temporaries; XLA:CPU's default scheduler gives no saving at all.
+    assert ckpt.breakdown["temporaries"] < 0.75 * plain.breakdown["temporaries"]

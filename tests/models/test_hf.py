@@ -1,0 +1,122 @@
+"""The offline tiny model and tokenizer, loading through from_pretrained, generation, LoRA wrapping and exports."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.support import XLA_BACKEND
+from tpu_helpers.config import ConfigError
+from tpu_helpers.models import hf, lora
+from tpu_helpers.models.hf_tiny import build_tiny_model, tiny_model_dir
+
+
+def test_tiny_model_loads_through_the_auto_classes_with_a_chat_template(tiny_lm_dir):
+    model, tok = hf.load_causal_lm(str(tiny_lm_dir))
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    assert tok.chat_template and tok.pad_token_id is not None and tok.eos_token == "<|im_end|>"
+    assert len(tok) == model.config.vocab_size
+    # Tied embedding and head, as in Qwen2.5-0.5B.
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert json.loads((tiny_lm_dir / "config.json").read_text())["model_type"] == "qwen2"
+    # Digits are one token each, so an answer such as "17" is two tokens.
+    assert tok("17", add_special_tokens=False)["input_ids"] == tok("1 7".replace(" ", ""),
+                                                                   add_special_tokens=False)["input_ids"]
+    assert len(tok("17", add_special_tokens=False)["input_ids"]) == 2
+
+
+def test_the_build_is_deterministic(tmp_path, tiny_lm_dir):
+    again = tiny_model_dir(tmp_path)
+    assert again.name == tiny_lm_dir.name
+    for name in ("tokenizer.json", "config.json", "model.safetensors"):
+        assert (again / name).read_bytes() == (tiny_lm_dir / name).read_bytes(), name
+    assert not [p for p in tmp_path.iterdir() if ".tmp" in p.name]  # built in a temp dir, renamed
+
+
+def test_bad_model_inputs_name_the_value(tmp_path, tiny_lm_dir):
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"MODEL='.*' is a local path without a config.json"):
+        hf.resolve_model_source(str(tmp_path))
+    model, _ = hf.load_causal_lm(str(tiny_lm_dir))
+    with pytest.raises(ConfigError, match=r"SEQ_LEN=1000 exceeds the model's context of 256"):
+        hf.check_seq_len(model, 1000)
+    with pytest.raises(ConfigError, match=r"LORA_TARGETS names \['qkv'\].*'q_proj'"):
+        lora.add_lora(model, targets="q_proj,qkv")
+
+
+def test_teacher_with_another_vocabulary_is_refused(tiny_lm_dir):
+    from tpu_helpers.training.causal_lm import check_same_vocab
+
+    model, tok = hf.load_causal_lm(str(tiny_lm_dir))
+    other = build_tiny_model(tok, vocab_size=600)
+    with pytest.raises(ConfigError, match=r"TEACHER='big' has a vocabulary of 600 tokens and the student 512"):
+        check_same_vocab(model, other, "big")
+
+
+def test_adapter_and_merged_exports_reload_with_plain_transformers_and_peft(tmp_path, tiny_lm_dir):
+    from peft import PeftModel
+
+    model, tok = hf.load_causal_lm(str(tiny_lm_dir))
+    model = lora.add_lora(model, r=4, targets="q_proj,v_proj,down_proj")
+    with torch.no_grad():  # a trained-looking adapter (B starts at zero, which would make the test vacuous)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    ids = tok("What letter comes after k?", return_tensors="pt")["input_ids"]
+    model.eval()
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    adapter = lora.export_adapter(model, tmp_path / "adapter")
+    merged = lora.export_merged(model, tok, tmp_path / "merged", base_source=str(tiny_lm_dir))
+    assert sorted(p.name for p in adapter.iterdir()) == ["README.md", "adapter_config.json",
+                                                          "adapter_model.safetensors"]
+    assert (adapter / "adapter_model.safetensors").stat().st_size < 0.2 * (merged / "model.safetensors").stat().st_size
+    base = AutoModelForCausalLM.from_pretrained(tiny_lm_dir)
+    reloaded = PeftModel.from_pretrained(base, adapter).eval()
+    plain = AutoModelForCausalLM.from_pretrained(merged).eval()
+    with torch.no_grad():
+        got_adapter = reloaded(input_ids=ids).logits
+        got_merged = plain(input_ids=ids).logits
+    # Stated tolerance: float32 merge of W + B@A*scale reorders sums, 1e-5 absolute on logits of order 1.
+    torch.testing.assert_close(got_adapter, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_merged, want, atol=1e-4, rtol=1e-4)
+    fresh = AutoModelForCausalLM.from_pretrained(tiny_lm_dir).eval()  # from_pretrained above modified `base`
+    with torch.no_grad():
+        assert not torch.allclose(got_merged, fresh(input_ids=ids).logits, atol=1e-3)  # the adapter changed it
+
+
+@pytest.mark.xla
+@pytest.mark.skipif(XLA_BACKEND is None, reason="torch_xla not installed")
+def test_generation_compiles_a_fixed_number_of_graphs_not_one_per_token(tiny_lm_dir):
+    from tpu_helpers.data.sft import instruction_records, prompts_and_answers
+
+    b = XLA_BACKEND
+    model, tok = hf.load_causal_lm(str(tiny_lm_dir))
+    model = b.prepare_model(model)
+    prompts, _ = prompts_and_answers(instruction_records(split="test")[:4])
+    counts = []
+    for new_tokens in (3, 9):
+        start = b.metrics()["compilations"]
+        out = hf.generate(model, tok, prompts, device=b.device, sync=b.sync, max_new_tokens=new_tokens,
+                          prompt_len=24, batch_size=4)
+        counts.append(b.metrics()["compilations"] - start)
+        assert len(out) == 4
+    # Triple the tokens, no more graphs (the first call compiles the token step once; the second reuses all).
+    assert counts[1] <= counts[0] <= 3, counts
+    cpu_model, _ = hf.load_causal_lm(str(tiny_lm_dir))
+    assert hf.generate(cpu_model, tok, prompts, device="cpu", max_new_tokens=9, prompt_len=24,
+                       batch_size=4) == out
+
+
+@pytest.mark.xla
+def test_tied_embedding_and_head_stay_tied_after_the_move_to_xla_under_peft(tiny_lm_dir):
+    model, _ = hf.load_causal_lm(str(tiny_lm_dir))
+    model = XLA_BACKEND.prepare_model(lora.add_lora(model, r=4))
+    base = model.get_base_model()
+    head, emb = base.get_output_embeddings().weight, base.get_input_embeddings().weight
+    # Module.to() would give the head a Parameter of its own on XLA: twice the memory, and a full fine-tune would
+    # train two diverging copies.
+    assert head is emb and head.device.type == "xla"

@@ -1,0 +1,142 @@
+"""LoRA adapters through peft: wrap with checked target modules, export an adapter dir and a merged model.
+
+    model = add_lora(model, r=8, alpha=16, dropout=0.05, targets="q_proj,k_proj,v_proj,o_proj")
+    export_adapter(model, "out/adapter")          # PeftModel.from_pretrained(base, "out/adapter")
+    export_merged(model, tokenizer, "out/merged")  # AutoModelForCausalLM.from_pretrained("out/merged"), no torch_xla
+
+Target names are the short names of linear layers ("q_proj"); one that the model does not have is an error listing
+the linear names it does have (peft's own message lists nothing). "all-linear" takes every linear layer but the
+output head. Exports are written to a temporary directory and renamed, so a failed export leaves nothing half-done.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tpu_helpers.config import ConfigError
+
+
+def linear_names(model: torch.nn.Module) -> list[str]:
+    """Short names of the model's linear layers (e.g. q_proj, up_proj, lm_head), sorted."""
+    return sorted({name.rsplit(".", 1)[-1] for name, mod in model.named_modules()
+                   if isinstance(mod, torch.nn.Linear) and name})
+
+
+def parse_targets(model: torch.nn.Module, targets: str | list[str]) -> list[str] | str:
+    if isinstance(targets, str):
+        if targets.strip() == "all-linear":
+            return "all-linear"
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+    if not targets:
+        raise ConfigError(f"LORA_TARGETS is empty; give linear layer names, e.g. {','.join(linear_names(model)[:4])}, "
+                          "or 'all-linear'")
+    available = linear_names(model)
+    missing = [t for t in targets if t not in available]
+    if missing:
+        raise ConfigError(f"LORA_TARGETS names {missing}, not linear layers of {type(model).__name__}; its linear "
+                          f"layers are {available} (or use 'all-linear')")
+    return list(targets)
+
+
+def add_lora(model: torch.nn.Module, *, r: int = 8, alpha: int = 16, dropout: float = 0.0,
+             targets: str | list[str] = "q_proj,k_proj,v_proj,o_proj") -> torch.nn.Module:
+    """A peft LoRA model: base weights frozen, adapters trainable."""
+    from peft import LoraConfig, get_peft_model
+
+    if r < 1:
+        raise ConfigError(f"LORA_R={r!r} must be >= 1")
+    if not 0.0 <= dropout < 1.0:
+        raise ConfigError(f"LORA_DROPOUT={dropout!r} must be in [0, 1)")
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=parse_targets(model, targets),
+                        task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def is_peft(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state-dict entries of trainable parameters only (what a LoRA checkpoint needs)."""
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in model.state_dict().items() if k in names}
+
+
+def base_fingerprint(model: torch.nn.Module, name_or_path: str) -> dict[str, Any]:
+    """Identifies the frozen base a LoRA checkpoint belongs to: its name/path, parameter count and a weight hash.
+
+    The hash covers a few deterministic slices of every frozen tensor (cheap even for billions of parameters).
+    """
+    h = hashlib.sha256()
+    count = 0
+    for name, p in sorted(model.named_parameters()):
+        count += p.numel()
+        if not p.requires_grad:
+            flat = p.detach().reshape(-1)
+            h.update(name.encode())
+            h.update(flat[:64].float().cpu().numpy().tobytes())
+    return {"base_model": str(name_or_path), "base_parameters": count, "base_hash": h.hexdigest()[:16]}
+
+
+def _atomic_dir(target: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp", dir=target.parent))
+    try:
+        write(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def export_adapter(model: torch.nn.Module, out_dir: str | os.PathLike) -> Path:
+    """`save_pretrained` of the peft model: adapter_config.json + adapter_model.safetensors (CPU tensors)."""
+    if not is_peft(model):
+        raise ConfigError("export_adapter needs a LoRA (peft) model; with METHOD='full' export the merged model only")
+    state = {k: v.detach().cpu() for k, v in trainable_state(model).items()}
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+
+    return _atomic_dir(out_dir, write)
+
+
+def export_merged(model: torch.nn.Module, tokenizer: Any, out_dir: str | os.PathLike, *, base_source: str,
+                  dtype: torch.dtype = torch.float32) -> Path:
+    """A standalone model in safetensors: LoRA merged into a fresh CPU copy of the base (the live model is untouched)."""
+    from transformers import AutoModelForCausalLM
+
+    def write(tmp: Path) -> None:
+        if is_peft(model):
+            from peft import PeftModel
+
+            adapter = Path(tempfile.mkdtemp(dir=tmp.parent))
+            try:
+                export_adapter(model, adapter / "a")
+                base = AutoModelForCausalLM.from_pretrained(base_source, dtype=torch.float32)
+                merged = PeftModel.from_pretrained(base, adapter / "a").merge_and_unload()
+            finally:
+                shutil.rmtree(adapter, ignore_errors=True)
+        else:
+            merged = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+            merged.load_state_dict({k: v.detach().cpu().float() for k, v in model.state_dict().items()})
+            merged.tie_weights()
+        merged.to(dtype).save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        (tmp / "tpu_helpers.json").write_text(json.dumps({"base_model": base_source}, indent=1))
+
+    return _atomic_dir(out_dir, write)
