@@ -138,6 +138,8 @@ def test_wording_one_chip_hours_prices_and_precision_warnings():
 def test_presets_load_the_notebooks_configurations():
     panel = TuningPanel()
     for name, (target, hardware, chips, precision) in NOTEBOOK_PRESETS.items():
+        if name.startswith("fine-tune"):
+            continue  # a Hugging Face model's sizes: test_the_fine_tuning_preset_reads_the_hf_config
         panel.load_preset(name)
         p, st = TARGETS[target].params, panel.state
         assert (st.preset, st.seq_len, st.batch_size, st.steps) == (p["PRESET"], p["SEQ_LEN"], p["BATCH_SIZE"],
@@ -149,6 +151,21 @@ def test_presets_load_the_notebooks_configurations():
     assert panel.state.global_batch is None and panel.verdict()["fits"]
     with pytest.raises(ValueError, match="unknown notebook preset"):
         panel.load_preset("v9-1")
+
+
+def test_the_fine_tuning_preset_reads_the_hf_config(tiny_lm_dir):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(tiny_lm_dir)
+    ft = TARGETS["cpu"].notebooks["finetune_llm"]
+    panel = TuningPanel()
+    panel.load_preset("fine-tune tiny Qwen2 (CPU)")
+    st = panel.state
+    assert (st.n_layer, st.n_head, st.n_embd, st.vocab_size) == (cfg.num_hidden_layers, cfg.num_attention_heads,
+                                                                 cfg.hidden_size, cfg.vocab_size)
+    assert (st.seq_len, st.batch_size, st.steps) == (ft["SEQ_LEN"], ft["BATCH_SIZE"], ft["STEPS"])
+    panel.load_hf_model(str(tiny_lm_dir), seq_len=96)
+    assert panel.state.seq_len == 96 and panel.state.n_embd == cfg.hidden_size and panel.verdict()["fits"]
 
 
 def test_global_batch_mode_derives_the_accumulation():

@@ -52,7 +52,27 @@ NOTEBOOK_PRESETS: dict[str, tuple[str, str, int, str]] = {
     "Colab TPU v5e-1": ("colab-v5e-1", "v5e", 1, "bf16"),
     "Colab TPU v6e-1": ("colab-v6e-1", "v6e", 1, "bf16"),
     "TPU VM v5e-8": ("tpuvm-v5e-8", "v5e", 8, "bf16"),
+    # The fine-tuning notebook's offline model: sizes read from its Hugging Face config (see hf_model_settings).
+    "fine-tune tiny Qwen2 (CPU)": ("cpu", "cpu", 1, "fp32"),
 }
+# Presets whose model is a Hugging Face config: (notebook, the MODEL it gets from the target).
+_HF_PRESETS = {"fine-tune tiny Qwen2 (CPU)": "finetune_llm"}
+
+
+def hf_model_settings(model: str) -> dict:
+    """Panel model sizes from a Hugging Face causal LM's config (a hub name, a local directory, or "tiny" for the
+    package's offline model), read with AutoConfig: config.json only, no weights are downloaded.
+
+    The panel's estimate is the decoder formula of the package GPT (a 4x MLP) at these sizes: close for
+    GPT-style models, about 25% low on the activations of SwiGLU models such as Qwen2 and Llama (their MLP is
+    wider); `tpu_helpers.memory.hf_plan` is the fine-tuning notebook's exact plan."""
+    from transformers import AutoConfig
+
+    from tpu_helpers.models.hf import resolve_model_source
+
+    cfg = AutoConfig.from_pretrained(resolve_model_source(model))
+    return {"preset": "small", "n_layer": cfg.num_hidden_layers, "n_head": cfg.num_attention_heads,
+            "n_embd": cfg.hidden_size, "vocab_size": cfg.vocab_size}
 
 
 def preset_settings(name: str) -> dict:
@@ -66,6 +86,10 @@ def preset_settings(name: str) -> dict:
     settings = {"preset": p["PRESET"], "seq_len": p["SEQ_LEN"], "batch_size": p["BATCH_SIZE"], "hardware": hardware,
                 "chips": chips, "precision": precision, "steps": p["STEPS"], "gradient_checkpointing": False,
                 "n_layer": None, "n_head": None, "n_embd": None, "vocab_size": None}
+    if name in _HF_PRESETS:
+        p = {**p, **TARGETS[target].notebooks[_HF_PRESETS[name]]}
+        settings.update(hf_model_settings(p["MODEL"]), seq_len=p["SEQ_LEN"], batch_size=p["BATCH_SIZE"],
+                        steps=p["STEPS"])
     if "GLOBAL_BATCH" in p and p.get("MODE") == "spmd":
         settings["global_batch"] = p["GLOBAL_BATCH"]
     else:

@@ -30,6 +30,7 @@ from tpu_helpers.memory.choices import (
     chips_text,
     cost_text,
     duration_text,
+    hf_model_settings,
     precision_warning,
     preset_settings,
 )
@@ -110,6 +111,11 @@ class TuningPanel:
     def load_preset(self, name: str) -> dict:
         """One of the notebooks' configurations (``choices.NOTEBOOK_PRESETS``)."""
         return self.set(**preset_settings(name))
+
+    def load_hf_model(self, model: str, **settings) -> dict:
+        """Model sizes from a Hugging Face config by hub name or local path (no weights downloaded), plus any other
+        panel settings, e.g. ``panel.load_hf_model("Qwen/Qwen2.5-0.5B-Instruct", seq_len=512)``."""
+        return self.set(**hf_model_settings(model), **settings)
 
     def result(self) -> dict:
         return dict(self._result)
