@@ -128,6 +128,37 @@ class Backend:
             model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
         return model
 
+    # ---- sharding (issue 11; the choice itself is tpu_helpers.training.sharding) ---------------------------------
+    @property
+    def device_count(self) -> int:
+        """Devices this process's program spans (XLA SPMD: every chip; here: its own device)."""
+        return 1
+
+    def shard_model(self, model: torch.nn.Module, blocks: set[type], *, checkpoint: bool = False) -> torch.nn.Module:
+        """FSDP2 (`fully_shard`) over the torchrun processes: each block class in `blocks` is a unit, the root
+        holds the rest. `checkpoint` is the XLA wrapper's option; here the model's own checkpointing applies."""
+        from torch.distributed.fsdp import fully_shard
+
+        model = model.to(self.device)
+        for module in list(model.modules()):
+            if type(module) in blocks:
+                fully_shard(module)
+        fully_shard(model)
+        return model
+
+    def sharding_spec(self, tensor: torch.Tensor) -> str:
+        """How `tensor` is split over devices ("" when it is whole here)."""
+        placements = getattr(tensor, "placements", None)  # a DTensor under FSDP2
+        return str(tuple(placements)) if placements is not None else ""
+
+    def device_bytes(self, tensor: torch.Tensor) -> int:
+        """Bytes of `tensor` this device holds (its shard under FSDP)."""
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        return local.numel() * local.element_size()
+
+    def after_load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Called after a checkpoint was loaded into `model` and `optimizer` (XLA FSDP re-shards what it loaded)."""
+
     def to_device(self, batch: Any) -> Any:
         return tree_map_tensors(lambda t: t.to(self.device, non_blocking=True), batch)
 

@@ -103,6 +103,7 @@ class RunState:
         getattr(t.model, "module", t.model).load_state_dict(state["model"])
         t.optimizer.load_state_dict(state["optimizer"])
         t.scheduler.load_state_dict(state["scheduler"])
+        t.backend.after_load(t.model, t.optimizer)
         t.step, t.epoch = state["step"], state["epoch"]
         t.samples_in_epoch = state["samples_in_epoch"]
         t.history = History.from_dict(state["history"])

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 from tpu_helpers.backend import Backend, backend_for
 from tpu_helpers.config import ConfigError, TrainConfig
 from tpu_helpers.data import make_loader
+from tpu_helpers.training import sharding
 from tpu_helpers.training.callbacks import Callback
 from tpu_helpers.training.history import History, RunReport
 from tpu_helpers.training.run_state import RunState
@@ -90,7 +91,7 @@ class Trainer:
         self.timer = StepTimer()
         # ---- end XLA diagnostics ----
         self.stop_reason: str | None = None  # set (e.g. by a signal handler) to end after the current step
-        if cfg.gradient_checkpointing:
+        if cfg.gradient_checkpointing and not sharding.checkpoints_blocks(cfg, self.backend):
             if not hasattr(model, "set_gradient_checkpointing"):
                 raise ConfigError(
                     f"gradient_checkpointing=True but {type(model).__name__} has no set_gradient_checkpointing(fn); "
@@ -98,7 +99,7 @@ class Trainer:
                 )
             model.set_gradient_checkpointing(self.backend.checkpoint_fn())
         self.raw_model = model
-        self.model = self.backend.prepare_model(model)
+        self.model = sharding.prepare_model(self.backend, model, cfg)  # data parallel or FSDP (issue 11)
         self.train_loader = self._loader(train_data, shuffle=True)
         self.val_loader = self._loader(val_data, shuffle=False) if val_data is not None else None
         self.optimizer = self.configure_optimizer()
