@@ -26,6 +26,13 @@ from tpu_helpers.data import build_datasets
 from tpu_helpers.models.gpt import GPT, gpt_config
 from tpu_helpers.training.trainer import Callback, Trainer
 
+class StopAt(Callback):  # an interruption: the trainer saves and returns after this step
+    def __init__(self, step):
+        self.at = step
+    def on_step_end(self, trainer):
+        if trainer.step == self.at:
+            trainer.stop_reason = "interrupted by the test"
+
 class Compiles(Callback):  # compilations up to the end of step 2 (the warm-up) and up to the end
     def __init__(self):
         self.at = {}
@@ -50,6 +57,7 @@ backend = get_backend("xla", spmd=ARGS["spmd"])
 train, _, tok = build_datasets("embedded", "byte", block_size=32, max_chars=200_000)
 for run in ARGS["runs"]:
     kind = run.pop("model")
+    stop = [StopAt(run.pop("stop_at"))] if "stop_at" in run else []
     cfg = TrainConfig(device="xla", preset="tiny", seq_len=32, lr=3e-3, warmup_steps=1, eval_every=1000,
                       log_every=1, save_every=1000, max_chars=200_000, **run)
     torch.manual_seed(cfg.seed)
@@ -59,8 +67,8 @@ for run in ARGS["runs"]:
         model, loss_fn = hf_model(kind == "lora"), hf_loss
     compiles = Compiles()
     t = Trainer(model, train, None, config=cfg, backend=backend, loss_fn=loss_fn, progress=False,
-                callbacks=[compiles])
-    t.fit()
+                callbacks=[compiles, *stop])
+    report = t.fit()
     params = [p for p in t.model.parameters()]
     states = [v for s in t.optimizer.state.values() for v in s.values()
               if isinstance(v, torch.Tensor) and v.device.type == "xla"]
@@ -75,7 +83,12 @@ for run in ARGS["runs"]:
         "state_ratio": sum(backend.device_bytes(v) for v in states) / max(1, sum(v.numel() * 4 for v in states)),
         "compiles": compiles.at,
         "trainable": sorted(n for n, p in t.raw_model.named_parameters() if p.requires_grad)[:2],
+        "resumed_from": report.resumed_from,
+        "steps": [r["step"] for r in t.history.train],
     })
+    if kind == "lora":
+        from peft import get_peft_model_state_dict
+        out[-1]["adapter_keys"] = sorted(get_peft_model_state_dict(t.raw_model))
 print("RESULT" + json.dumps(out))
 """
 
@@ -117,6 +130,33 @@ def test_fsdp_on_eight_devices_shards_everything_and_matches_one_device(tmp_path
         assert 0.12 <= result["param_ratio"] < 0.14 and 0.12 <= result["state_ratio"] < 0.14, result
     assert 0.24 <= gpt2x4["param_ratio"] < 0.27  # sharded 4 ways, replicated over the 2 data groups
     assert lora8["trainable"] and all("lora_" in n for n in lora8["trainable"])
+    # The adapter of the FSDP-wrapped LoRA model has the same keys as the unwrapped one's, and only LoRA keys.
+    assert lora8["adapter_keys"] == lora1["adapter_keys"] and len(lora8["adapter_keys"]) == 2 * 2 * 2
+    assert all("lora_" in k and "_orig_module" not in k for k in lora8["adapter_keys"]), lora8["adapter_keys"]
+
+
+@pytest.mark.xla
+def test_a_checkpoint_saved_under_fsdp_on_8_resumes_under_data_on_1_and_fsdp_on_4(tmp_path):
+    import shutil
+
+    steps, shared = 4, tmp_path / "shared"
+    full8, half8 = _train({"spmd": True, "runs": [
+        {"model": "gpt", "sharding": "fsdp", "batch_size": 2, "steps": steps, "out_dir": str(tmp_path / "full")},
+        {"model": "gpt", "sharding": "fsdp", "batch_size": 2, "steps": steps, "stop_at": 2, "out_dir": str(shared)},
+    ]}, 8)
+    shutil.copytree(shared, tmp_path / "on4")
+    (data1,) = _train({"spmd": False, "runs": [
+        {"model": "gpt", "sharding": "data", "batch_size": 16, "steps": steps, "out_dir": str(shared)}]}, 1)
+    (fsdp4,) = _train({"spmd": True, "runs": [
+        {"model": "gpt", "sharding": "fsdp", "batch_size": 4, "steps": steps, "out_dir": str(tmp_path / "on4")}]}, 4)
+    assert half8["steps"] == [1, 2]
+    for name, resumed in (("data on 1", data1), ("fsdp on 4", fsdp4)):
+        assert resumed["resumed_from"] == 2 and resumed["steps"] == list(range(1, steps + 1)), name
+        diff = max(abs(a - b) for a, b in zip(resumed["losses"][2:], full8["losses"][2:], strict=True))
+        print(f"resumed under {name}: max |loss - uninterrupted fsdp-8 loss| steps 3-{steps}: {diff:.3g}")
+        assert diff < 5e-5, (name, resumed["losses"], full8["losses"])
+    assert fsdp4["unsharded_params"] == [] and fsdp4["unsharded_states"] == 0  # re-sharded after the load
+    assert fsdp4["compiles"][str(steps)] == fsdp4["compiles"]["3"]
 
 
 def test_sharding_values_are_checked():

@@ -86,12 +86,13 @@ class RunState:
     def state_dict(self) -> dict:
         t = self.trainer
         model = getattr(t.model, "module", t.model)  # unwrap DDP
+        model_sd, optimizer_sd = t.backend.state_dicts(model, t.optimizer)  # whole, under any sharding
         return t.backend.to_cpu({
             "step": t.step,
             "epoch": t.epoch,
             "samples_in_epoch": t.samples_in_epoch,
-            "model": model.state_dict(),
-            "optimizer": t.optimizer.state_dict(),
+            "model": model_sd,
+            "optimizer": optimizer_sd,
             "scheduler": t.scheduler.state_dict(),
             "rng": t.backend.rng_state(),
             "history": t.history.to_dict(),
@@ -100,8 +101,8 @@ class RunState:
 
     def load_state(self, state: dict) -> None:
         t = self.trainer
-        getattr(t.model, "module", t.model).load_state_dict(state["model"])
-        t.optimizer.load_state_dict(state["optimizer"])
+        t.backend.load_state_dicts(getattr(t.model, "module", t.model), t.optimizer, state["model"],
+                                   state["optimizer"])
         t.scheduler.load_state_dict(state["scheduler"])
         t.backend.after_load(t.model, t.optimizer)
         t.step, t.epoch = state["step"], state["epoch"]
