@@ -183,7 +183,7 @@ class Backend:
             model.load_state_dict(model_sd)
             optimizer.load_state_dict(optim_sd)
             return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
         name_of = {id(p): name for name, p in model.named_parameters()}

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from tpu_helpers.checkpoint import CheckpointManager
 from tpu_helpers.config import ConfigError
 from tpu_helpers.training.history import History, RunReport
+from tpu_helpers.training.sharding import model_class_name
 from tpu_helpers.training.validation import check_out_dir
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ class RunState:
         self.identity = {
             **{k: getattr(cfg, k) for k in IDENTITY_FIELDS},
             "global_batch": cfg.batch_size * trainer.backend.num_replicas * cfg.grad_accum,
-            "model": type(model).__name__,
+            "model": model_class_name(model),
             "parameters": sum(p.numel() for p in model.parameters()),
             **(run_identity or {}),
         }

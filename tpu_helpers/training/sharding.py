@@ -93,6 +93,14 @@ def block_classes(model: torch.nn.Module) -> set[type]:
     )
 
 
+def model_class_name(model: torch.nn.Module) -> str:
+    """The model's own class name, also once FSDP2's `fully_shard` swapped its class for "FSDP<Name>"."""
+    for cls in type(model).__mro__:
+        if not cls.__module__.startswith("torch.distributed"):  # FSDP<Name> and FSDPModule live there
+            return cls.__name__
+    return type(model).__name__
+
+
 def _no_split_names(model: torch.nn.Module) -> set[str]:
     # PEFT and other wrappers hold the Hugging Face model a few attributes down; any module may carry the names.
     names: set[str] = set()
