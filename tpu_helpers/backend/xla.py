@@ -86,9 +86,12 @@ class XlaBackend(Backend):
             xr.use_spmd()
         self.device = torch_xla.device()
         self.device_type = xr.device_type() or "CPU"
-        self.world_size = 1 if spmd else xr.world_size()
-        self.rank = 0 if spmd else xr.global_ordinal()
+        # Under SPMD a "process" is a host: one on a TPU VM, one per host on a pod slice, each feeding its own
+        # chips' share of the batch; host 0 writes checkpoints and results.
+        self.world_size = xr.process_count() if spmd else xr.world_size()
+        self.rank = xr.process_index() if spmd else xr.global_ordinal()
         self.local_rank = 0 if spmd else xr.local_ordinal()
+        self._host_group = False
         self.mesh = None
         if spmd:
             self.set_mesh(xr.global_runtime_device_count(), 1)
@@ -207,7 +210,17 @@ class XlaBackend(Backend):
         torch_xla.sync()
 
     def barrier(self) -> None:
-        if self.world_size > 1:
+        if self.world_size > 1 and self.spmd:
+            # Hosts of a pod slice under SPMD: a gloo group over the hosts, found by torch_xla's xla:// rendezvous.
+            import torch.distributed as dist
+
+            if not self._host_group and not dist.is_initialized():
+                import torch_xla.distributed.xla_backend  # noqa: F401  (registers the xla:// init method)
+
+                dist.init_process_group("gloo", init_method="xla://")
+            self._host_group = True
+            dist.barrier()
+        elif self.world_size > 1:
             xm.rendezvous("tpu_helpers.barrier")
 
     def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -115,14 +115,25 @@ def checkpoints_blocks(config: Any, backend: Any) -> bool:
     return bool(config.gradient_checkpointing) and backend.is_xla and is_sharded(config.sharding)
 
 
+def check_hosts(fsdp: int, devices: int, hosts: int) -> None:
+    """On a pod slice (several hosts), FSDP must stay within each host's chips: checkpoints are gathered per host
+    (sharded checkpoints across hosts, torch.distributed.checkpoint, are not written yet)."""
+    per_host = devices // max(1, hosts)
+    if hosts > 1 and fsdp > per_host:
+        raise ShardingError(f"fsdp over {fsdp} chips spans several of the {hosts} hosts ({per_host} chips each); "
+                            f"use a 2-D mesh with the fsdp size at most {per_host}, e.g. "
+                            f"sharding='{devices // per_host}x{per_host}' (fsdp within each host, data across hosts)")
+
+
 def prepare_model(backend: Any, model: torch.nn.Module, config: Any) -> torch.nn.Module:
     """Put `model` on the backend's devices as `config.sharding` asks; returns the module the loop calls."""
     sharding = check_sharding(config.sharding)
-    if backend.is_xla and is_sharded(sharding) and backend.world_size > 1:
+    if backend.is_xla and is_sharded(sharding) and backend.device_count == 1 and backend.world_size > 1:
         raise ShardingError(f"sharding={sharding!r} on XLA runs as one SPMD program per host; this run has one "
                             "process per chip (spmd=False): use spmd='auto' (or True), or sharding='data'")
     if backend.is_xla:
         data, fsdp = mesh_shape(sharding, backend.device_count)
+        check_hosts(fsdp, backend.device_count, backend.world_size)
         backend.set_mesh(data, fsdp)
         model = backend.prepare_model(model)
         if fsdp == 1:

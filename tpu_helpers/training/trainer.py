@@ -118,9 +118,9 @@ class Trainer:
     # ---- construction steps (override to customise) ------------------------------------------------------------
     @property
     def loader_batch_size(self) -> int:
-        """Rows per loader batch: the global batch under SPMD (one process feeds all chips), else per chip."""
+        """Rows per loader batch: this host's chips' share under SPMD (all of it on one host), else per chip."""
         b = self.backend
-        return self.config.batch_size * (b.num_replicas if b.num_replicas > b.world_size else 1)
+        return self.config.batch_size * max(1, b.num_replicas // b.world_size)  # chips this process feeds
 
     @property
     def schedule(self) -> Schedule:
