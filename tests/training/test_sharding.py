@@ -192,3 +192,16 @@ def test_block_classes_are_the_models_own_layers():
     assert {c.__name__ for c in block_classes(lora)} == {"Qwen2DecoderLayer"}
     with pytest.raises(ShardingError, match=r"cannot find the repeated layer of Linear"):
         block_classes(torch.nn.Linear(4, 4))
+
+
+def test_the_v5e8_plan_checks_the_sharding_and_states_the_memory():
+    from tpu_helpers.launch import multichip
+
+    plan = multichip.plan_multichip(TrainConfig(preset="small", seq_len=1024, sharding="fsdp"), global_batch=64,
+                                    chips=8)
+    advice = multichip.sharding_advice(plan)
+    assert advice.startswith("SHARDING='fsdp': about ") and "fits data parallel on TPU v5e" in advice, advice
+    with pytest.raises(ConfigError, match=r"SHARDING='3x4' needs 3 x 4 = 12 chips but this run has 8"):
+        multichip.plan_multichip(TrainConfig(sharding="3x4"), global_batch=64, chips=8)
+    with pytest.raises(ConfigError, match=r"SHARDING='fsdp' needs MODE='spmd'"):
+        multichip.plan_multichip(TrainConfig(sharding="fsdp"), global_batch=64, chips=8, mode="spawn")
