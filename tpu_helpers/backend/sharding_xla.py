@@ -10,8 +10,10 @@ XLA's SPMD partitioner inserts the all-gathers before each block and the reduce-
 `checkpoint=True` each block is first wrapped by torch_xla's `checkpoint_module` (what transformers' FSDPv2 path
 does), so activations are recomputed per block in the backward pass.
 
-The optimizer state is created lazily by the first step; `shard_optimizer_state` marks it like its parameter, so it
-is sharded from the first compiled step on rather than left to the partitioner's propagation.
+The optimizer state is created by the first step and comes out sharded like its parameter (the partitioner
+propagates it). State dicts keep the unwrapped model's names (hooks drop FSDPv2's "_orig_module." level), so
+checkpoints load under any sharding; after a load, `reshard_after_load` gives the loaded (whole) parameters and
+optimizer state their FSDP sharding again.
 """
 
 from __future__ import annotations
@@ -30,8 +32,6 @@ from torch_xla.distributed.fsdp import checkpoint_module
 from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
 from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
-
-WRAPPER = FSDPv2
 
 
 def make_mesh(data: int, fsdp: int) -> xs.Mesh:
