@@ -88,7 +88,9 @@ for run in ARGS["runs"]:
     })
     if kind == "lora":
         from peft import get_peft_model_state_dict
-        out[-1]["adapter_keys"] = sorted(get_peft_model_state_dict(t.raw_model))
+        from tpu_helpers.training.sharding import adapter_state_dict
+        out[-1]["adapter_keys"] = sorted(adapter_state_dict(t.raw_model))
+        out[-1]["peft_alone_keys"] = len(get_peft_model_state_dict(t.raw_model))
 print("RESULT" + json.dumps(out))
 """
 
@@ -133,6 +135,8 @@ def test_fsdp_on_eight_devices_shards_everything_and_matches_one_device(tmp_path
     # The adapter of the FSDP-wrapped LoRA model has the same keys as the unwrapped one's, and only LoRA keys.
     assert lora8["adapter_keys"] == lora1["adapter_keys"] and len(lora8["adapter_keys"]) == 2 * 2 * 2
     assert all("lora_" in k and "_orig_module" not in k for k in lora8["adapter_keys"]), lora8["adapter_keys"]
+    print(f"peft's get_peft_model_state_dict alone: {lora8['peft_alone_keys']} keys under fsdp, "
+          f"{lora1['peft_alone_keys']} unwrapped")
 
 
 @pytest.mark.xla

@@ -145,3 +145,26 @@ def prepare_model(backend: Any, model: torch.nn.Module, config: Any) -> torch.nn
     if sharding == "fsdp" and backend.world_size > 1:
         return backend.shard_model(model, block_classes(model), checkpoint=False)
     return backend.prepare_model(model)
+
+
+_WRAPPED = "_orig_module."  # the level FSDPv2 (and XLA FSDP) add to module names
+
+
+def adapter_state_dict(model: torch.nn.Module, adapter_name: str = "default") -> dict:
+    """The PEFT (LoRA) adapter weights of `model` with peft's own key names, also when FSDP wrapped its layers.
+
+    peft finds the adapter by the tuner layers' module names; the FSDP wrappers add a level to those names while
+    the state dict keeps the plain ones (so checkpoints load under any sharding), and peft then silently returns
+    an empty adapter (the missing-adapter-keys failure also seen with the HF Trainer under FSDP). So the state
+    dict is handed to peft under the wrapped names and the result renamed back.
+    """
+    from peft import get_peft_model_state_dict
+
+    plain = model.state_dict()
+    wrapped = {}
+    for name in [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]:
+        key = name.replace(_WRAPPED, "")
+        if key in plain:
+            wrapped[name] = plain[key]
+    adapter = get_peft_model_state_dict(model, state_dict=wrapped, adapter_name=adapter_name)
+    return {k.replace(_WRAPPED, ""): v for k, v in adapter.items()}
