@@ -18,6 +18,7 @@ from typing import Any
 
 from tpu_helpers.choices import DEVICES, PRECISIONS, PRESET_NAMES
 from tpu_helpers.training.schedule import Schedule
+from tpu_helpers.training.sharding import ShardingError, check_sharding
 
 OPTIMIZERS = ("adamw", "sgd")
 XLA_CHECKS = ("warn", "strict", "off")
@@ -36,6 +37,7 @@ class TrainConfig:
     fallback: bool = False  # when the requested device is missing: warn and use the next best instead of failing
     precision: str = "auto"  # auto (bf16 on TPU, bf16/fp16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16
     spmd: bool | str = "auto"  # XLA with several local chips: one process drives all of them, batch sharded
+    sharding: str = "data"  # data (model on every chip) | fsdp (model sharded over the chips) | DxF mesh, e.g. 2x4
     # model
     preset: str = "small"  # GPT size: tiny | mini | small | medium
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
@@ -122,6 +124,10 @@ class TrainConfig:
         if self.spmd is True and self.device in ("cpu", "cuda"):
             raise ConfigError(f"spmd=True drives several XLA devices from one process; device={self.device!r} "
                               "is not XLA (use device='tpu' or 'xla', or spmd='auto')")
+        try:  # issue 11: sharding
+            self.sharding = check_sharding(self.sharding)
+        except ShardingError as err:
+            raise ConfigError(str(err)) from None
         for name in ("text_field", "tokenizer"):
             if not getattr(self, name).strip():
                 raise ConfigError(f"{name}={getattr(self, name)!r} is empty")

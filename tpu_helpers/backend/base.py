@@ -128,6 +128,70 @@ class Backend:
             model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
         return model
 
+    # ---- sharding (issue 11; the choice itself is tpu_helpers.training.sharding) ---------------------------------
+    @property
+    def device_count(self) -> int:
+        """Devices this process's program spans (XLA SPMD: every chip; here: its own device)."""
+        return 1
+
+    def shard_model(self, model: torch.nn.Module, blocks: set[type], *, checkpoint: bool = False) -> torch.nn.Module:
+        """FSDP2 (`fully_shard`) over the torchrun processes: each block class in `blocks` is a unit, the root
+        holds the rest. `checkpoint` is the XLA wrapper's option; here the model's own checkpointing applies."""
+        from torch.distributed.fsdp import fully_shard
+
+        model = model.to(self.device)
+        for module in list(model.modules()):
+            if type(module) in blocks:
+                fully_shard(module)
+        fully_shard(model)
+        return model
+
+    def sharding_spec(self, tensor: torch.Tensor) -> str:
+        """How `tensor` is split over devices ("" when it is whole here)."""
+        placements = getattr(tensor, "placements", None)  # a DTensor under FSDP2
+        return str(tuple(placements)) if placements is not None else ""
+
+    def device_bytes(self, tensor: torch.Tensor) -> int:
+        """Bytes of `tensor` this device holds (its shard under FSDP)."""
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        return local.numel() * local.element_size()
+
+    def after_load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Called after a checkpoint was loaded into `model` and `optimizer` (XLA FSDP re-shards what it loaded)."""
+
+    def state_dicts(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """The model's and optimizer's whole (unsharded) state dicts, in the plain format of an unwrapped model, so
+        a checkpoint loads under any sharding. FSDP2 gathers them with torch.distributed.checkpoint's state_dict
+        API (the optimizer's then keyed by index again, as `Optimizer.state_dict` does)."""
+        if not _is_fsdp2(model):
+            return model.state_dict(), optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+        if "param_groups" not in optim_sd:  # ranks other than 0 get empty dicts: only rank 0 writes
+            return model_sd, optim_sd
+        index: dict[str, int] = {}
+        groups = [{**g, "params": [index.setdefault(name, len(index)) for name in g["params"]]}
+                  for g in optim_sd["param_groups"]]
+        return model_sd, {"state": {index[k]: v for k, v in optim_sd["state"].items()}, "param_groups": groups}
+
+    def load_state_dicts(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict,
+                         optim_sd: dict) -> None:
+        """Load what `state_dicts` (or an unsharded run) saved into this run's model and optimizer."""
+        if not _is_fsdp2(model):
+            model.load_state_dict(model_sd)
+            optimizer.load_state_dict(optim_sd)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+        name_of = {id(p): name for name, p in model.named_parameters()}
+        names = [name_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
+        groups = [{**g, "params": [names[i] for i in g["params"]]} for g in optim_sd["param_groups"]]
+        named = {"state": {names[i]: v for i, v in optim_sd["state"].items()}, "param_groups": groups}
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=named, options=options)
+
     def to_device(self, batch: Any) -> Any:
         return tree_map_tensors(lambda t: t.to(self.device, non_blocking=True), batch)
 
@@ -157,6 +221,8 @@ class Backend:
         if clip_norm is not None:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             norm = torch.nn.utils.clip_grad_norm_(params, clip_norm)
+            if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor; the loop stacks it with plain tensors
+                norm = norm.full_tensor()
         if self.scaler is not None:
             self.scaler.step(optimizer)
             self.scaler.update()
@@ -258,6 +324,10 @@ class _DeviceIterable:
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
+
+
+def _is_fsdp2(model: torch.nn.Module) -> bool:
+    return any(hasattr(p, "placements") for p in model.parameters())
 
 
 def warn_fallback(requested: str, reason: str, chosen: str) -> None:

@@ -141,3 +141,19 @@ def runtime_started() -> bool:
     if "torch_xla" not in sys.modules:
         return False
     return backend.xla_module().runtime_started()
+
+
+# ---- pod slices (issue 11): which host this is, from the TPU VM's environment, before any runtime starts -------
+WORKER_ID = "TPU_WORKER_ID"  # this host's index in the slice, set on TPU VM hosts
+WORKER_HOSTNAMES = "TPU_WORKER_HOSTNAMES"  # comma-separated hosts of the slice
+
+
+def pod_host(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """(this host's index, hosts in the slice) from the TPU VM's variables; (0, 1) off a pod."""
+    env = os.environ if environ is None else environ
+    hosts = [h for h in env.get(WORKER_HOSTNAMES, "").split(",") if h.strip()]
+    index = int(env.get(WORKER_ID) or 0)
+    count = max(1, len(hosts))
+    if not 0 <= index < count:
+        raise ValueError(f"{WORKER_ID}={index} is outside the {count} hosts in {WORKER_HOSTNAMES}")
+    return index, count

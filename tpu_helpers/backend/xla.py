@@ -21,7 +21,6 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import numpy as np
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
@@ -102,16 +101,15 @@ class XlaBackend(Backend):
             xr.use_spmd()
         self.device = torch_xla.device()
         self.device_type = xr.device_type() or "CPU"
-        self.world_size = 1 if spmd else xr.world_size()
-        self.rank = 0 if spmd else xr.global_ordinal()
+        # Under SPMD a "process" is a host: one on a TPU VM, one per host on a pod slice, each feeding its own
+        # chips' share of the batch; host 0 writes checkpoints and results.
+        self.world_size = xr.process_count() if spmd else xr.world_size()
+        self.rank = xr.process_index() if spmd else xr.global_ordinal()
         self.local_rank = 0 if spmd else xr.local_ordinal()
+        self._host_group = False
         self.mesh = None
         if spmd:
-            import torch_xla.distributed.spmd as xs
-
-            n = xr.global_runtime_device_count()
-            self.mesh = xs.Mesh(np.arange(n), (n,), ("data",))
-            self._input_sharding = xs.ShardingSpec(self.mesh, ("data", None))
+            self.set_mesh(xr.global_runtime_device_count(), 1)
         self.hardware = self._detect_hardware()
         self.precision = self._resolve_precision(precision)
         self.scaler = None
@@ -139,6 +137,54 @@ class XlaBackend(Backend):
     @property
     def loader_kind(self) -> str:
         return "tpu" if self.on_tpu else "xla"
+
+    # ---- sharding (issue 11): the mesh and FSDPv2, in backend/sharding_xla.py ----------------------------------
+    @property
+    def device_count(self) -> int:
+        """Devices this process's program spans: every chip under SPMD, else its own one."""
+        return int(xr.global_runtime_device_count()) if self.spmd else 1
+
+    def set_mesh(self, data: int, fsdp: int = 1) -> None:
+        """Lay the chips out as a (data, fsdp) mesh; batches are split over all of them."""
+        if not self.spmd:
+            if data * fsdp != 1:
+                raise ValueError(f"a {data}x{fsdp} mesh needs SPMD (spmd=True or 'auto'); this process drives one "
+                                 "device")
+            return
+        import torch_xla.distributed.spmd as xs
+
+        from tpu_helpers.backend import sharding_xla
+
+        self.mesh = sharding_xla.make_mesh(data, fsdp)
+        self._input_sharding = xs.ShardingSpec(self.mesh, (sharding_xla.batch_axes(self.mesh), None))
+
+    @property
+    def mesh_shape(self) -> tuple[int, int]:
+        """(data, fsdp) sizes of the current mesh; (1, 1) without SPMD."""
+        if self.mesh is None:
+            return 1, 1
+        shape = tuple(self.mesh.mesh_shape)
+        return (shape[0], 1) if len(shape) == 1 else (shape[0], shape[1])
+
+    def shard_model(self, model: torch.nn.Module, blocks: set[type], *, checkpoint: bool = False) -> torch.nn.Module:
+        """FSDPv2 over the mesh's fsdp axis, one unit per block class in `blocks` (see sharding_xla)."""
+        from tpu_helpers.backend import sharding_xla
+
+        return sharding_xla.shard_model(model, self.mesh, blocks, checkpoint=checkpoint)
+
+    def sharding_spec(self, tensor: torch.Tensor) -> str:
+        return sharding_spec(tensor) if tensor.device.type == "xla" else ""
+
+    def device_bytes(self, tensor: torch.Tensor) -> int:
+        from tpu_helpers.backend import sharding_xla
+
+        return sharding_xla.device_bytes(tensor)
+
+    def after_load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if self.mesh is not None and self.mesh_shape[1] > 1:
+            from tpu_helpers.backend import sharding_xla
+
+            sharding_xla.reshard_after_load(model, optimizer, self.mesh)
 
     def _resolve_precision(self, precision: str) -> str:
         if precision == "auto":
@@ -179,7 +225,17 @@ class XlaBackend(Backend):
         torch_xla.sync()
 
     def barrier(self) -> None:
-        if self.world_size > 1:
+        if self.world_size > 1 and self.spmd:
+            # Hosts of a pod slice under SPMD: a gloo group over the hosts, found by torch_xla's xla:// rendezvous.
+            import torch.distributed as dist
+
+            if not self._host_group and not dist.is_initialized():
+                import torch_xla.distributed.xla_backend  # noqa: F401  (registers the xla:// init method)
+
+                dist.init_process_group("gloo", init_method="xla://")
+            self._host_group = True
+            dist.barrier()
+        elif self.world_size > 1:
             xm.rendezvous("tpu_helpers.barrier")
 
     def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -80,8 +80,44 @@ def plan_multichip(config: TrainConfig, *, global_batch: int, mode: str = "spmd"
         if mode == "spawn" and nprocs == 1:
             chips = 1
     per_chip = split_global_batch(global_batch, chips, config.grad_accum)
+    _check_sharding(config.sharding, mode, chips)
     return MultiChipPlan(config.replace(batch_size=per_chip, spmd=mode == "spmd"), mode, chips, global_batch,
                          nprocs if mode == "spawn" else None)
+
+
+def _check_sharding(sharding: str, mode: str, chips: int) -> None:
+    from tpu_helpers.training.sharding import ShardingError, is_sharded, mesh_shape
+
+    if mode == "spawn" and is_sharded(sharding):
+        raise ConfigError(f"SHARDING={sharding!r} needs MODE='spmd' (one program over all chips); MODE='spawn' runs "
+                          "one process per chip, data parallel only")
+    try:
+        mesh_shape(sharding, chips)
+    except ShardingError as err:
+        raise ConfigError(str(err).replace("sharding=", "SHARDING=")) from None
+
+
+def sharding_advice(plan: MultiChipPlan, hardware: str = "v5e") -> str:
+    """What the planned run needs per chip of `hardware` under its SHARDING, and under the other choices
+    (the analytic estimate of the package GPT, `tpu_helpers.memory.sharded`)."""
+    from tpu_helpers.memory.sharded import gpt_sharding_plan
+    from tpu_helpers.training.sharding import mesh_shape
+
+    cfg = plan.config
+    precision = "bf16" if cfg.precision == "auto" else cfg.precision
+    memory = gpt_sharding_plan(cfg.preset, cfg.batch_size, cfg.seq_len, chips=plan.chips, hardware=hardware,
+                               precision=precision, gradient_checkpointing=cfg.gradient_checkpointing, what="training")
+    fsdp = mesh_shape(cfg.sharding, plan.chips)[1]
+    chosen = memory.per_chip["data" if fsdp == 1 else f"fsdp x{fsdp}"] if (fsdp == 1 or f"fsdp x{fsdp}" in
+                                                                           memory.per_chip) else None
+    mine = f"SHARDING={cfg.sharding!r}: about {_gib(chosen.peak_bytes)} per chip. " if chosen else ""
+    return mine + memory.advice()
+
+
+def _gib(n: int) -> str:
+    from tpu_helpers.hardware import format_bytes
+
+    return format_bytes(n)
 
 
 def check_backend(plan: MultiChipPlan, backend) -> None:

@@ -50,13 +50,19 @@ def torchrun_command(config: TrainConfig, nproc_per_node: int) -> str:
     defaults become flags)."""
     if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1:
         raise ConfigError(f"nproc_per_node={nproc_per_node!r} must be a positive int")
+    return " ".join(["torchrun", f"--nproc_per_node={nproc_per_node}", "-m", "tpu_helpers.train",
+                     *train_flags(config)])
+
+
+def train_flags(config: TrainConfig) -> list[str]:
+    """The command-line flags (shell-quoted) for the fields of `config` that differ from the defaults."""
     default = TrainConfig()
     flags = []
     for f in fields(TrainConfig):
         value = getattr(config, f.name)
         if f.name not in _SKIP and value != getattr(default, f.name):
             flags += [f"--{f.name}", shlex.quote(repr(value) if not isinstance(value, str) else value)]
-    return " ".join(["torchrun", f"--nproc_per_node={nproc_per_node}", "-m", "tpu_helpers.train", *flags])
+    return flags
 
 
 def main(argv: list[str] | None = None) -> int:

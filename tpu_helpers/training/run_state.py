@@ -32,6 +32,7 @@ from tpu_helpers.training.resume_policy import (
     mismatched_identity,
 )
 from tpu_helpers.training.run_lock import RunLock
+from tpu_helpers.training.sharding import model_class_name
 from tpu_helpers.training.validation import check_out_dir
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ class RunState:
             **{k: getattr(cfg, k) for k in IDENTITY_FIELDS},
             **data_identity(cfg.dataset),
             "global_batch": cfg.batch_size * trainer.backend.num_replicas * cfg.grad_accum,
-            "model": type(model).__name__,
+            "model": model_class_name(model),
             "parameters": sum(p.numel() for p in model.parameters()),
             **(run_identity or {}),
         }
@@ -153,12 +154,13 @@ class RunState:
     def state_dict(self) -> dict:
         t = self.trainer
         model = getattr(t.model, "module", t.model)  # unwrap DDP
+        model_sd, optimizer_sd = t.backend.state_dicts(model, t.optimizer)  # whole, under any sharding
         return t.backend.to_cpu({
             "step": t.step,
             "epoch": t.epoch,
             "samples_in_epoch": t.samples_in_epoch,
-            "model": _model_state(t, model),
-            "optimizer": t.optimizer.state_dict(),
+            "model": _model_state(t, model, model_sd),
+            "optimizer": optimizer_sd,
             "scheduler": t.scheduler.state_dict(),
             "rng": t.backend.rng_state(),
             "history": t.history.to_dict(),
@@ -167,9 +169,14 @@ class RunState:
 
     def load_state(self, state: dict) -> None:
         t = self.trainer
-        _load_model_state(t, getattr(t.model, "module", t.model), state["model"])
-        t.optimizer.load_state_dict(state["optimizer"])
+        model = getattr(t.model, "module", t.model)
+        if getattr(t, "save_trainable_only", False):  # LoRA: only the adapters were saved
+            _load_model_state(t, model, state["model"])
+            t.optimizer.load_state_dict(state["optimizer"])
+        else:
+            t.backend.load_state_dicts(model, t.optimizer, state["model"], state["optimizer"])
         t.scheduler.load_state_dict(state["scheduler"])
+        t.backend.after_load(t.model, t.optimizer)
         t.step, t.epoch = state["step"], state["epoch"]
         t.samples_in_epoch = state["samples_in_epoch"]
         t.history = History.from_dict(state["history"])
@@ -219,9 +226,8 @@ class RunState:
         )
 
 
-def _model_state(trainer: Trainer, model) -> dict:
-    """The model's state dict; with `trainer.save_trainable_only` (LoRA) only the trainable weights."""
-    state = model.state_dict()
+def _model_state(trainer: Trainer, model, state: dict) -> dict:
+    """The model's state dict `state`; with `trainer.save_trainable_only` (LoRA) only the trainable weights."""
     if getattr(trainer, "save_trainable_only", False):
         names = {n for n, p in model.named_parameters() if p.requires_grad}
         state = {k: v for k, v in state.items() if k in names}

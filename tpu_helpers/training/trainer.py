@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from tpu_helpers.backend import Backend, backend_for
 from tpu_helpers.config import ConfigError, TrainConfig
 from tpu_helpers.data import make_loader
-from tpu_helpers.training import finite
+from tpu_helpers.training import finite, sharding
 from tpu_helpers.training.batches import batch_loss
 from tpu_helpers.training.callbacks import Callback, as_callback
 from tpu_helpers.training.history import History, RunReport
@@ -95,7 +95,7 @@ class Trainer:
         # ---- end XLA diagnostics ----
         self.stop_reason: str | None = None  # set (e.g. by a signal handler) to end after the current step
         self.diverged: str | None = None  # what went nan/inf, if anything (training/finite.py)
-        if cfg.gradient_checkpointing:
+        if cfg.gradient_checkpointing and not sharding.checkpoints_blocks(cfg, self.backend):
             # The package GPT's set_gradient_checkpointing(fn), or a Hugging Face model's own hook (models/hf.py).
             if not hasattr(model, "set_gradient_checkpointing") and not hasattr(
                     getattr(model, "get_base_model", lambda: model)(), "_set_gradient_checkpointing"):
@@ -107,7 +107,7 @@ class Trainer:
 
             set_gradient_checkpointing(model, self.backend.checkpoint_fn())
         self.raw_model = model
-        self.model = self.backend.prepare_model(model)
+        self.model = sharding.prepare_model(self.backend, model, cfg)  # data parallel or FSDP (issue 11)
         self.train_loader = self._loader(train_data, shuffle=True)
         self.val_loader = self._loader(val_data, shuffle=False) if val_data is not None else None
         self.optimizer = self.configure_optimizer()
@@ -126,9 +126,9 @@ class Trainer:
     # ---- construction steps (override to customise) ------------------------------------------------------------
     @property
     def loader_batch_size(self) -> int:
-        """Rows per loader batch: the global batch under SPMD (one process feeds all chips), else per chip."""
+        """Rows per loader batch: this host's chips' share under SPMD (all of it on one host), else per chip."""
         b = self.backend
-        return self.config.batch_size * (b.num_replicas if b.num_replicas > b.world_size else 1)
+        return self.config.batch_size * max(1, b.num_replicas // b.world_size)  # chips this process feeds
 
     @property
     def schedule(self) -> Schedule:

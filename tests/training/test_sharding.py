@@ -1,0 +1,211 @@
+"""SHARDING: FSDP over the SPMD mesh follows a one-device run step for step, and really holds 1/N per chip.
+
+The 8-device runs (CPU_NUM_DEVICES=8, SPMD) and the 1-device runs each need their own process (XLA fixes SPMD and
+the device count per process), hence run_python. Models: the package's GPT and a tiny Qwen2 built from a config
+(random init, no download), fully fine-tuned and with LoRA.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.support import run_python
+from tpu_helpers.config import ConfigError, TrainConfig
+from tpu_helpers.training.sharding import ShardingError, block_classes, check_sharding, is_sharded, mesh_shape
+
+# Trains each run of ARGS["runs"] with the package's Trainer and prints, as JSON, per-step losses and what the
+# backend says about the sharding of every parameter and optimizer-state tensor.
+_TRAIN = r"""
+import json
+import torch
+from tpu_helpers.backend import get_backend
+from tpu_helpers.config import TrainConfig
+from tpu_helpers.data import build_datasets
+from tpu_helpers.models.gpt import GPT, gpt_config
+from tpu_helpers.training.trainer import Callback, Trainer
+
+class StopAt(Callback):  # an interruption: the trainer saves and returns after this step
+    def __init__(self, step):
+        self.at = step
+    def on_step_end(self, trainer):
+        if trainer.step == self.at:
+            trainer.stop_reason = "interrupted by the test"
+
+class Compiles(Callback):  # compilations up to the end of step 2 (the warm-up) and up to the end
+    def __init__(self):
+        self.at = {}
+    def on_step_end(self, trainer):
+        self.at[trainer.step] = trainer.backend.metrics()["compilations"]
+
+def hf_model(lora):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, use_cache=False, attn_implementation="eager")
+    model = Qwen2ForCausalLM(cfg)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    return model
+
+def hf_loss(output, targets):
+    return torch.nn.functional.cross_entropy(output.logits.float().view(-1, output.logits.size(-1)), targets.view(-1))
+
+out = []
+backend = get_backend("xla", spmd=ARGS["spmd"])
+train, _, tok = build_datasets("embedded", "byte", block_size=32, max_chars=200_000)
+for run in ARGS["runs"]:
+    kind = run.pop("model")
+    stop = [StopAt(run.pop("stop_at"))] if "stop_at" in run else []
+    cfg = TrainConfig(device="xla", preset="tiny", seq_len=32, lr=3e-3, warmup_steps=1, eval_every=1000,
+                      log_every=1, save_every=1000, max_chars=200_000, **run)
+    torch.manual_seed(cfg.seed)
+    if kind == "gpt":
+        model, loss_fn = GPT(gpt_config("tiny", vocab_size=tok.vocab_size, block_size=32)), None
+    else:
+        model, loss_fn = hf_model(kind == "lora"), hf_loss
+    compiles = Compiles()
+    t = Trainer(model, train, None, config=cfg, backend=backend, loss_fn=loss_fn, progress=False,
+                callbacks=[compiles, *stop])
+    report = t.fit()
+    params = [p for p in t.model.parameters()]
+    states = [v for s in t.optimizer.state.values() for v in s.values()
+              if isinstance(v, torch.Tensor) and v.device.type == "xla"]
+    full = sum(p.numel() * p.element_size() for p in params)
+    out.append({
+        "losses": [r["loss"] for r in t.history.train],
+        "mesh": list(backend.mesh_shape),
+        "unsharded_params": [n for n, p in t.model.named_parameters() if p.dim() and not backend.sharding_spec(p)],
+        "unsharded_states": sum(1 for v in states if v.dim() and not backend.sharding_spec(v)),
+        "n_states": len(states),
+        "param_ratio": sum(backend.device_bytes(p) for p in params) / full,
+        "state_ratio": sum(backend.device_bytes(v) for v in states) / max(1, sum(v.numel() * 4 for v in states)),
+        "compiles": compiles.at,
+        "trainable": sorted(n for n, p in t.raw_model.named_parameters() if p.requires_grad)[:2],
+        "resumed_from": report.resumed_from,
+        "steps": [r["step"] for r in t.history.train],
+    })
+    if kind == "lora":
+        from peft import get_peft_model_state_dict
+        from tpu_helpers.training.sharding import adapter_state_dict
+        out[-1]["adapter_keys"] = sorted(adapter_state_dict(t.raw_model))
+        out[-1]["peft_alone_keys"] = len(get_peft_model_state_dict(t.raw_model))
+print("RESULT" + json.dumps(out))
+"""
+
+
+def _train(args: dict, devices: int) -> list[dict]:
+    code = f"ARGS = {json.dumps(args)!s}\n".replace("true", "True").replace("false", "False") + _TRAIN
+    proc = run_python(code, env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices)}, timeout=900)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
+    return json.loads(line[len("RESULT"):])
+
+
+@pytest.mark.xla
+def test_fsdp_on_eight_devices_shards_everything_and_matches_one_device(tmp_path):
+    steps = 4
+    common = {"steps": steps}
+    runs8 = [{"model": "gpt", "sharding": "fsdp", "batch_size": 2, "gradient_checkpointing": True},
+             {"model": "gpt", "sharding": "2x4", "batch_size": 2},
+             {"model": "hf", "sharding": "fsdp", "batch_size": 2},
+             {"model": "lora", "sharding": "fsdp", "batch_size": 2}]
+    runs1 = [{"model": "gpt", "batch_size": 16}, {"model": "hf", "batch_size": 16}, {"model": "lora", "batch_size": 16}]
+    for i, run in enumerate(runs8 + runs1):
+        run.update(common, out_dir=str(tmp_path / f"run{i}"))
+    gpt8, gpt2x4, hf8, lora8 = _train({"spmd": True, "runs": runs8}, 8)
+    gpt1, hf1, lora1 = _train({"spmd": False, "runs": runs1}, 1)
+
+    for name, many, one in (("gpt fsdp", gpt8, gpt1), ("gpt 2x4", gpt2x4, gpt1), ("hf fsdp", hf8, hf1),
+                            ("lora fsdp", lora8, lora1)):
+        diff = max(abs(a - b) for a, b in zip(many["losses"], one["losses"], strict=True))
+        print(f"{name}: mesh {many['mesh']}, max |loss - 1-device loss| over {steps} steps {diff:.3g}, "
+              f"param bytes/device {many['param_ratio']:.3f} of the total, state {many['state_ratio']:.3f}, "
+              f"compilations by step {many['compiles']}")
+        assert diff < 5e-5, (name, many["losses"], one["losses"])
+        assert many["unsharded_params"] == [], (name, many["unsharded_params"])
+        assert many["n_states"] > 0 and many["unsharded_states"] == 0, name
+        assert many["compiles"][str(steps)] == many["compiles"]["2"], (name, many["compiles"])  # none after warm-up
+    assert gpt8["losses"][-1] < gpt8["losses"][0]
+    assert gpt8["mesh"] == [1, 8] and gpt2x4["mesh"] == [2, 4]
+    for result in (gpt8, hf8, lora8):  # 1/8 each, plus the padding of the tiny tensors that 8 does not divide
+        assert 0.12 <= result["param_ratio"] < 0.14 and 0.12 <= result["state_ratio"] < 0.14, result
+    assert 0.24 <= gpt2x4["param_ratio"] < 0.27  # sharded 4 ways, replicated over the 2 data groups
+    assert lora8["trainable"] and all("lora_" in n for n in lora8["trainable"])
+    # The adapter of the FSDP-wrapped LoRA model has the same keys as the unwrapped one's, and only LoRA keys.
+    assert lora8["adapter_keys"] == lora1["adapter_keys"] and len(lora8["adapter_keys"]) == 2 * 2 * 2
+    assert all("lora_" in k and "_orig_module" not in k for k in lora8["adapter_keys"]), lora8["adapter_keys"]
+    print(f"peft's get_peft_model_state_dict alone: {lora8['peft_alone_keys']} keys under fsdp, "
+          f"{lora1['peft_alone_keys']} unwrapped")
+
+
+@pytest.mark.xla
+def test_a_checkpoint_saved_under_fsdp_on_8_resumes_under_data_on_1_and_fsdp_on_4(tmp_path):
+    import shutil
+
+    steps, shared = 5, tmp_path / "shared"
+    full8, half8 = _train({"spmd": True, "runs": [
+        {"model": "gpt", "sharding": "fsdp", "batch_size": 2, "steps": steps, "out_dir": str(tmp_path / "full")},
+        {"model": "gpt", "sharding": "fsdp", "batch_size": 2, "steps": steps, "stop_at": 2, "out_dir": str(shared)},
+    ]}, 8)
+    shutil.copytree(shared, tmp_path / "on4")
+    (data1,) = _train({"spmd": False, "runs": [
+        {"model": "gpt", "sharding": "data", "batch_size": 16, "steps": steps, "out_dir": str(shared)}]}, 1)
+    (fsdp4,) = _train({"spmd": True, "runs": [
+        {"model": "gpt", "sharding": "fsdp", "batch_size": 4, "steps": steps, "out_dir": str(tmp_path / "on4")}]}, 4)
+    assert half8["steps"] == [1, 2]
+    for name, resumed in (("data on 1", data1), ("fsdp on 4", fsdp4)):
+        assert resumed["resumed_from"] == 2 and resumed["steps"] == list(range(1, steps + 1)), name
+        diff = max(abs(a - b) for a, b in zip(resumed["losses"][2:], full8["losses"][2:], strict=True))
+        print(f"resumed under {name}: max |loss - uninterrupted fsdp-8 loss| steps 3-{steps}: {diff:.3g}")
+        assert diff < 5e-5, (name, resumed["losses"], full8["losses"])
+    assert fsdp4["unsharded_params"] == [] and fsdp4["unsharded_states"] == 0  # re-sharded after the load
+    # After a resume the first two steps compile (loaded state, then the step's own outputs), then none.
+    assert fsdp4["compiles"][str(steps)] == fsdp4["compiles"]["4"], fsdp4["compiles"]
+
+
+def test_sharding_values_are_checked():
+    assert check_sharding("fsdp") == "fsdp" and check_sharding(" Data ") == "data"
+    assert check_sharding("2x4") == "2x4" and check_sharding((2, 4)) == "2x4"
+    assert mesh_shape("data", 8) == (8, 1) and mesh_shape("fsdp", 8) == (1, 8) and mesh_shape("2x4", 8) == (2, 4)
+    assert is_sharded("fsdp") and is_sharded("2x4") and not is_sharded("data") and not is_sharded("8x1")
+    with pytest.raises(ShardingError, match=r"sharding='3x4' needs 3 x 4 = 12 chips but this run has 8.*2x4"):
+        mesh_shape("3x4", 8)
+    with pytest.raises(ShardingError, match=r"sharding='zero3' is not one of"):
+        check_sharding("zero3")
+    with pytest.raises(ShardingError, match=r"both mesh sizes must be >= 1"):
+        check_sharding("0x8")
+    with pytest.raises(ConfigError, match=r"sharding='fdsp' is not one of \('data', 'fsdp', 'DxF \(e.g. 2x4\)'\)"):
+        TrainConfig(sharding="fdsp")
+    assert TrainConfig(sharding="2X4").sharding == "2x4"
+
+
+def test_block_classes_are_the_models_own_layers():
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tpu_helpers.models.gpt import GPT, Block, gpt_config
+
+    assert block_classes(GPT(gpt_config("tiny", vocab_size=64, block_size=16))) == {Block}
+    hf = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1))
+    assert {c.__name__ for c in block_classes(hf)} == {"Qwen2DecoderLayer"}
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(hf, LoraConfig(r=2, target_modules=["q_proj"]))
+    assert {c.__name__ for c in block_classes(lora)} == {"Qwen2DecoderLayer"}
+    with pytest.raises(ShardingError, match=r"cannot find the repeated layer of Linear"):
+        block_classes(torch.nn.Linear(4, 4))
+
+
+def test_the_v5e8_plan_checks_the_sharding_and_states_the_memory():
+    from tpu_helpers.launch import multichip
+
+    plan = multichip.plan_multichip(TrainConfig(preset="small", seq_len=1024, sharding="fsdp"), global_batch=64,
+                                    chips=8)
+    advice = multichip.sharding_advice(plan)
+    assert advice.startswith("SHARDING='fsdp': about ") and "fits data parallel on TPU v5e" in advice, advice
+    with pytest.raises(ConfigError, match=r"SHARDING='3x4' needs 3 x 4 = 12 chips but this run has 8"):
+        multichip.plan_multichip(TrainConfig(sharding="3x4"), global_batch=64, chips=8)
+    with pytest.raises(ConfigError, match=r"SHARDING='fsdp' needs MODE='spmd'"):
+        multichip.plan_multichip(TrainConfig(sharding="fsdp"), global_batch=64, chips=8, mode="spawn")

@@ -1,0 +1,138 @@
+"""FSDP over the SPMD mesh on XLA (torch_xla's FSDPv2), called through `XlaBackend.shard_model`.
+
+    backend.set_mesh(data=2, fsdp=4)                     # a (data, fsdp) mesh over the 8 chips
+    model = backend.shard_model(model, block_classes, checkpoint=True)
+
+Each block (a transformer layer, found by `tpu_helpers.training.sharding.block_classes`) is wrapped by
+`SpmdFullyShardedDataParallel` through torch_xla's `transformer_auto_wrap_policy`, and the root wrapper shards what
+is left (embeddings, final norm, head). Parameters are sharded over the mesh's "fsdp" axis (replicated over "data");
+XLA's SPMD partitioner inserts the all-gathers before each block and the reduce-scatters of the gradients. With
+`checkpoint=True` each block is first wrapped by torch_xla's `checkpoint_module` (what transformers' FSDPv2 path
+does), so activations are recomputed per block in the backward pass.
+
+The optimizer state is created by the first step and comes out sharded like its parameter (the partitioner
+propagates it). State dicts keep the unwrapped model's names (hooks drop FSDPv2's "_orig_module." level), so
+checkpoints load under any sharding; after a load, `reshard_after_load` gives the loaded (whole) parameters and
+optimizer state their FSDP sharding again.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch_xla
+import torch_xla.distributed.spmd as xs
+from torch_xla.distributed.fsdp import checkpoint_module
+from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
+from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
+from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
+
+
+def make_mesh(data: int, fsdp: int) -> xs.Mesh:
+    """The device mesh: ("data",) for pure data parallel (fsdp == 1), else ("data", "fsdp")."""
+    if fsdp == 1:
+        return xs.Mesh(np.arange(data), (data,), ("data",))
+    return xs.Mesh(np.arange(data * fsdp), (data, fsdp), ("data", "fsdp"))
+
+
+def batch_axes(mesh: xs.Mesh) -> Any:
+    """The mesh axes the batch dimension is split over: every device holds its own rows."""
+    names = tuple(mesh.axis_names)
+    return names[0] if len(names) == 1 else names
+
+
+def _first_tensor(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)  # Hugging Face ModelOutput
+    if isinstance(logits, torch.Tensor):
+        return logits
+    values = output.values() if isinstance(output, Mapping) else output if isinstance(output, (tuple, list)) else ()
+    return next((v for v in values if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+
+
+def _shard_output(output: Any, mesh: xs.Mesh) -> None:
+    # Marks the block's (or model's) activations as split by batch over all devices: this is what makes the
+    # partitioner gather the weights (FSDP) instead of gathering the activations.
+    tensor = _first_tensor(output)
+    if tensor is None or tensor.dim() == 0:
+        return
+    xs.mark_sharding(tensor, mesh, (batch_axes(mesh),) + (None,) * (tensor.dim() - 1))
+
+
+def shard_model(model: torch.nn.Module, mesh: xs.Mesh, block_classes: set[type], *,
+                checkpoint: bool = False) -> torch.nn.Module:
+    """Wrap `model` (already on the XLA device) in FSDPv2 with one unit per block; returns the wrapper."""
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=set(block_classes))
+    wrapper = None
+    if checkpoint:
+        def wrapper(module: torch.nn.Module, *args: Any, **kwargs: Any) -> FSDPv2:
+            return FSDPv2(checkpoint_module(module), *args, **kwargs)
+    wrapped = FSDPv2(model, mesh=mesh, shard_output=_shard_output, auto_wrap_policy=policy,
+                     auto_wrapper_callable=wrapper)
+    for module in wrapped.modules():
+        if isinstance(module, FSDPv2):
+            module.register_state_dict_post_hook(_drop_wrapper_names)
+            module.register_load_state_dict_pre_hook(_add_wrapper_names)
+    return wrapped
+
+
+_INNER = "_orig_module."
+
+
+def _drop_wrapper_names(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    # State dicts keep the plain model's names ("h.0.ln_1.weight", not "h.0._orig_module.ln_1.weight"), so a
+    # checkpoint saved under fsdp loads into an unwrapped model (data parallel, one chip, a GPU) and back.
+    for key in [k for k in state_dict if k.startswith(prefix + _INNER)]:
+        state_dict[prefix + key[len(prefix + _INNER):]] = state_dict.pop(key)
+
+
+def _add_wrapper_names(module: torch.nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + _INNER)]:
+        state_dict[prefix + _INNER + key[len(prefix):]] = state_dict.pop(key)
+
+
+def reshard_after_load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh: xs.Mesh) -> None:
+    """Restore FSDPv2's sharding on parameters and optimizer state that a checkpoint load replaced with
+    unsharded copies, so the resumed run holds 1/N per chip and runs the same compiled step as before."""
+    for param in model.parameters():
+        if param.dim() > 0 and not torch_xla._XLAC._get_xla_sharding_spec(param):
+            xs.mark_sharding(param, mesh, _prepare_spmd_partition_spec(param, shard_maximal=True))
+    shard_optimizer_state(optimizer, mesh)
+
+
+def shard_optimizer_state(optimizer: torch.optim.Optimizer, mesh: xs.Mesh) -> None:
+    """Give each per-parameter optimizer tensor (Adam's moments) its parameter's sharding (FSDPv2's rule)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not torch_xla._XLAC._get_xla_sharding_spec(param):
+                continue
+            for value in optimizer.state.get(param, {}).values():
+                if isinstance(value, torch.Tensor) and value.shape == param.shape and value.dim() > 0 and \
+                        not torch_xla._XLAC._get_xla_sharding_spec(value):
+                    xs.mark_sharding(value, mesh, _prepare_spmd_partition_spec(value, shard_maximal=True))
+
+
+def shard_shape(shape: tuple[int, ...], spec: str) -> tuple[int, ...]:
+    """The shape of one device's shard under XLA's sharding annotation `spec` (read from the annotation, so no
+    device data is touched): "{devices=[8,1]0,...}" splits the first axis 8 ways; "last_tile_dim_replicate" means
+    the last tile count is a replication factor (a 2-D mesh: sharded over fsdp, replicated over data)."""
+    match = re.search(r"devices=\[([\d,]+)\]", spec or "")
+    if not match:
+        return tuple(shape)
+    tiles = [int(t) for t in match.group(1).split(",")]
+    if "last_tile_dim_replicate" in spec or len(tiles) > len(shape):
+        tiles = tiles[:len(shape)]
+    return tuple(-(-dim // tile) for dim, tile in zip(shape, tiles, strict=True))
+
+
+def device_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of `tensor` that one device holds (its shard; the whole tensor when replicated)."""
+    spec = torch_xla._XLAC._get_xla_sharding_spec(tensor) if tensor.device.type == "xla" else ""
+    return math.prod(shard_shape(tuple(tensor.shape), spec)) * tensor.element_size()

@@ -1,0 +1,63 @@
+"""Pod slices: the same training command on every host, one host writing the results.
+
+On a pod slice (several TPU VM hosts, e.g. v5e-32 = 4 hosts x 8 chips) every host runs the same program. Under
+SPMD each host's process drives its own chips as part of one program over all of them: the backend reads the
+host index and count from torch_xla (`backend.rank`, `backend.world_size`), each host loads its share of every
+global batch, and host 0 alone writes checkpoints and `results.json` (the others wait at barriers). So the command
+is the single-host one, started on all workers at once:
+
+    from tpu_helpers.launch.pods import pod_command
+    print(pod_command(config, tpu="my-v5e-32", zone="us-west4-a"))
+    # gcloud compute tpus tpu-vm ssh my-v5e-32 --zone=us-west4-a --worker=all --command='cd ~/tpu_helpers && ...'
+
+SHARDING on a pod: "data", or a "DxF" mesh with F at most the chips of one host (fsdp within each host, data
+across hosts); fsdp across hosts is refused until checkpoints are written per shard.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from tpu_helpers.config import ConfigError, TrainConfig
+from tpu_helpers.launch.train import train_flags
+
+__all__ = ["host_writes", "pod_command", "pod_mesh", "this_host"]
+
+
+def pod_command(config: TrainConfig, *, tpu: str, zone: str, workdir: str = "~/tpu_helpers",
+                project: str | None = None) -> str:
+    """The gcloud command that starts `python -m tpu_helpers.train` with `config` on every host of slice `tpu`."""
+    for name, value in (("tpu", tpu), ("zone", zone), ("workdir", workdir)):
+        if not isinstance(value, str) or not value.strip():
+            raise ConfigError(f"{name}={value!r} must be a non-empty string")
+    remote = f"cd {workdir} && python -m tpu_helpers.train {' '.join(train_flags(config))}".rstrip()
+    parts = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", tpu, f"--zone={zone}"]
+    if project:
+        parts.append(f"--project={project}")
+    parts += ["--worker=all", f"--command={shlex.quote(remote)}"]
+    return " ".join(parts)
+
+
+def pod_mesh(sharding: str, chips_per_host: int, hosts: int) -> tuple[int, int]:
+    """The (data, fsdp) mesh `sharding` means on `hosts` x `chips_per_host` chips, checked for a pod."""
+    from tpu_helpers.training.sharding import ShardingError, check_hosts, mesh_shape
+
+    devices = chips_per_host * hosts
+    try:
+        data, fsdp = mesh_shape(sharding, devices)
+        check_hosts(fsdp, devices, hosts)
+    except ShardingError as err:
+        raise ConfigError(str(err)) from None
+    return data, fsdp
+
+
+def host_writes(backend) -> bool:
+    """Whether this host writes checkpoints and results (host 0 of the slice; the only host elsewhere)."""
+    return bool(backend.is_main)
+
+
+def this_host() -> tuple[int, int]:
+    """(host index, hosts in the slice) from the TPU VM's environment, before any runtime starts; (0, 1) off a pod."""
+    from tpu_helpers.backend.runtime_env import pod_host
+
+    return pod_host()
