@@ -14,13 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tpu_helpers.checkpoint import (
-    CheckpointCorrupt,
-    CheckpointError,
-    CheckpointManager,
-    atomic_write_bytes,
-    atomic_write_text,
-)
+from tpu_helpers.atomic_io import atomic_write_bytes, atomic_write_text
+from tpu_helpers.checkpoint import CheckpointCorrupt, CheckpointError, CheckpointManager
 
 
 def _state(seed: int) -> dict:
@@ -321,7 +316,8 @@ calls = []
 real = os.umask
 os.umask = lambda mask: calls.append(mask) or real(mask)   # record every change, at import and per write
 real(0o027)
-from tpu_helpers.checkpoint import atomic_write_text
+import tpu_helpers.checkpoint
+from tpu_helpers.atomic_io import atomic_write_text
 atomic_write_text({str(tmp_path / "r.json")!r}, "{{}}")
 print("umask calls:", calls, "| umask now:", oct(real(0o027)), "| file mode:",
       oct(os.stat({str(tmp_path / "r.json")!r}).st_mode & 0o777))

@@ -18,21 +18,17 @@ Usage (the trainer moves tensors to the CPU first; this module never touches tor
 Checkpoints are loaded with ``torch.load(weights_only=False)`` because states hold optimizer and RNG objects
 that the safe loader refuses. That unpickles arbitrary objects: only load checkpoints you wrote yourself.
 
-``atomic_write_bytes`` / ``atomic_write_text`` give other modules the same no-half-written-file guarantee.
+The atomic file writing itself (temp file, fsync, rename) is `tpu_helpers.atomic_io`, which other modules use too.
 """
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import json
 import os
 import re
-import secrets
 import shutil
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -40,9 +36,16 @@ from typing import Any
 
 import torch
 
+from tpu_helpers.atomic_io import (
+    DISK_FULL,
+    atomic_write_text,
+    fsync_dir,
+    sha256_file,
+    write_temp,
+)
+
 FORMAT = 1
 _CKPT_RE = re.compile(r"^ckpt-(\d{8,})\.(pt|json)$")
-_DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
 class CheckpointError(RuntimeError):
@@ -66,117 +69,6 @@ class CheckpointInfo:
         """Data that may be good but cannot be checked: a .pt whose manifest is missing or unreadable."""
         return (not self.valid and not self.interrupted and self.path.exists()
                 and self.reason is not None and self.reason.startswith(("no manifest", "unreadable manifest")))
-
-
-class _SinkWriter:
-    """File-like sink for torch.save that writes through ``os.write`` and hashes and counts what it wrote.
-
-    torch.save turns an exception from ``write`` into an opaque RuntimeError, so the OSError is kept here to
-    report "disk full" properly. Going through ``os.write`` also gives tests one place to simulate ENOSPC.
-    """
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.sha = hashlib.sha256()
-        self.size = 0
-        self.error: OSError | None = None
-        # A KeyboardInterrupt/SystemExit raised in a write (a second Ctrl-C or SIGTERM during a save): torch turns
-        # it into "unexpected pos" RuntimeErrors, so it is kept here and re-raised as itself.
-        self.interrupt: BaseException | None = None
-
-    def write(self, data: Any) -> int:
-        try:  # all of it: a signal handler can raise between any two bytecodes of this method
-            if self.interrupt is not None:
-                raise self.interrupt
-            if self.error is not None:  # torch keeps writing after a failure; don't let a later write "succeed"
-                raise self.error
-            rest = view = memoryview(data).cast("B")
-            try:
-                while rest:
-                    rest = rest[os.write(self.fd, rest) :]  # os.write may write less than asked (large buffers)
-            except OSError as e:
-                self.error = e
-                raise
-            self.sha.update(view)
-            self.size += len(view)
-            return len(view)
-        except BaseException as e:
-            if not isinstance(e, Exception) and self.interrupt is None:
-                self.interrupt = e
-            raise
-
-    def flush(self) -> None:  # nothing is buffered in user space; fsync happens after the last write
-        pass
-
-
-def _fsync_dir(directory: Path) -> None:
-    # Makes the rename itself durable. Best effort: Windows and some FUSE mounts (Drive, gcsfuse) refuse it.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-
-
-def _create_temp(path: Path) -> tuple[int, Path]:
-    # Like mkstemp, but with mode 0666 so the process umask applies as for any new file (mkstemp makes 0600 files;
-    # results and checkpoints should read like any file) without reading the umask, which means setting it.
-    for _ in range(100):
-        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
-        try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
-        except FileExistsError:
-            continue
-    raise FileExistsError(errno.EEXIST, f"no free temporary name next to {path}")
-
-
-def _write_temp(path: Path, produce: Callable[[_SinkWriter], None]) -> tuple[Path, _SinkWriter]:
-    """Write a fsynced temp file next to ``path``; the caller renames it. Removes it on any failure."""
-    fd, tmp = _create_temp(path)
-    writer = _SinkWriter(fd)
-    try:
-        try:
-            produce(writer)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        if writer.interrupt is not None and writer.interrupt is not e:
-            raise writer.interrupt from None  # the user's stop, not torch's "unexpected pos" wrapper of it
-        if isinstance(e, Exception) and writer.error is not None and writer.error is not e:
-            raise writer.error from None  # the real cause (e.g. ENOSPC), not torch's opaque wrapper
-        raise
-    return tmp, writer
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers (and a rerun after a crash) see the old or new file only."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp, _ = _write_temp(path, lambda w: w.write(data))
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def atomic_write_text(path: str | Path, text: str, encoding: str = "utf-8") -> None:
-    """Text version of :func:`atomic_write_bytes`."""
-    atomic_write_bytes(path, text.encode(encoding))
-
-
-def _sha256_file(path: Path) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            sha.update(chunk)
-    return sha.hexdigest()
 
 
 def _tensor_bytes(obj: Any, seen: set[int] | None = None) -> int:
@@ -223,7 +115,7 @@ class CheckpointManager:
             meta_json = json.loads(json.dumps(meta or {}))  # fail before writing gigabytes, not after
             self.directory.mkdir(parents=True, exist_ok=True)
             self._make_room(step, state)
-            tmp_pt, writer = _write_temp(path, lambda w: torch.save(state, w))
+            tmp_pt, writer = write_temp(path, lambda w: torch.save(state, w))
             temps.append(tmp_pt)
             created = datetime.now(timezone.utc).isoformat(timespec="seconds")
             manifest = {
@@ -235,7 +127,7 @@ class CheckpointManager:
                 "meta": meta_json,
             }
             text = json.dumps(manifest, indent=2) + "\n"
-            tmp_json, _ = _write_temp(manifest_path, lambda w: w.write(text.encode()))
+            tmp_json, _ = write_temp(manifest_path, lambda w: w.write(text.encode()))
             temps.append(tmp_json)
             # Everything that can run out of space is done; only renames are left. Dropping an old manifest
             # of the same step first means a crash between the renames reads as "interrupted", not as rot.
@@ -243,11 +135,11 @@ class CheckpointManager:
             # was lost (copied without it, dropped by a sync), which discovery must not treat as disposable.
             marker = self._marker(step)
             os.close(os.open(marker, os.O_WRONLY | os.O_CREAT, 0o666))
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             manifest_path.unlink(missing_ok=True)
             os.replace(tmp_pt, path)
             os.replace(tmp_json, manifest_path)
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             marker.unlink(missing_ok=True)
         except Exception as e:
             raise CheckpointError(self._save_failure(step, state, e)) from e
@@ -285,7 +177,7 @@ class CheckpointManager:
 
     def _save_failure(self, step: int, state: dict, exc: BaseException) -> str:
         where = f"checkpoint step {step} could not be saved to {self.directory}"
-        if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
+        if isinstance(exc, OSError) and exc.errno in DISK_FULL:
             needed = _tensor_bytes(state)
             try:
                 free = f", {shutil.disk_usage(self.directory).free:,} bytes free"
@@ -387,7 +279,7 @@ class CheckpointManager:
                 return bad(f"truncated: {size} of {expected_size} bytes")
             if size != expected_size:
                 return bad(f"size mismatch: {size} bytes, manifest says {expected_size}")
-            if _sha256_file(path) != expected_sha:
+            if sha256_file(path) != expected_sha:
                 return bad("checksum mismatch")
         except OSError as e:
             return bad(f"unreadable: {e}")
@@ -441,7 +333,7 @@ class CheckpointManager:
         target.mkdir()
         for p in names:
             os.replace(p, target / p.name)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         return target
 
     def _torch_load(self, path: Path, map_location: Any) -> dict:
@@ -493,7 +385,7 @@ class CheckpointManager:
         try:
             atomic_write_text(self.run_info_path, json.dumps(info, indent=2, sort_keys=True) + "\n")
         except OSError as e:
-            full = " (the disk is full)" if e.errno in _DISK_FULL else ""
+            full = " (the disk is full)" if e.errno in DISK_FULL else ""
             raise CheckpointError(f"could not write {self.run_info_path}{full}: {e.strerror or e}; nothing was "
                                   "trained yet: free some space or choose another out_dir") from None
 

@@ -257,7 +257,7 @@ class Backend:
 
     def save(self, obj: Any, path: str | os.PathLike) -> None:
         """Write `obj` once (main process only), tensors moved to the CPU first, atomically; all ranks wait."""
-        from tpu_helpers.checkpoint import atomic_write_bytes
+        from tpu_helpers.atomic_io import atomic_write_bytes
 
         cpu_obj = self.to_cpu(obj)  # every rank takes part: on XLA this is a collective-free device read
         if self.is_main:

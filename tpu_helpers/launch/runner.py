@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tpu_helpers.checkpoint import atomic_write_text
+from tpu_helpers.atomic_io import atomic_write_text
 from tpu_helpers.launch.targets import TARGETS, auto_target
 from tpu_helpers.training.results import RUN_DIR_ENV
 

@@ -234,7 +234,7 @@ class Finetune:
                      paths: dict | None = None, plan: Any = None) -> Path:
         """`<out_dir>/results.json` (report, history, samples, exports, plan) and `loss.png`, atomically; copied
         into the run directory when run by `python -m tpu_helpers run`."""
-        from tpu_helpers.checkpoint import atomic_write_text
+        from tpu_helpers.atomic_io import atomic_write_text
         from tpu_helpers.training.recipes import RUN_DIR_ENV
 
         history = self.trainer.history
