@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -226,7 +225,9 @@ class Finetune:
             self.tokenizer.save_pretrained(out / "adapter")
         if self.ft.export_merged if merged is None else merged:
             paths["merged"] = str(lora.export_merged(model, self.tokenizer, out / "merged", base_source=self.source))
-        (out / "finetune.json").write_text(json.dumps({**dataclasses.asdict(self.ft), "paths": paths}, indent=1))
+        from tpu_helpers.atomic_io import atomic_write_text
+
+        atomic_write_text(out / "finetune.json", json.dumps({**dataclasses.asdict(self.ft), "paths": paths}, indent=1))
         return paths
 
     # ---- 7. results --------------------------------------------------------------------------------------------
@@ -234,20 +235,11 @@ class Finetune:
                      paths: dict | None = None, plan: Any = None) -> Path:
         """`<out_dir>/results.json` (report, history, samples, exports, plan) and `loss.png`, atomically; copied
         into the run directory when run by `python -m tpu_helpers run`."""
-        from tpu_helpers.atomic_io import atomic_write_text
-        from tpu_helpers.training.recipes import RUN_DIR_ENV
+        from tpu_helpers.training.results import write_results
 
         history = self.trainer.history
         results = {"report": report.to_dict(), "config": self.cfg.to_dict(), "finetune": dataclasses.asdict(self.ft),
                    "history": history.to_dict(), "samples_before": before, "samples_after": after,
                    "exports": paths or {}, "parameters": self.parameter_summary(), "data": self.data_stats,
                    "plan": plan.to_dict() if plan is not None else None}
-        text = json.dumps(results, indent=2, default=str)
-        out = Path(self.cfg.out_dir)
-        for directory in [out] + ([Path(os.environ[RUN_DIR_ENV])] if os.environ.get(RUN_DIR_ENV) else []):
-            directory.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(directory / "results.json", text)
-            fig = history.plot()
-            fig.savefig(directory / ".loss.png.tmp", dpi=110, format="png")
-            os.replace(directory / ".loss.png.tmp", directory / "loss.png")
-        return out / "results.json"
+        return write_results(self.cfg.out_dir, results, figure=history.figure())
