@@ -357,3 +357,26 @@ def test_second_signal_during_a_save_stops_as_itself_not_as_a_checkpoint_error(t
     assert info.value.code == 143
     assert [(i.step, i.valid) for i in mgr.list()] == [(1, True)]
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_kill_while_pruning_leaves_nothing_that_blocks_the_rerun(tmp_path: Path, monkeypatch) -> None:
+    """SIGKILL between the two deletions of a pruned checkpoint: the rerun must still start (seen in the kill test:
+    a .pt left without its manifest reads as data whose manifest was lost, and the run refused to start)."""
+    mgr = CheckpointManager(tmp_path, keep_last=1)
+    mgr.save(1, _state(1))
+    real_unlink, calls = Path.unlink, []
+
+    def killed_after_first(self, *args, **kwargs):
+        calls.append(self.name)
+        real_unlink(self, *args, **kwargs)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # stands in for SIGKILL between the two unlinks
+
+    monkeypatch.setattr(Path, "unlink", killed_after_first)
+    with pytest.raises(KeyboardInterrupt):
+        mgr._delete(1)
+    monkeypatch.undo()
+    rerun = CheckpointManager(tmp_path, keep_last=1)
+    assert rerun.unverifiable() == []
+    rerun.save(2, _state(2))
+    assert [(i.step, i.valid) for i in rerun.list()] == [(2, True)]

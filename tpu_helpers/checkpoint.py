@@ -236,9 +236,11 @@ class CheckpointManager:
 
     def _delete(self, step: int) -> None:
         path = self.path_for(step)
-        # Manifest first: a crash in between leaves a .pt that reads as invalid, never a half-valid pair.
-        path.with_suffix(".json").unlink(missing_ok=True)
+        # Data first: a kill in between leaves a lone manifest, which reads as "data file missing" and is cleaned
+        # up later. The other order would leave a .pt without a manifest and without a save marker, which
+        # discovery must treat as data it cannot verify (a lost manifest) and refuse to start over.
         path.unlink(missing_ok=True)
+        path.with_suffix(".json").unlink(missing_ok=True)
 
     def _steps(self) -> set[int]:
         if not self.directory.is_dir():
