@@ -112,9 +112,11 @@ def _assert_same_training_state(resumed: dict, reference: dict) -> None:
 
 
 def _verify_every_complete_checkpoint(out_dir: Path) -> int:
-    """Every checkpoint whose manifest exists must verify and load; returns how many there were."""
+    """Every checkpoint whose data and manifest both exist must verify and load; returns how many there were. (A
+    lone manifest is a pruned checkpoint whose deletion a kill cut short: its data goes first.)"""
     mgr = CheckpointManager(out_dir / "checkpoints")
-    complete = sorted(mgr.directory.glob("ckpt-*.json")) if mgr.directory.is_dir() else []
+    manifests = sorted(mgr.directory.glob("ckpt-*.json")) if mgr.directory.is_dir() else []
+    complete = [m for m in manifests if m.with_suffix(".pt").exists()]
     for manifest in complete:
         state = mgr.load(manifest.with_suffix(".pt"))  # raises CheckpointCorrupt naming the file
         assert state["step"] == int(manifest.stem.split("-")[1])
