@@ -74,9 +74,10 @@ class Run:
 def verify(out: Path) -> int:
     mgr = CheckpointManager(out / "checkpoints")
     manifests = sorted(mgr.directory.glob("ckpt-*.json")) if mgr.directory.is_dir() else []
-    for manifest in manifests:
+    complete = [m for m in manifests if m.with_suffix(".pt").exists()]  # a lone manifest: a pruning cut short
+    for manifest in complete:
         mgr.load(manifest.with_suffix(".pt"))  # raises CheckpointCorrupt naming the file
-    return len(manifests)
+    return len(complete)
 
 
 def final_model(out: Path) -> dict:

@@ -57,10 +57,7 @@ class CausalLMTrainer(Trainer):
                 loss = self.loss_sum(batch) / count
             b.backward(loss)
             total = loss.detach() if total is None else total + loss.detach()
-        grad_norm = b.optimizer_step(self.optimizer, clip_norm=self.config.grad_clip)
-        self.scheduler.step()
-        b.zero_grad(self.optimizer)
-        return total, grad_norm
+        return total, self.apply_gradients()
 
 
 def check_same_vocab(student: torch.nn.Module, teacher: torch.nn.Module, teacher_name: str = "teacher") -> None:

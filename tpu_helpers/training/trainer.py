@@ -178,10 +178,15 @@ class Trainer:
                     loss = loss / accum
             b.backward(loss)
             total = loss.detach() if total is None else total + loss.detach()
-        grad_norm = b.optimizer_step(self.optimizer, clip_norm=self.config.grad_clip)
+        return total, self.apply_gradients()
+
+    def apply_gradients(self) -> torch.Tensor | None:
+        """After the backward passes of a step: clip, step the optimizer and the schedule, zero the gradients.
+        Returns the gradient norm (a device tensor) when clipping, else None."""
+        grad_norm = self.backend.optimizer_step(self.optimizer, clip_norm=self.config.grad_clip)
         self.scheduler.step()
-        b.zero_grad(self.optimizer)
-        return total, grad_norm
+        self.backend.zero_grad(self.optimizer)
+        return grad_norm
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
