@@ -1,5 +1,6 @@
 """SHARDING="fsdp" under torchrun uses torch.distributed's FSDP2 (`fully_shard`): 2 CPU processes over gloo hold
-half of each parameter and follow a one-process run of the same global batch; its checkpoint is a plain one."""
+half of each parameter and follow a one-process run of the same global batch; each process saves its own shards
+(torch.distributed.checkpoint), and the run resumes under FSDP2 or, whole, on one process."""
 
 from __future__ import annotations
 
@@ -60,15 +61,22 @@ def test_fsdp2_on_two_processes_matches_one_process_and_resumes(tmp_path):
     print(f"FSDP2 x2 vs 1 process, validation losses: {v2} vs {v1}")
     assert len(v2) == len(v1) == 3 and max(abs(a - b) for a, b in zip(v2, v1, strict=True)) < 1e-5
     assert v2[-1] < v2[0]
-    # The checkpoint holds the whole model in the plain format: it loads into an unwrapped GPT.
-    import torch
+    # The checkpoint is sharded (torch.distributed.checkpoint): each process wrote its own half of every tensor,
+    # nothing gathered; read whole it is the plain format and loads into an unwrapped GPT.
+    from torch.distributed.checkpoint import FileSystemReader
 
+    from tpu_helpers.checkpoint import CheckpointManager
     from tpu_helpers.models.gpt import GPT, gpt_config
 
-    ckpt = sorted((tmp_path / "fsdp2" / "checkpoints").glob("ckpt-*.pt"))[-1]
-    state = torch.load(ckpt, map_location="cpu", weights_only=False)
-    GPT(gpt_config("tiny", vocab_size=256, block_size=32)).load_state_dict(state["model"])
-    assert sorted(state["optimizer"]["state"]) == list(range(len(state["optimizer"]["state"])))
+    folder = tmp_path / "fsdp2" / "checkpoints" / "ckpt-00000004.dcp"
+    assert sorted(p.name for p in folder.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    items = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    assert all(len(v.chunks) == 2 for k, v in items.items() if k.startswith("model.") and v.size[0] % 2 == 0)
+    step, state = CheckpointManager(folder.parent).load_latest()
+    assert step == 4 and state["sharded"].writer == "fsdp2"
+    whole = state["sharded"].read_whole()
+    GPT(gpt_config("tiny", vocab_size=256, block_size=32)).load_state_dict(whole["model"])
+    assert sorted(whole["optimizer"]["state"]) == list(range(len(whole["optimizer"]["state"])))
     # Resumed to step 6 under FSDP2 on 2 processes, and (a copy) under data parallel on 1: the same run goes on.
     import shutil
 

@@ -84,6 +84,7 @@ for run in ARGS["runs"]:
         "compiles": compiles.at,
         "trainable": sorted(n for n, p in t.raw_model.named_parameters() if p.requires_grad)[:2],
         "resumed_from": report.resumed_from,
+        "compiles_end": t.backend.metrics()["compilations"],  # after the final save
         "steps": [r["step"] for r in t.history.train],
     })
     if kind == "lora":
@@ -154,6 +155,22 @@ def test_a_checkpoint_saved_under_fsdp_on_8_resumes_under_data_on_1_and_fsdp_on_
     (fsdp4,) = _train({"spmd": True, "runs": [
         {"model": "gpt", "sharding": "fsdp", "batch_size": 4, "steps": steps, "out_dir": str(tmp_path / "on4")}]}, 4)
     assert half8["steps"] == [1, 2]
+    # Saved sharded: a DCP directory whose manifest lists every file, each tensor written as its 8 shards (no
+    # gather onto the host), and no program compiled for the save (a gather compiled one per tensor).
+    saved = shared / "checkpoints" / "ckpt-00000002.dcp"
+    manifest = json.loads(saved.with_suffix(".json").read_text())
+    assert saved.is_dir() and manifest["writer"] == "xla-spmd" and sorted(manifest["files"]) == sorted(
+        p.name for p in saved.iterdir()), manifest
+    from torch.distributed.checkpoint import FileSystemReader
+
+    tensors = FileSystemReader(str(saved)).read_metadata().state_dict_metadata
+    weights = {k: v for k, v in tensors.items() if k.startswith("model.") and len(v.size) == 2}
+    moments = {k: v for k, v in tensors.items() if k.endswith(".exp_avg") and len(v.size) == 2}
+    assert weights and moments
+    for name, item in {**weights, **moments}.items():
+        assert len(item.chunks) == 8, (name, item.size, [c.sizes for c in item.chunks])
+    print(f"compilations during the sharded save: {half8['compiles_end'] - half8['compiles']['2']}")
+    assert half8["compiles_end"] == half8["compiles"]["2"], half8
     for name, resumed in (("data on 1", data1), ("fsdp on 4", fsdp4)):
         assert resumed["resumed_from"] == 2 and resumed["steps"] == list(range(1, steps + 1)), name
         diff = max(abs(a - b) for a, b in zip(resumed["losses"][2:], full8["losses"][2:], strict=True))

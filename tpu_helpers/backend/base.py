@@ -167,14 +167,13 @@ class Backend:
             return model.state_dict(), optimizer.state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+        from tpu_helpers.checkpoint.sharded import index_keyed
+
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         if "param_groups" not in optim_sd:  # ranks other than 0 get empty dicts: only rank 0 writes
             return model_sd, optim_sd
-        index: dict[str, int] = {}
-        groups = [{**g, "params": [index.setdefault(name, len(index)) for name in g["params"]]}
-                  for g in optim_sd["param_groups"]]
-        return model_sd, {"state": {index[k]: v for k, v in optim_sd["state"].items()}, "param_groups": groups}
+        return model_sd, index_keyed(optim_sd)
 
     def load_state_dicts(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict,
                          optim_sd: dict) -> None:
@@ -191,6 +190,30 @@ class Backend:
         groups = [{**g, "params": [names[i] for i in g["params"]]} for g in optim_sd["param_groups"]]
         named = {"state": {names[i]: v for i, v in optim_sd["state"].items()}, "param_groups": groups}
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=named, options=options)
+
+    # ---- sharded checkpoints (torch.distributed.checkpoint; the files are tpu_helpers.checkpoint.sharded) ------
+    def sharded_writer(self, model: torch.nn.Module) -> str | None:
+        """Which kind of sharded checkpoint `model` is saved as ("fsdp2"), or None to save it whole."""
+        return "fsdp2" if _is_fsdp2(model) else None
+
+    def sharded_tensors(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """{"model": ..., "optimizer": ...} as each process holds them (DTensor shards, nothing gathered); with a
+        fresh optimizer its state is created first, so the same call gives the template to load into."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        return {"model": model_sd, "optimizer": optim_sd}
+
+    def dcp_planner(self, *, save: bool) -> Any:
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+
+        return DefaultSavePlanner() if save else DefaultLoadPlanner()
+
+    def load_sharded_tensors(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loaded: dict) -> None:
+        """Put what DCP loaded into `sharded_tensors`' template into the model and optimizer."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
 
     def to_device(self, batch: Any) -> Any:
         return tree_map_tensors(lambda t: t.to(self.device, non_blocking=True), batch)

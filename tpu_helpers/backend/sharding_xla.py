@@ -119,6 +119,23 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, mesh: xs.Mesh) -> No
                     xs.mark_sharding(value, mesh, _prepare_spmd_partition_spec(value, shard_maximal=True))
 
 
+def dcp_planner(*, save: bool) -> Any:
+    """torch_xla's planners for torch.distributed.checkpoint: each device's shard is written (and read back into
+    any other sharding) one tensor at a time, with no gather and no compiled program."""
+    from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner
+
+    return SPMDSavePlanner() if save else SPMDLoadPlanner()
+
+
+def prime_optimizer(optimizer: torch.optim.Optimizer, mesh: xs.Mesh) -> None:
+    """Create the optimizer's state (sharded like the parameters) before a checkpoint is loaded into it in place:
+    torch_xla's `prime_optimizer` (one step on zero gradients; the load overwrites what it changed)."""
+    from torch_xla.experimental.distributed_checkpoint import prime_optimizer as _prime
+
+    _prime(optimizer)
+    shard_optimizer_state(optimizer, mesh)
+
+
 def shard_shape(shape: tuple[int, ...], spec: str) -> tuple[int, ...]:
     """The shape of one device's shard under XLA's sharding annotation `spec` (read from the annotation, so no
     device data is touched): "{devices=[8,1]0,...}" splits the first axis 8 ways; "last_tile_dim_replicate" means

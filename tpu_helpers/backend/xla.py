@@ -186,6 +186,27 @@ class XlaBackend(Backend):
 
             sharding_xla.reshard_after_load(model, optimizer, self.mesh)
 
+    def sharded_writer(self, model: torch.nn.Module) -> str | None:
+        # Sharded over several chips of this host: DCP with torch_xla's SPMD planners. On a pod every host would
+        # need a process group to agree on one checkpoint; there fsdp stays within a host and host 0 saves whole.
+        sharded = self.mesh is not None and self.mesh_shape[1] > 1 and self.world_size == 1
+        return "xla-spmd" if sharded else None
+
+    def sharded_tensors(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        from tpu_helpers.backend import sharding_xla
+
+        if not optimizer.state:  # a resume: DCP loads in place, so the (sharded) optimizer state must exist
+            sharding_xla.prime_optimizer(optimizer, self.mesh)
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+    def dcp_planner(self, *, save: bool) -> Any:
+        from tpu_helpers.backend import sharding_xla
+
+        return sharding_xla.dcp_planner(save=save)
+
+    def load_sharded_tensors(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loaded: dict) -> None:
+        self.load_state_dicts(model, optimizer, loaded["model"], loaded["optimizer"])
+
     def _resolve_precision(self, precision: str) -> str:
         if precision == "auto":
             # bf16 is native on the TPU's MXU; XLA:CPU emulates it slowly, so tests default to fp32 there.

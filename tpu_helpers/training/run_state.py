@@ -151,30 +151,53 @@ class RunState:
     def release_lock(self) -> None:
         self.lock.release()
 
-    def state_dict(self) -> dict:
+    def _small_state(self) -> dict:
+        """Everything but the model and optimizer: step, data position, scheduler, RNG, history, config."""
         t = self.trainer
-        model = getattr(t.model, "module", t.model)  # unwrap DDP
-        model_sd, optimizer_sd = t.backend.state_dicts(model, t.optimizer)  # whole, under any sharding
         return t.backend.to_cpu({
             "step": t.step,
             "epoch": t.epoch,
             "samples_in_epoch": t.samples_in_epoch,
-            "model": _model_state(t, model, model_sd),
-            "optimizer": optimizer_sd,
             "scheduler": t.scheduler.state_dict(),
             "rng": t.backend.rng_state(),
             "history": t.history.to_dict(),
             "config": t.config.to_dict(),
         })
 
+    def _unwrapped(self):
+        return getattr(self.trainer.model, "module", self.trainer.model)  # unwrap DDP
+
+    def sharded_writer(self) -> str | None:
+        """The sharded checkpoint kind this run saves ("xla-spmd", "fsdp2"), or None: saved whole in one file.
+        LoRA saves only its small adapters, whole, under any sharding."""
+        if getattr(self.trainer, "save_trainable_only", False):
+            return None
+        return self.trainer.backend.sharded_writer(self._unwrapped())
+
+    def state_dict(self) -> dict:
+        t = self.trainer
+        model = self._unwrapped()
+        model_sd, optimizer_sd = t.backend.state_dicts(model, t.optimizer)  # whole, under any sharding
+        return {**self._small_state(),
+                **t.backend.to_cpu({"model": _model_state(t, model, model_sd), "optimizer": optimizer_sd})}
+
     def load_state(self, state: dict) -> None:
         t = self.trainer
-        model = getattr(t.model, "module", t.model)
-        if getattr(t, "save_trainable_only", False):  # LoRA: only the adapters were saved
-            _load_model_state(t, model, state["model"])
-            t.optimizer.load_state_dict(state["optimizer"])
+        model = self._unwrapped()
+        handle = state.get("sharded")
+        if handle is not None and handle.writer == self.sharded_writer():
+            # Same kind of sharded run (any chip count): DCP reads each device's part in place.
+            template = t.backend.sharded_tensors(model, t.optimizer)
+            handle.load_into(template, t.backend.dcp_planner(save=False))
+            t.backend.load_sharded_tensors(model, t.optimizer, template)
         else:
-            t.backend.load_state_dicts(model, t.optimizer, state["model"], state["optimizer"])
+            if handle is not None:  # saved sharded, resumed unsharded (or by another writer): whole, on the CPU
+                state = {**state, **handle.read_whole()}
+            if getattr(t, "save_trainable_only", False):  # LoRA: only the adapters were saved
+                _load_model_state(t, model, state["model"])
+                t.optimizer.load_state_dict(state["optimizer"])
+            else:
+                t.backend.load_state_dicts(model, t.optimizer, state["model"], state["optimizer"])
         t.scheduler.load_state_dict(state["scheduler"])
         t.backend.after_load(t.model, t.optimizer)
         t.step, t.epoch = state["step"], state["epoch"]
@@ -188,15 +211,44 @@ class RunState:
         t = self.trainer
         if t.diverged is not None and t.config.on_nonfinite == "stop":
             return None  # the loss went nan/inf: the weights are not worth a checkpoint slot
-        state = self.state_dict()
-        bad = finite.nonfinite_tensors(state["model"])
+        writer = self.sharded_writer()
+        if writer is not None:
+            saved = self._save_sharded(writer)
+            bad = saved if isinstance(saved, list) else []
+        else:
+            state = self.state_dict()
+            bad = finite.nonfinite_tensors(state["model"])
+            saved = None if bad else self.manager.save(t.step, state, meta={"epoch": t.epoch})
         if bad:
             finite.flag(t, f"the weights hold nan/inf at step {t.step} ({', '.join(bad[:3])}"
                            f"{', ...' if len(bad) > 3 else ''})")
             return None
-        self.last_path = self.manager.save(t.step, state, meta={"epoch": t.epoch})
+        self.last_path = saved
         t.backend.barrier()
         return self.last_path
+
+    def _save_sharded(self, writer: str) -> Path | list[str]:
+        """A sharded checkpoint: each process writes its devices' shards (no gather onto one host)."""
+        import torch
+
+        from tpu_helpers.checkpoint import sharded
+
+        t = self.trainer
+        model = self._unwrapped()
+        tensors = t.backend.sharded_tensors(model, t.optimizer)
+        planner = sharded.finite_checking(type(t.backend.dcp_planner(save=True)))()
+
+        def write(directory: Path) -> list[str]:
+            bad = sharded.write(directory, tensors, planner)
+            if t.backend.world_size > 1:  # every process must agree, or one would keep what another refused
+                count = t.backend.all_reduce_mean(torch.tensor([float(len(bad))], device=t.backend.device))
+                if float(count.item()) > 0 and not bad:
+                    bad = ["(on another process)"]
+            return [name.removeprefix("model.") for name in bad if not name.startswith("optimizer.")] or bad
+
+        size = sum(p.numel() * p.element_size() for p in model.parameters()) * 3  # weights + AdamW moments
+        return self.manager.save_sharded(t.step, self._small_state(), write, writer=writer, size=size,
+                                         barrier=t.backend.barrier, meta={"epoch": t.epoch})
 
     def report(self, start_step: int, seconds: float) -> RunReport:
         t = self.trainer

@@ -1,5 +1,8 @@
 """Crash-safe training checkpoints: a run killed at any moment never damages one, and a rerun resumes.
 
+(Sharded models are saved as torch.distributed.checkpoint directories ``ckpt-00001200.dcp/`` by
+`CheckpointManager.save_sharded`, with the same manifest, atomic rename and checks: see `sharded.py`.)
+
 Preemptible TPUs and Colab disconnects stop a process mid-write. Every file here is written to a temp file in
 the same directory, fsynced and renamed over the final name, so a reader sees the old file or the new one,
 never half of one. Each ``ckpt-00001200.pt`` gets a ``ckpt-00001200.json`` manifest (sha256 and size of the
@@ -29,6 +32,7 @@ import re
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -43,9 +47,10 @@ from tpu_helpers.atomic_io import (
     sha256_file,
     write_temp,
 )
+from tpu_helpers.checkpoint import sharded
 
 FORMAT = 1
-_CKPT_RE = re.compile(r"^ckpt-(\d{8,})\.(pt|json)$")
+_CKPT_RE = re.compile(r"^ckpt-(\d{8,})\.(pt|json|dcp)$")
 
 
 class CheckpointError(RuntimeError):
@@ -99,13 +104,16 @@ class CheckpointManager:
         self.run_info_path = self.directory / "run.json"
 
     def path_for(self, step: int) -> Path:
-        return self.directory / f"ckpt-{step:08d}.pt"
+        """The data of checkpoint `step`: its sharded directory when there is one, else its .pt file."""
+        path = self.directory / f"ckpt-{step:08d}.pt"
+        folder = path.with_suffix(sharded.SUFFIX)
+        return folder if folder.is_dir() else path
 
     def save(self, step: int, state: dict, meta: dict | None = None) -> Path:
         """Atomically write checkpoint ``step`` and its manifest, then prune. Raises CheckpointError."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        path = self.path_for(step)
+        path = self.directory / f"ckpt-{step:08d}.pt"
         if not self.is_main:
             return path
         manifest_path = path.with_suffix(".json")
@@ -114,7 +122,7 @@ class CheckpointManager:
         try:
             meta_json = json.loads(json.dumps(meta or {}))  # fail before writing gigabytes, not after
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._make_room(step, state)
+            self._make_room(step, _tensor_bytes(state))
             tmp_pt, writer = write_temp(path, lambda w: torch.save(state, w))
             temps.append(tmp_pt)
             created = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -137,25 +145,92 @@ class CheckpointManager:
             os.close(os.open(marker, os.O_WRONLY | os.O_CREAT, 0o666))
             fsync_dir(self.directory)
             manifest_path.unlink(missing_ok=True)
+            _remove(path.with_suffix(sharded.SUFFIX))  # this step saved sharded before the run was resumed
             os.replace(tmp_pt, path)
             os.replace(tmp_json, manifest_path)
             fsync_dir(self.directory)
             marker.unlink(missing_ok=True)
         except Exception as e:
-            raise CheckpointError(self._save_failure(step, state, e)) from e
+            raise CheckpointError(self._save_failure(step, _tensor_bytes(state), e)) from e
         finally:
             for tmp in temps:
                 tmp.unlink(missing_ok=True)
+        self._after_save(step, path, started)
+        return path
+
+    def _after_save(self, step: int, path: Path, started: float) -> None:
         try:
             self._prune(just_written=step, temps_before=started)
         except OSError as e:  # the new checkpoint is safe; a failed cleanup must not look like a failed save
             warnings.warn(f"saved {path} but could not prune old checkpoints: {e}", stacklevel=2)
+
+    def save_sharded(self, step: int, state: dict, write: Callable[[Path], list[str]], *, writer: str,
+                     size: int = 0, barrier: Callable[[], None] = lambda: None,
+                     meta: dict | None = None) -> Path | list[str]:
+        """Write checkpoint `step` of a sharded model as a DCP directory (every process of the run calls this).
+
+        `write(directory)` writes the tensors there (`sharded.write`: the model's and optimizer's sharded state
+        dicts through DCP) and returns the names of tensors holding nan/inf, agreed by all processes; `state`
+        (step, RNG, history...: small) is pickled by the main process. Everything goes into a hidden temp
+        directory, is hashed into the manifest and renamed into place, so an interrupted save leaves the earlier
+        checkpoints as they were. Returns the directory, or the nan/inf names (then nothing is kept). `size`: the
+        tensors' bytes, to make room on a full disk; `barrier` waits for every process.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        path = self.directory / f"ckpt-{step:08d}{sharded.SUFFIX}"
+        temp = self.directory / f".ckpt-{step:08d}{sharded.SUFFIX}.tmp"
+        started = time.time()
+        try:
+            if self.is_main:
+                meta_json = json.loads(json.dumps(meta or {}))
+                self.directory.mkdir(parents=True, exist_ok=True)
+                self._make_room(step, size)
+                _remove(temp)
+                temp.mkdir()
+            barrier()
+            bad = write(temp)
+            barrier()
+            if bad or not self.is_main:
+                if bad and self.is_main:
+                    _remove(temp)
+                return bad
+            tmp_state, _ = write_temp(temp / sharded.STATE_FILE,
+                                      lambda w: torch.save({**state, "sharded_by": writer}, w))
+            os.replace(tmp_state, temp / sharded.STATE_FILE)
+            files = {}
+            for file in sorted(temp.iterdir()):
+                with open(file, "rb") as f:  # DCP's writer fsyncs what it wrote; this covers the rest
+                    os.fsync(f.fileno())
+                files[file.name] = {"bytes": file.stat().st_size, "sha256": sha256_file(file)}
+            fsync_dir(temp)
+            manifest = {"format": FORMAT, "step": step, "kind": "dcp", "writer": writer, "files": files,
+                        "bytes": sum(f["bytes"] for f in files.values()),
+                        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "meta": meta_json}
+            manifest_path = path.with_suffix(".json")
+            text = json.dumps(manifest, indent=2) + "\n"
+            tmp_json, _ = write_temp(manifest_path, lambda w: w.write(text.encode()))
+            marker = self._marker(step)  # as in `save`: a directory without manifest reads as interrupted
+            os.close(os.open(marker, os.O_WRONLY | os.O_CREAT, 0o666))
+            fsync_dir(self.directory)
+            manifest_path.unlink(missing_ok=True)
+            _remove(path)
+            path.with_suffix(".pt").unlink(missing_ok=True)
+            os.replace(temp, path)
+            os.replace(tmp_json, manifest_path)
+            fsync_dir(self.directory)
+            marker.unlink(missing_ok=True)
+        except Exception as e:
+            if self.is_main:
+                _remove(temp)
+            raise CheckpointError(self._save_failure(step, size, e)) from e
+        self._after_save(step, path, started)
         return path
 
     def _marker(self, step: int) -> Path:
         return self.directory / f".ckpt-{step:08d}.saving"
 
-    def _make_room(self, step: int, state: dict) -> None:
+    def _make_room(self, step: int, size: int) -> None:
         """Prune before writing when the disk cannot hold one more checkpoint (pruning normally follows a save).
 
         Keeps the newest `keep_last - 1` valid checkpoints (at least one): the new one completes the quota. With
@@ -167,7 +242,7 @@ class CheckpointManager:
             return
         existing = [self.path_for(s) for s in sorted(self._steps(), reverse=True)]
         newest = next((p for p in existing if p.exists()), None)  # its size, unverified: hashing costs seconds
-        needed = newest.stat().st_size if newest is not None else _tensor_bytes(state)
+        needed = _size(newest) if newest is not None else size
         if free >= needed * 1.1 + (1 << 20):
             return
         keep = max(1, self.keep_last - 1)
@@ -175,10 +250,9 @@ class CheckpointManager:
         for old in sorted(valid, reverse=True)[keep:]:
             self._delete(old)
 
-    def _save_failure(self, step: int, state: dict, exc: BaseException) -> str:
+    def _save_failure(self, step: int, needed: int, exc: BaseException) -> str:
         where = f"checkpoint step {step} could not be saved to {self.directory}"
         if isinstance(exc, OSError) and exc.errno in DISK_FULL:
-            needed = _tensor_bytes(state)
             try:
                 free = f", {shutil.disk_usage(self.directory).free:,} bytes free"
             except OSError:
@@ -230,7 +304,7 @@ class CheckpointManager:
         for tmp in [*self.directory.glob(".ckpt-*.tmp"), *self.directory.glob(".run.json.*.tmp")]:
             try:
                 if tmp.stat().st_mtime < temps_before:
-                    tmp.unlink()
+                    _remove(tmp)
             except OSError:
                 pass
 
@@ -239,7 +313,7 @@ class CheckpointManager:
         # Data first: a kill in between leaves a lone manifest, which reads as "data file missing" and is cleaned
         # up later. The other order would leave a .pt without a manifest and without a save marker, which
         # discovery must treat as data it cannot verify (a lost manifest) and refuse to start over.
-        path.unlink(missing_ok=True)
+        _remove(path)
         path.with_suffix(".json").unlink(missing_ok=True)
 
     def _steps(self) -> set[int]:
@@ -250,8 +324,8 @@ class CheckpointManager:
     def _verify(self, path: Path, *, deep: bool = True) -> CheckpointInfo:
         """Check `path` against its manifest; `deep=False` stops after reading the manifest (no size or hash)."""
         m = _CKPT_RE.match(path.name)
-        if m is None or m.group(2) != "pt":
-            raise ValueError(f"{path} is not a checkpoint file (expected a name like ckpt-00000012.pt)")
+        if m is None or m.group(2) == "json":
+            raise ValueError(f"{path} is not a checkpoint (expected a name like ckpt-00000012.pt or .dcp)")
         step = int(m.group(1))
 
         def bad(reason: str) -> CheckpointInfo:
@@ -266,15 +340,34 @@ class CheckpointManager:
             return bad("no manifest (it was not copied, or a sync dropped it); the data cannot be verified")
         try:
             manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-            expected_size, expected_sha = int(manifest["bytes"]), str(manifest["sha256"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            return bad(f"unreadable manifest: {e}")
+            if path.is_dir():
+                expected = {str(k): (int(v["bytes"]), str(v["sha256"])) for k, v in manifest["files"].items()}
+            else:
+                expected = {None: (int(manifest["bytes"]), str(manifest["sha256"]))}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            return bad(f"unreadable manifest: {type(e).__name__}: {e}")
         if manifest.get("format") != FORMAT:
             return bad(f"unsupported manifest format {manifest.get('format')!r}")
         if manifest.get("step") != step:
             return bad(f"manifest says step {manifest.get('step')!r} but the file name says {step}")
         if not deep:
             return CheckpointInfo(path, step, True, None)
+        for name, (expected_size, expected_sha) in expected.items():
+            file = path if name is None else path / name
+            where = "" if name is None else f"{name}: "
+            try:  # a dying disk fails reads with EIO: that is damage to report, not a crash of the caller
+                if not file.is_file():
+                    return bad(f"{where}missing")
+                size = file.stat().st_size
+                if size < expected_size:
+                    return bad(f"{where}truncated: {size} of {expected_size} bytes")
+                if size != expected_size:
+                    return bad(f"{where}size mismatch: {size} bytes, manifest says {expected_size}")
+                if sha256_file(file) != expected_sha:
+                    return bad(f"{where}checksum mismatch")
+            except OSError as e:
+                return bad(f"{where}unreadable: {e}")
+        return CheckpointInfo(path, step, True, None)
         try:  # a dying disk fails reads with EIO: that is damage to report, not a crash of the caller
             size = path.stat().st_size
             if size < expected_size:
@@ -339,6 +432,8 @@ class CheckpointManager:
         return target
 
     def _torch_load(self, path: Path, map_location: Any) -> dict:
+        if path.is_dir():  # sharded: the small state now, the tensors when the trainer asks (state["sharded"])
+            return sharded.read_state(path)
         # weights_only=False: optimizer and RNG states are arbitrary objects; these are our own trusted files.
         return torch.load(path, map_location=map_location, weights_only=False)
 
@@ -405,3 +500,15 @@ class CheckpointManager:
                 "a run writes there, so it cannot tell which run these checkpoints belong to; restore it, or "
                 "move it away if the checkpoints are yours")
         return info
+
+
+def _remove(path: Path) -> None:
+    """Delete a file or a (sharded checkpoint) directory; nothing if it is not there."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir()) if path.is_dir() else path.stat().st_size

@@ -1,0 +1,25 @@
+"""Crash-safe checkpoints: `CheckpointManager` saves, verifies, prunes and loads them in one directory.
+
+    from tpu_helpers.checkpoint import CheckpointManager
+    mgr = CheckpointManager("runs/exp1/checkpoints", keep_last=3, is_main=(rank == 0))
+    resumed = mgr.load_latest()       # (step, state) or None; damaged checkpoints are reported and skipped
+    mgr.save(step, state)             # ckpt-00000012.pt + its manifest, atomically (whole, unsharded state)
+    mgr.save_sharded(step, small_state, tensors, planner, writer="xla-spmd")   # ckpt-00000012.dcp/ (sharded)
+
+- `manager.py`: the directory of checkpoints (atomic writes, manifests with sha256, discovery, pruning, set-aside);
+- `sharded.py`: the torch.distributed.checkpoint directories of sharded models, read back in place or whole.
+
+The trainer's use of it (what a checkpoint holds, resuming) is `tpu_helpers.training.run_state`.
+"""
+
+from tpu_helpers.checkpoint.manager import (
+    FORMAT,
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointManager,
+)
+from tpu_helpers.checkpoint.sharded import ShardedCheckpoint
+
+__all__ = ["FORMAT", "CheckpointCorrupt", "CheckpointError", "CheckpointInfo", "CheckpointManager",
+           "ShardedCheckpoint"]

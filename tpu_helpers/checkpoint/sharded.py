@@ -1,0 +1,138 @@
+"""Checkpoints of sharded models as torch.distributed.checkpoint (DCP) directories: each process writes the shards
+its devices hold, one tensor at a time, so no host ever holds the whole model.
+
+A sharded checkpoint is the directory ``ckpt-00001200.dcp/``: DCP's ``.metadata`` and ``__R_N.distcp`` files (the
+model's and optimizer's tensors, shard by shard) plus ``state.pt`` (step, data position, scheduler, RNG, history,
+config: small). `CheckpointManager.save_sharded` writes it into a hidden temp directory, lists every file's size and
+sha256 in the ``ckpt-00001200.json`` manifest and renames both into place, as it does for a ``.pt``.
+
+Reading back (the `ShardedCheckpoint` handle that `CheckpointManager.load` returns in ``state["sharded"]``):
+- `load_into(template, planner)`: in place into tensors that are already sharded (the same writer kind: XLA SPMD
+  or FSDP2); DCP reads each device's part of each tensor, whatever the sharding or chip count it was saved under;
+- `read_whole()`: every tensor whole on the CPU (templates from DCP's metadata), for a run that is not sharded
+  (data parallel, one chip, a GPU) or that was sharded by another writer.
+
+The backend supplies the sharded state dicts and DCP planners (torch_xla's SPMD planners live in
+`tpu_helpers.backend`); this module only knows DCP and files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STATE_FILE = "state.pt"
+SUFFIX = ".dcp"
+
+
+def index_keyed(optim_sd: dict) -> dict:
+    """An optimizer state dict keyed by parameter name (torch.distributed's `get_state_dict` form) turned back
+    into `Optimizer.state_dict`'s form, keyed by the parameter's position in the param groups."""
+    groups = optim_sd.get("param_groups", [])
+    if not groups or all(isinstance(p, int) for g in groups for p in g["params"]):
+        # DCP's flattening turns the state's int keys into strings ("0"); Optimizer.load_state_dict would then
+        # silently drop every entry (it matches them to the int ids of the param groups).
+        state = {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in optim_sd.get("state", {}).items()}
+        return {**optim_sd, "state": state}
+    index: dict[str, int] = {}
+    groups = [{**g, "params": [index.setdefault(name, len(index)) for name in g["params"]]} for g in groups]
+    return {"state": {index[k]: v for k, v in optim_sd.get("state", {}).items()}, "param_groups": groups}
+
+
+def finite_checking(planner_cls: type) -> type:
+    """A DCP save planner class that also notes each tensor holding nan/inf as its shards go by (on the CPU copy
+    DCP writes anyway: no extra transfer), so a diverged model is never committed as a checkpoint."""
+
+    class FiniteChecking(planner_cls):
+        nonfinite: list[str]
+
+        def resolve_data(self, write_item):
+            data = super().resolve_data(write_item)
+            if isinstance(data, torch.Tensor) and data.is_floating_point() and not bool(torch.isfinite(data).all()):
+                found = getattr(self, "nonfinite", [])
+                if write_item.index.fqn not in found:
+                    self.nonfinite = [*found, write_item.index.fqn]
+            return data
+
+    FiniteChecking.__name__ = f"FiniteChecking{planner_cls.__name__}"
+    return FiniteChecking
+
+
+def write(directory: Path, tensors: dict, planner: Any) -> list[str]:
+    """DCP-save `tensors` (the model's and optimizer's state dicts, sharded) into `directory`, which exists; every
+    process of the run calls this. Returns the names of tensors holding nan/inf (checked while writing)."""
+    import torch.distributed.checkpoint as dcp
+
+    with _dcp_errors(directory):
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(directory)), planner=planner)
+    return list(getattr(planner, "nonfinite", []))
+
+
+@contextlib.contextmanager
+def _dcp_errors(path: Path):
+    """DCP's "single process" notice silenced (intended here), and its CheckpointException (a BaseException that
+    would pass every `except Exception`) turned into a ValueError naming the checkpoint and the first failure."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process.*")
+        try:
+            yield
+        except CheckpointException as err:
+            failures = getattr(err, "failures", {}) or {}
+            first = next(iter(failures.values()), err)
+            first = getattr(first, "args", [first])[0] if getattr(first, "args", None) else first
+            raise ValueError(f"torch.distributed.checkpoint failed on {path}: {str(first).splitlines()[0][:400]}"
+                             ) from None
+
+
+class ShardedCheckpoint:
+    """A verified sharded checkpoint directory, read lazily: the tensors stay on disk until a loader asks."""
+
+    def __init__(self, path: Path, writer: str) -> None:
+        self.path = Path(path)
+        self.writer = writer  # who wrote it: "xla-spmd" or "fsdp2" (their state dicts differ in form)
+
+    def __repr__(self) -> str:
+        return f"ShardedCheckpoint({str(self.path)!r}, writer={self.writer!r})"
+
+    def load_into(self, template: dict, planner: Any) -> None:
+        """Fill `template` ({"model": ..., "optimizer": ...} of sharded tensors, same form as saved) in place."""
+        import torch.distributed.checkpoint as dcp
+
+        with _dcp_errors(self.path):
+            dcp.load(template, storage_reader=dcp.FileSystemReader(str(self.path)), planner=planner)
+
+    def read_whole(self) -> dict:
+        """{"model": ..., "optimizer": ...} with every tensor whole on the CPU, the optimizer keyed by index."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        reader = dcp.FileSystemReader(str(self.path))
+        metadata = reader.read_metadata()
+        flat: dict[str, Any] = {}
+        for fqn, item in metadata.state_dict_metadata.items():
+            if isinstance(item, TensorStorageMetadata):
+                flat[fqn] = torch.empty(item.size, dtype=item.properties.dtype)
+            else:
+                flat[fqn] = None  # pickled objects (param groups): DCP's load_bytes puts them here
+        planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+        with _dcp_errors(self.path):
+            dcp.load(flat, storage_reader=reader, planner=planner)
+        nested = unflatten_state_dict(planner.state_dict, metadata.planner_data)  # unpickled objects are there
+        return {"model": nested["model"], "optimizer": index_keyed(nested["optimizer"])}
+
+
+def read_state(path: Path) -> dict:
+    """The small, non-tensor part of a sharded checkpoint (`STATE_FILE`), with the handle to its tensors."""
+    state = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=False)
+    if not isinstance(state, dict) or "sharded_by" not in state:
+        raise ValueError(f"{Path(path) / STATE_FILE} is not the state file of a sharded checkpoint")
+    state["sharded"] = ShardedCheckpoint(path, state.pop("sharded_by"))
+    return state
