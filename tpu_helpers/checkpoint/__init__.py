@@ -6,19 +6,15 @@
     mgr.save(step, state)             # ckpt-00000012.pt + its manifest, atomically (whole, unsharded state)
     mgr.save_sharded(step, small_state, tensors, planner, writer="xla-spmd")   # ckpt-00000012.dcp/ (sharded)
 
-- `manager.py`: the directory of checkpoints (atomic writes, manifests with sha256, discovery, pruning, set-aside);
+- `manager.py`: the directory of checkpoints (what to write, keep, prune, set aside and load);
+- `layout.py`: how each looks on disk (names, manifests with sha256, the save marker, verification, renames);
 - `sharded.py`: the torch.distributed.checkpoint directories of sharded models, read back in place or whole.
 
 The trainer's use of it (what a checkpoint holds, resuming) is `tpu_helpers.training.run_state`.
 """
 
-from tpu_helpers.checkpoint.manager import (
-    FORMAT,
-    CheckpointCorrupt,
-    CheckpointError,
-    CheckpointInfo,
-    CheckpointManager,
-)
+from tpu_helpers.checkpoint.layout import FORMAT, CheckpointCorrupt, CheckpointError, CheckpointInfo
+from tpu_helpers.checkpoint.manager import CheckpointManager
 from tpu_helpers.checkpoint.sharded import ShardedCheckpoint
 
 __all__ = ["FORMAT", "CheckpointCorrupt", "CheckpointError", "CheckpointInfo", "CheckpointManager",

@@ -1,8 +1,5 @@
 """Crash-safe training checkpoints: a run killed at any moment never damages one, and a rerun resumes.
 
-(Sharded models are saved as torch.distributed.checkpoint directories ``ckpt-00001200.dcp/`` by
-`CheckpointManager.save_sharded`, with the same manifest, atomic rename and checks: see `sharded.py`.)
-
 Preemptible TPUs and Colab disconnects stop a process mid-write. Every file here is written to a temp file in
 the same directory, fsynced and renamed over the final name, so a reader sees the old file or the new one,
 never half of one. Each ``ckpt-00001200.pt`` gets a ``ckpt-00001200.json`` manifest (sha256 and size of the
@@ -21,7 +18,9 @@ Usage (the trainer moves tensors to the CPU first; this module never touches tor
 Checkpoints are loaded with ``torch.load(weights_only=False)`` because states hold optimizer and RNG objects
 that the safe loader refuses. That unpickles arbitrary objects: only load checkpoints you wrote yourself.
 
-The atomic file writing itself (temp file, fsync, rename) is `tpu_helpers.atomic_io`, which other modules use too.
+Sharded models are saved as torch.distributed.checkpoint directories ``ckpt-00001200.dcp/`` by `save_sharded`,
+with the same manifest, renames and checks (`sharded.py`); how each looks on disk is `layout.py`. The atomic file
+writing itself (temp file, fsync, rename) is `tpu_helpers.atomic_io`, which other modules use too.
 """
 
 from __future__ import annotations
@@ -33,59 +32,17 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tpu_helpers.atomic_io import (
-    DISK_FULL,
-    atomic_write_text,
-    fsync_dir,
-    sha256_file,
-    write_temp,
-)
-from tpu_helpers.checkpoint import sharded
+from tpu_helpers.atomic_io import DISK_FULL, atomic_write_text, fsync_dir, write_temp
+from tpu_helpers.checkpoint import layout, sharded
+from tpu_helpers.checkpoint.layout import CheckpointCorrupt, CheckpointError, CheckpointInfo
 
-FORMAT = 1
-_CKPT_RE = re.compile(r"^ckpt-(\d{8,})\.(pt|json|dcp)$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be saved or loaded."""
-
-
-class CheckpointCorrupt(CheckpointError):
-    """A checkpoint exists but is incomplete or damaged."""
-
-
-@dataclass
-class CheckpointInfo:
-    path: Path
-    step: int
-    valid: bool
-    reason: str | None
-    interrupted: bool = False  # a save of ours was cut short here (its marker exists): nothing to recover
-
-    @property
-    def unverifiable(self) -> bool:
-        """Data that may be good but cannot be checked: a .pt whose manifest is missing or unreadable."""
-        return (not self.valid and not self.interrupted and self.path.exists()
-                and self.reason is not None and self.reason.startswith(("no manifest", "unreadable manifest")))
-
-
-def _tensor_bytes(obj: Any, seen: set[int] | None = None) -> int:
-    """Rough size of the tensors in a state, to tell the user how much space a failed save needed."""
-    seen = set() if seen is None else seen
-    if isinstance(obj, torch.Tensor):
-        storage = obj.untyped_storage()  # views and tied weights share one storage, which is saved once
-        new = storage.data_ptr() not in seen
-        seen.add(storage.data_ptr())
-        return storage.nbytes() if new else 0
-    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
-    return sum(_tensor_bytes(v, seen) for v in items)
+__all__ = ["CheckpointCorrupt", "CheckpointError", "CheckpointInfo", "CheckpointManager"]
 
 
 class CheckpointManager:
@@ -111,50 +68,24 @@ class CheckpointManager:
 
     def save(self, step: int, state: dict, meta: dict | None = None) -> Path:
         """Atomically write checkpoint ``step`` and its manifest, then prune. Raises CheckpointError."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        _check_step(step)
         path = self.directory / f"ckpt-{step:08d}.pt"
         if not self.is_main:
             return path
-        manifest_path = path.with_suffix(".json")
         started = time.time()
-        temps: list[Path] = []
+        tmp_pt = None
         try:
             meta_json = json.loads(json.dumps(meta or {}))  # fail before writing gigabytes, not after
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._make_room(step, _tensor_bytes(state))
+            self._make_room(step, layout.tensor_bytes(state))
             tmp_pt, writer = write_temp(path, lambda w: torch.save(state, w))
-            temps.append(tmp_pt)
-            created = datetime.now(timezone.utc).isoformat(timespec="seconds")
-            manifest = {
-                "format": FORMAT,
-                "step": step,
-                "sha256": writer.sha.hexdigest(),
-                "bytes": writer.size,
-                "created": created,
-                "meta": meta_json,
-            }
-            text = json.dumps(manifest, indent=2) + "\n"
-            tmp_json, _ = write_temp(manifest_path, lambda w: w.write(text.encode()))
-            temps.append(tmp_json)
-            # Everything that can run out of space is done; only renames are left. Dropping an old manifest
-            # of the same step first means a crash between the renames reads as "interrupted", not as rot.
-            # The marker says so on disk: a .pt without a manifest and without a marker is data whose manifest
-            # was lost (copied without it, dropped by a sync), which discovery must not treat as disposable.
-            marker = self._marker(step)
-            os.close(os.open(marker, os.O_WRONLY | os.O_CREAT, 0o666))
-            fsync_dir(self.directory)
-            manifest_path.unlink(missing_ok=True)
-            _remove(path.with_suffix(sharded.SUFFIX))  # this step saved sharded before the run was resumed
-            os.replace(tmp_pt, path)
-            os.replace(tmp_json, manifest_path)
-            fsync_dir(self.directory)
-            marker.unlink(missing_ok=True)
+            layout.commit(tmp_pt, path, {"format": layout.FORMAT, "step": step, "sha256": writer.sha.hexdigest(),
+                                         "bytes": writer.size, "created": _now(), "meta": meta_json})
         except Exception as e:
-            raise CheckpointError(self._save_failure(step, _tensor_bytes(state), e)) from e
+            raise CheckpointError(self._save_failure(step, layout.tensor_bytes(state), e)) from e
         finally:
-            for tmp in temps:
-                tmp.unlink(missing_ok=True)
+            if tmp_pt is not None:
+                tmp_pt.unlink(missing_ok=True)
         self._after_save(step, path, started)
         return path
 
@@ -176,8 +107,7 @@ class CheckpointManager:
         checkpoints as they were. Returns the directory, or the nan/inf names (then nothing is kept). `size`: the
         tensors' bytes, to make room on a full disk; `barrier` waits for every process.
         """
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        _check_step(step)
         path = self.directory / f"ckpt-{step:08d}{sharded.SUFFIX}"
         temp = self.directory / f".ckpt-{step:08d}{sharded.SUFFIX}.tmp"
         started = time.time()
@@ -186,49 +116,24 @@ class CheckpointManager:
                 meta_json = json.loads(json.dumps(meta or {}))
                 self.directory.mkdir(parents=True, exist_ok=True)
                 self._make_room(step, size)
-                _remove(temp)
+                layout.remove(temp)
                 temp.mkdir()
             barrier()
             bad = write(temp)
             barrier()
             if bad or not self.is_main:
-                if bad and self.is_main:
-                    _remove(temp)
                 return bad
-            tmp_state, _ = write_temp(temp / sharded.STATE_FILE,
-                                      lambda w: torch.save({**state, "sharded_by": writer}, w))
-            os.replace(tmp_state, temp / sharded.STATE_FILE)
-            files = {}
-            for file in sorted(temp.iterdir()):
-                with open(file, "rb") as f:  # DCP's writer fsyncs what it wrote; this covers the rest
-                    os.fsync(f.fileno())
-                files[file.name] = {"bytes": file.stat().st_size, "sha256": sha256_file(file)}
-            fsync_dir(temp)
-            manifest = {"format": FORMAT, "step": step, "kind": "dcp", "writer": writer, "files": files,
-                        "bytes": sum(f["bytes"] for f in files.values()),
-                        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "meta": meta_json}
-            manifest_path = path.with_suffix(".json")
-            text = json.dumps(manifest, indent=2) + "\n"
-            tmp_json, _ = write_temp(manifest_path, lambda w: w.write(text.encode()))
-            marker = self._marker(step)  # as in `save`: a directory without manifest reads as interrupted
-            os.close(os.open(marker, os.O_WRONLY | os.O_CREAT, 0o666))
-            fsync_dir(self.directory)
-            manifest_path.unlink(missing_ok=True)
-            _remove(path)
-            path.with_suffix(".pt").unlink(missing_ok=True)
-            os.replace(temp, path)
-            os.replace(tmp_json, manifest_path)
-            fsync_dir(self.directory)
-            marker.unlink(missing_ok=True)
+            files = sharded.finish(temp, state, writer)
+            layout.commit(temp, path, {"format": layout.FORMAT, "step": step, "kind": "dcp", "writer": writer,
+                                       "files": files, "bytes": sum(f["bytes"] for f in files.values()),
+                                       "created": _now(), "meta": meta_json})
         except Exception as e:
-            if self.is_main:
-                _remove(temp)
             raise CheckpointError(self._save_failure(step, size, e)) from e
+        finally:
+            if self.is_main:
+                layout.remove(temp)
         self._after_save(step, path, started)
         return path
-
-    def _marker(self, step: int) -> Path:
-        return self.directory / f".ckpt-{step:08d}.saving"
 
     def _make_room(self, step: int, size: int) -> None:
         """Prune before writing when the disk cannot hold one more checkpoint (pruning normally follows a save).
@@ -242,7 +147,7 @@ class CheckpointManager:
             return
         existing = [self.path_for(s) for s in sorted(self._steps(), reverse=True)]
         newest = next((p for p in existing if p.exists()), None)  # its size, unverified: hashing costs seconds
-        needed = _size(newest) if newest is not None else size
+        needed = layout.size(newest) if newest is not None else size
         if free >= needed * 1.1 + (1 << 20):
             return
         keep = max(1, self.keep_last - 1)
@@ -284,7 +189,7 @@ class CheckpointManager:
             if anchor is not None and step < anchor and kept >= self.keep_last:
                 self._delete(step)  # beyond the quota either way: no need to hash it
                 continue
-            valid = self._verify(self.path_for(step)).valid
+            valid = layout.verify(self.path_for(step)).valid
             if anchor is None and valid:
                 anchor = step
             if anchor is None or step > anchor:
@@ -304,7 +209,7 @@ class CheckpointManager:
         for tmp in [*self.directory.glob(".ckpt-*.tmp"), *self.directory.glob(".run.json.*.tmp")]:
             try:
                 if tmp.stat().st_mtime < temps_before:
-                    _remove(tmp)
+                    layout.remove(tmp)
             except OSError:
                 pass
 
@@ -313,81 +218,22 @@ class CheckpointManager:
         # Data first: a kill in between leaves a lone manifest, which reads as "data file missing" and is cleaned
         # up later. The other order would leave a .pt without a manifest and without a save marker, which
         # discovery must treat as data it cannot verify (a lost manifest) and refuse to start over.
-        _remove(path)
+        layout.remove(path)
         path.with_suffix(".json").unlink(missing_ok=True)
 
     def _steps(self) -> set[int]:
         if not self.directory.is_dir():
             return set()
-        return {int(m.group(1)) for p in self.directory.iterdir() if (m := _CKPT_RE.match(p.name))}
-
-    def _verify(self, path: Path, *, deep: bool = True) -> CheckpointInfo:
-        """Check `path` against its manifest; `deep=False` stops after reading the manifest (no size or hash)."""
-        m = _CKPT_RE.match(path.name)
-        if m is None or m.group(2) == "json":
-            raise ValueError(f"{path} is not a checkpoint (expected a name like ckpt-00000012.pt or .dcp)")
-        step = int(m.group(1))
-
-        def bad(reason: str) -> CheckpointInfo:
-            return CheckpointInfo(path, step, False, reason)
-
-        manifest_path = path.with_suffix(".json")
-        if not path.exists():
-            return bad("data file missing (only the manifest exists)")
-        if not manifest_path.exists():
-            if self._marker(step).exists():
-                return CheckpointInfo(path, step, False, "no manifest: its save was interrupted", interrupted=True)
-            return bad("no manifest (it was not copied, or a sync dropped it); the data cannot be verified")
-        try:
-            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-            if path.is_dir():
-                expected = {str(k): (int(v["bytes"]), str(v["sha256"])) for k, v in manifest["files"].items()}
-            else:
-                expected = {None: (int(manifest["bytes"]), str(manifest["sha256"]))}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            return bad(f"unreadable manifest: {type(e).__name__}: {e}")
-        if manifest.get("format") != FORMAT:
-            return bad(f"unsupported manifest format {manifest.get('format')!r}")
-        if manifest.get("step") != step:
-            return bad(f"manifest says step {manifest.get('step')!r} but the file name says {step}")
-        if not deep:
-            return CheckpointInfo(path, step, True, None)
-        for name, (expected_size, expected_sha) in expected.items():
-            file = path if name is None else path / name
-            where = "" if name is None else f"{name}: "
-            try:  # a dying disk fails reads with EIO: that is damage to report, not a crash of the caller
-                if not file.is_file():
-                    return bad(f"{where}missing")
-                size = file.stat().st_size
-                if size < expected_size:
-                    return bad(f"{where}truncated: {size} of {expected_size} bytes")
-                if size != expected_size:
-                    return bad(f"{where}size mismatch: {size} bytes, manifest says {expected_size}")
-                if sha256_file(file) != expected_sha:
-                    return bad(f"{where}checksum mismatch")
-            except OSError as e:
-                return bad(f"{where}unreadable: {e}")
-        return CheckpointInfo(path, step, True, None)
-        try:  # a dying disk fails reads with EIO: that is damage to report, not a crash of the caller
-            size = path.stat().st_size
-            if size < expected_size:
-                return bad(f"truncated: {size} of {expected_size} bytes")
-            if size != expected_size:
-                return bad(f"size mismatch: {size} bytes, manifest says {expected_size}")
-            if sha256_file(path) != expected_sha:
-                return bad("checksum mismatch")
-        except OSError as e:
-            return bad(f"unreadable: {e}")
-        return CheckpointInfo(path, step, True, None)
+        return {int(m.group(1)) for p in self.directory.iterdir() if (m := layout.CKPT_RE.match(p.name))}
 
     def list(self) -> list[CheckpointInfo]:
         """All checkpoints (complete or not) sorted by step, each verified against its manifest."""
-        return [self._verify(self.path_for(s)) for s in sorted(self._steps())]
+        return [layout.verify(self.path_for(s)) for s in sorted(self._steps())]
 
     def latest(self) -> CheckpointInfo | None:
         """The newest valid checkpoint, or None."""
         for step in sorted(self._steps(), reverse=True):
-            info = self._verify(self.path_for(step))
+            info = layout.verify(self.path_for(step))
             if info.valid:
                 return info
         return None
@@ -401,11 +247,11 @@ class CheckpointManager:
         """
         if any_valid is None:
             any_valid = self.latest() is not None
-        shallow = [self._verify(self.path_for(s), deep=False) for s in sorted(self._steps())]
+        shallow = [layout.verify(self.path_for(s), deep=False) for s in sorted(self._steps())]
         if any_valid:
             return [i for i in shallow if i.unverifiable]
         # None is valid, so hashing them all costs nothing that resuming would not have spent.
-        return [i for i in (self._verify(i.path) for i in shallow) if not i.valid and not i.interrupted
+        return [i for i in (layout.verify(i.path) for i in shallow) if not i.valid and not i.interrupted
                 and i.path.exists()]
 
     def set_aside(self) -> Path | None:
@@ -415,7 +261,7 @@ class CheckpointManager:
         """
         if not self.is_main or not self.directory.is_dir():
             return None
-        names = [p for p in self.directory.iterdir() if _CKPT_RE.match(p.name) or p.name == self.run_info_path.name
+        names = [p for p in self.directory.iterdir() if layout.CKPT_RE.match(p.name) or p.name == self.run_info_path.name
                  or (p.name.startswith(".ckpt-") and p.name.endswith(".saving"))]
         if not names:
             return None
@@ -442,7 +288,7 @@ class CheckpointManager:
         path = self.path_for(step_or_path) if isinstance(step_or_path, int) else Path(step_or_path)
         if not path.exists() and not path.with_suffix(".json").exists():
             raise FileNotFoundError(f"no checkpoint {path}")
-        info = self._verify(path)
+        info = layout.verify(path)
         if not info.valid:
             raise CheckpointCorrupt(f"checkpoint {path} is damaged: {info.reason}")
         try:
@@ -460,7 +306,7 @@ class CheckpointManager:
         """
         damaged = 0
         for step in sorted(self._steps(), reverse=True):
-            info = self._verify(self.path_for(step))
+            info = layout.verify(self.path_for(step))
             if info.valid:
                 try:
                     return step, self._torch_load(info.path, map_location)
@@ -502,13 +348,10 @@ class CheckpointManager:
         return info
 
 
-def _remove(path: Path) -> None:
-    """Delete a file or a (sharded checkpoint) directory; nothing if it is not there."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink(missing_ok=True)
+def _check_step(step: Any) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
 
 
-def _size(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.iterdir()) if path.is_dir() else path.stat().st_size
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -19,6 +19,7 @@ The backend supplies the sharded state dicts and DCP planners (torch_xla's SPMD 
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -136,3 +137,19 @@ def read_state(path: Path) -> dict:
         raise ValueError(f"{Path(path) / STATE_FILE} is not the state file of a sharded checkpoint")
     state["sharded"] = ShardedCheckpoint(path, state.pop("sharded_by"))
     return state
+
+
+def finish(directory: Path, state: dict, writer: str) -> dict[str, dict]:
+    """After DCP wrote the tensors into `directory`: add the small `state` (`STATE_FILE`, noting the `writer`),
+    make every file durable, and return {file name: {"bytes", "sha256"}} for the manifest."""
+    from tpu_helpers.atomic_io import fsync_dir, sha256_file, write_temp
+
+    tmp, _ = write_temp(directory / STATE_FILE, lambda w: torch.save({**state, "sharded_by": writer}, w))
+    os.replace(tmp, directory / STATE_FILE)
+    files = {}
+    for file in sorted(directory.iterdir()):
+        with open(file, "rb") as f:  # DCP's writer fsyncs what it wrote; this covers the rest
+            os.fsync(f.fileno())
+        files[file.name] = {"bytes": file.stat().st_size, "sha256": sha256_file(file)}
+    fsync_dir(directory)
+    return files
