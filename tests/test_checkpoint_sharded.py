@@ -119,3 +119,21 @@ def test_a_checkpoint_of_another_model_is_a_clear_error(tmp_path: Path) -> None:
     template = {"model": other.state_dict(), "optimizer": torch.optim.AdamW(other.parameters()).state_dict()}
     with pytest.raises(ValueError, match=r"torch\.distributed\.checkpoint failed on .*ckpt-00000001\.dcp"):
         state["sharded"].load_into(template, None)
+
+
+def test_files_written_elsewhere_are_an_error_not_a_checkpoint_with_holes(tmp_path: Path) -> None:
+    """On a pod each host writes its own shard files; an out_dir the hosts do not share misses the others'."""
+    from tpu_helpers.checkpoint import CheckpointError
+
+    model, opt = _model_and_optimizer()
+    mgr = CheckpointManager(tmp_path)
+
+    def write_on_another_disk(directory: Path) -> list[str]:
+        bad = sharded.write(directory, {"model": model.state_dict(), "optimizer": opt.state_dict()},
+                            DefaultSavePlanner())
+        next(directory.glob("*.distcp")).unlink()  # what host 0 sees when host 1 wrote to its own disk
+        return bad
+
+    with pytest.raises(CheckpointError, match=r"lacks __0_0\.distcp.*storage every host mounts"):
+        mgr.save_sharded(1, {"step": 1}, write_on_another_disk, writer="test")
+    assert mgr.list() == [] and not list(tmp_path.glob(".ckpt-*"))

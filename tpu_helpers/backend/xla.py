@@ -187,10 +187,9 @@ class XlaBackend(Backend):
             sharding_xla.reshard_after_load(model, optimizer, self.mesh)
 
     def sharded_writer(self, model: torch.nn.Module) -> str | None:
-        # Sharded over several chips of this host: DCP with torch_xla's SPMD planners. On a pod every host would
-        # need a process group to agree on one checkpoint; there fsdp stays within a host and host 0 saves whole.
-        sharded = self.mesh is not None and self.mesh_shape[1] > 1 and self.world_size == 1
-        return "xla-spmd" if sharded else None
+        # Sharded over several chips: DCP with torch_xla's SPMD planners, each host writing the shards its chips
+        # hold (on a pod the hosts agree through the gloo group that `barrier` starts, before DCP is called).
+        return "xla-spmd" if self.mesh is not None and self.mesh_shape[1] > 1 else None
 
     def sharded_tensors(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         from tpu_helpers.backend import sharding_xla

@@ -70,7 +70,14 @@ def write(directory: Path, tensors: dict, planner: Any) -> list[str]:
 
     with _dcp_errors(directory):
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(directory)), planner=planner)
-    return list(getattr(planner, "nonfinite", []))
+    bad = list(getattr(planner, "nonfinite", []))
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:  # all processes must agree to keep it or not
+        everyone: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(everyone, bad)
+        bad = sorted({name for names in everyone for name in names})
+    return bad
 
 
 @contextlib.contextmanager
@@ -144,6 +151,7 @@ def finish(directory: Path, state: dict, writer: str) -> dict[str, dict]:
     make every file durable, and return {file name: {"bytes", "sha256"}} for the manifest."""
     from tpu_helpers.atomic_io import fsync_dir, sha256_file, write_temp
 
+    _check_complete(directory)
     tmp, _ = write_temp(directory / STATE_FILE, lambda w: torch.save({**state, "sharded_by": writer}, w))
     os.replace(tmp, directory / STATE_FILE)
     files = {}
@@ -153,3 +161,17 @@ def finish(directory: Path, state: dict, writer: str) -> dict[str, dict]:
         files[file.name] = {"bytes": file.stat().st_size, "sha256": sha256_file(file)}
     fsync_dir(directory)
     return files
+
+
+def _check_complete(directory: Path) -> None:
+    """Every file DCP's metadata refers to is here. On a pod each host writes its own files into the directory,
+    so an out_dir that the hosts do not share would otherwise give a checkpoint with holes."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(str(directory)).read_metadata()
+    wanted = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    missing = sorted(name for name in wanted if not (directory / name).is_file())
+    if missing:
+        raise FileNotFoundError(
+            f"{directory} lacks {', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}, written by other "
+            "processes: on a pod slice out_dir must be storage every host mounts (Filestore, a gcsfuse bucket)")

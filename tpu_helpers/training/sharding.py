@@ -116,8 +116,9 @@ def checkpoints_blocks(config: Any, backend: Any) -> bool:
 
 
 def check_hosts(fsdp: int, devices: int, hosts: int) -> None:
-    """On a pod slice (several hosts), FSDP must stay within each host's chips: checkpoints are gathered per host
-    (sharded checkpoints across hosts, torch.distributed.checkpoint, are not written yet)."""
+    """On a pod slice (several hosts), FSDP stays within each host's chips: LoRA's adapters (saved whole) and the
+    exports are gathered on each host, which needs every shard of a tensor on that host's chips; and several hosts
+    cannot be simulated here, so fsdp spanning hosts is not offered untested. Full models save sharded either way."""
     per_host = devices // max(1, hosts)
     if hosts > 1 and fsdp > per_host:
         raise ShardingError(f"fsdp over {fsdp} chips spans several of the {hosts} hosts ({per_host} chips each); "
