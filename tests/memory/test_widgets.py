@@ -103,9 +103,10 @@ def test_suggestion_turns_on_checkpointing_or_says_the_model_needs_sharding():
     assert s.text.startswith("not even batch 1/chip fits: turn on gradient checkpointing")
     panel.apply_suggestion()
     assert panel.state.gradient_checkpointing and panel.verdict()["fits"]
-    huge = TuningPanel(preset="medium", n_layer=400, seq_len=1024, batch_size=1, hardware="v5e", chips=8)
+    # Too big for the slice even with fsdp over all its chips: advice (how many chips), nothing to apply.
+    huge = TuningPanel(preset="medium", n_layer=400, seq_len=1024, batch_size=1, hardware="v5e", chips=1)
     s = huge.suggestion()
-    assert s.changes is None and "sharding" in s.text
+    assert s.changes is None and "it needs fsdp over 8 chips (sharding='fsdp' on a slice of 8" in s.text, s.text
     with pytest.raises(ValueError, match="nothing to apply"):
         huge.apply_suggestion()
 
@@ -145,6 +146,7 @@ def test_presets_load_the_notebooks_configurations():
         assert (st.preset, st.seq_len, st.batch_size, st.steps) == (p["PRESET"], p["SEQ_LEN"], p["BATCH_SIZE"],
                                                                      p["STEPS"])
         assert (st.hardware, st.chips, st.precision) == (hardware, chips, precision)
+        assert st.sharding == ("fsdp" if "fsdp" in name else p.get("SHARDING", "data"))
     panel.load_preset("TPU VM v5e-8")
     assert panel.state.global_batch == 64 == panel.result()["global_batch"] and panel.state.accumulation == 1
     panel.load_preset("Colab TPU v6e-1")

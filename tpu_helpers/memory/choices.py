@@ -118,11 +118,14 @@ NOTEBOOK_PRESETS: dict[str, tuple[str, str, int, str]] = {
     "Colab TPU v5e-1": ("colab-v5e-1", "v5e", 1, "bf16"),
     "Colab TPU v6e-1": ("colab-v6e-1", "v6e", 1, "bf16"),
     "TPU VM v5e-8": ("tpuvm-v5e-8", "v5e", 8, "bf16"),
+    "TPU VM v5e-8, SHARDING fsdp": ("tpuvm-v5e-8", "v5e", 8, "bf16"),
     # The fine-tuning notebook's offline model: sizes read from its Hugging Face config (see hf_model_settings).
     "fine-tune tiny Qwen2 (CPU)": ("cpu", "cpu", 1, "fp32"),
 }
 # Presets whose model is a Hugging Face config: (notebook, the MODEL it gets from the target).
 _HF_PRESETS = {"fine-tune tiny Qwen2 (CPU)": "finetune_llm"}
+# Presets that run their target's notebook with another SHARDING (the v5e-8 notebook's parameter).
+_SHARDING_PRESETS = {"TPU VM v5e-8, SHARDING fsdp": "fsdp"}
 
 
 def hf_model_settings(model: Any) -> dict:
@@ -172,7 +175,7 @@ def preset_settings(name: str) -> dict:
     p = TARGETS[target].params
     settings = {"preset": p["PRESET"], "seq_len": p["SEQ_LEN"], "batch_size": p["BATCH_SIZE"], "hardware": hardware,
                 "chips": chips, "precision": precision, "steps": p["STEPS"], "gradient_checkpointing": False,
-                "sharding": p.get("SHARDING", "data"), **GPT_SIZES}
+                "sharding": _SHARDING_PRESETS.get(name, p.get("SHARDING", "data")), **GPT_SIZES}
     if name in _HF_PRESETS:
         p = {**p, **TARGETS[target].notebooks[_HF_PRESETS[name]]}
         settings.update(hf_model_settings(p["MODEL"]), seq_len=p["SEQ_LEN"], batch_size=p["BATCH_SIZE"],
