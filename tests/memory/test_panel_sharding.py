@@ -120,6 +120,9 @@ def test_the_sharding_choices_follow_the_slice():
     assert keep_sharding("2x4", 16, v5e) == "4x4"  # the fsdp size kept, the data size adjusted
     assert keep_sharding("2x4", 4, v5e) == "fsdp" and keep_sharding("fsdp", 16, v5e) == "2x8"
     assert keep_sharding("2x4", 8, h100) == "fsdp" and keep_sharding("data", 16, v5e) == "data"
+    # The plan on a 2-host slice lists what the trainer allows: fsdp up to one host's 8 chips.
+    assert list(xl_panel(chips=16).result()["per_chip_bytes_by_sharding"]) == ["data", "fsdp x2", "fsdp x4",
+                                                                             "fsdp x8"]
 
 
 def test_when_nothing_on_the_slice_fits_the_panel_says_what_it_needs():

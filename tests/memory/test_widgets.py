@@ -304,7 +304,7 @@ def test_tuning_notebook_records_its_numbers(tmp_path):
     out_dir = tmp_path / "tuning"
     pm.execute_notebook(str(NOTEBOOKS["batch_size_tuning"]), str(tmp_path / "out.ipynb"), kernel_name="python3",
                         parameters={"DEVICE": "cpu", "PRESET": "tiny", "SEQ_LEN": 64, "BATCH_SIZE": 8,
-                                    "HARDWARE": "t4", "CHIPS": 2, "PROBE": True, "PROBE_MAX_TRIES": 4,
+                                    "HARDWARE": "t4", "CHIPS": 2, "SHARDING": "fsdp", "PROBE": True, "PROBE_MAX_TRIES": 4,
                                     "PROBE_MAX_BATCH": 256, "PROBE_CPU_LIMIT_MB": 64,
                                     "OUT_DIR": str(out_dir)}, progress_bar=False)
     results = json.loads((out_dir / "results.json").read_text())
@@ -312,6 +312,8 @@ def test_tuning_notebook_records_its_numbers(tmp_path):
     assert results["hardware"] == "NVIDIA T4" and results["global_batch"] == 16 and results["fits"]
     assert results["max_batch_size"] >= 8 and results["step_seconds_estimate"] > 0
     assert results["verdict"]["headline"] == "FITS" and any("no bf16" in w for w in results["warnings"])
+    assert (results["sharding"], results["fsdp_chips"]) == ("fsdp", 2)
+    assert results["sharding_text"].startswith("sharding='fsdp' (fsdp over 2 chips)")
     probe = results["probe"]
     assert 0 < probe["max_batch_size"] < 256 and any(not t["ok"] for t in probe["tries"])
     assert len(probe["tries"]) <= 4 and probe["device"].startswith("CPU") and probe["memory_limit_bytes"] == 64 << 20
