@@ -212,7 +212,7 @@ class TuningPanel(ProbeMixin):
             "max_batch_size": report.max_batch_size, "global_batch": global_batch, "tokens_per_step": tokens,
             "step_seconds_estimate": step_s, "run_hours_estimate": None if step_s is None else step_s * st.steps / 3600,
             "run_cost_usd_estimate": cost, "hardware": spec.name, "attention": "math" if spec.kind == "tpu" else "flash",
-            "sharding": st.sharding, "fsdp_chips": fsdp, "sharding_text": self._sharding_text(st, report, plan),
+            "sharding": st.sharding, "fsdp_chips": fsdp, "sharding_text": self._sharding_text(st, fsdp, report, plan),
             "per_chip_bytes_by_sharding": {k: v.peak_bytes for k, v in plan.per_chip.items()},
             "settings": dataclasses.asdict(st),
         }
@@ -240,10 +240,14 @@ class TuningPanel(ProbeMixin):
         """Per-chip bytes under the chosen SHARDING, then the plan's advice over data parallel and fsdp."""
         return self._result["sharding_text"]
 
-    def _sharding_text(self, st: TuningState, report: MemoryReport, plan: ShardingPlan) -> str:
-        fsdp = check_panel_sharding(st.sharding, st.chips, resolve_hardware(st.hardware))[1]
-        return (f"sharding={st.sharding!r} ({_mesh_text(fsdp, st.chips)}): {format_bytes(report.estimate.peak_bytes)} "
-                f"per chip at batch {st.batch_size}/chip. {plan.advice()}")
+    @staticmethod
+    def _sharding_text(st: TuningState, fsdp: int, report: MemoryReport, plan: ShardingPlan) -> str:
+        advice = plan.advice()  # says the data-parallel figure: the chosen one is added when it is sharded
+        advice = advice[0].upper() + advice[1:]
+        if fsdp == 1:
+            return advice
+        return (f"sharding={st.sharding!r} ({_mesh_text(fsdp, st.chips)}): {format_bytes(report.estimate.peak_bytes)}"
+                f" per chip at batch {st.batch_size}/chip. {advice}")
 
     def apply_suggestion(self) -> dict:
         s = self.suggestion()
