@@ -168,7 +168,9 @@ def test_the_widget_sharding_control_drives_the_panel():
     assert panel.state.sharding == "fsdp" and list(c["sharding"].options) == ["data", "fsdp"]
     c["config"].value = "TPU VM v5e-8"
     assert c["sharding"].value == "data" and panel.state.n_layer is None
-    panel.load_hf_model(QWEN2_15B)
+    panel.load_hf_model({**QWEN2_15B, "num_hidden_layers": 2, "hidden_size": 96, "intermediate_size": 256,
+                         "num_attention_heads": 4, "vocab_size": 512})
     view._sync_controls()
+    assert panel.state.model_params and panel.state.n_layer == 2
     c["preset"].value = "mini"  # a GPT preset: the Hugging Face sizes no longer apply
     assert panel.state.n_layer is None and panel.state.model_params is None and panel.state.block_params is None
