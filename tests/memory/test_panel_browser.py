@@ -5,8 +5,8 @@ JupyterLab runs on 127.0.0.1 (a free port, a random token, its settings in a tem
 through ``executable_path`` (Playwright's own browser download is not used). The test runs all cells, then at
 1280x900 and 1920x1080 checks that every control lies inside the visible panel with its label uncut, that each
 change updates the figures and the chart, that a bad value marks them stale, that "apply suggestion" changes the
-controls, and that the probe shows a busy state and then its result. Screenshots go to ``$TPU_HELPERS_ARTIFACTS``
-(default ``runs/browser-test/``).
+controls, that the sharding control applies a typed value, and that the probe shows a busy state and then its
+result. Screenshots go to ``$TPU_HELPERS_ARTIFACTS`` (default ``runs/browser-test/``).
 
 Without a chromium the test is skipped, except in CI (``CI=true``), where it fails: CI must run it.
 """
@@ -270,6 +270,18 @@ def test_panel_in_jupyterlab_at_laptop_and_desktop_width(lab):
             assert page.locator(".tpu-verdict").inner_text().startswith("FITS")
 
             mark("apply")
+            # The sharding control (a Combobox: typed, applied on Enter): fsdp over the 8 chips, then a bad mesh.
+            before = _state(page)
+            _fill(page, "sharding", "fsdp")
+            _changed(page, before, "sharding fsdp")
+            assert "with fsdp over 8 chips" in page.locator(".tpu-verdict").inner_text()
+            assert page.locator(".tpu-sharding").inner_text().startswith("Sharding: sharding='fsdp' (fsdp over 8")
+            _fill(page, "sharding", "3x3")
+            page.wait_for_selector(".tpu-error :text('3x3')", timeout=20_000)
+            _fill(page, "sharding", "data")
+            page.wait_for_function("() => !document.querySelector('.tpu-verdict').innerText.includes('STALE')",
+                                   timeout=20_000)
+            mark("sharding")
             # 1920 px: the same, spread out.
             page.set_viewport_size({"width": 1920, "height": 1080})
             page.wait_for_timeout(500)

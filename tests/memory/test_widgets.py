@@ -103,9 +103,10 @@ def test_suggestion_turns_on_checkpointing_or_says_the_model_needs_sharding():
     assert s.text.startswith("not even batch 1/chip fits: turn on gradient checkpointing")
     panel.apply_suggestion()
     assert panel.state.gradient_checkpointing and panel.verdict()["fits"]
-    huge = TuningPanel(preset="medium", n_layer=400, seq_len=1024, batch_size=1, hardware="v5e", chips=8)
+    # Too big for the slice even with fsdp over all its chips: advice (how many chips), nothing to apply.
+    huge = TuningPanel(preset="medium", n_layer=400, seq_len=1024, batch_size=1, hardware="v5e", chips=1)
     s = huge.suggestion()
-    assert s.changes is None and "sharding" in s.text
+    assert s.changes is None and "it needs fsdp over 8 chips (sharding='fsdp' on a slice of 8" in s.text, s.text
     with pytest.raises(ValueError, match="nothing to apply"):
         huge.apply_suggestion()
 
@@ -145,6 +146,7 @@ def test_presets_load_the_notebooks_configurations():
         assert (st.preset, st.seq_len, st.batch_size, st.steps) == (p["PRESET"], p["SEQ_LEN"], p["BATCH_SIZE"],
                                                                      p["STEPS"])
         assert (st.hardware, st.chips, st.precision) == (hardware, chips, precision)
+        assert st.sharding == ("fsdp" if "fsdp" in name else p.get("SHARDING", "data"))
     panel.load_preset("TPU VM v5e-8")
     assert panel.state.global_batch == 64 == panel.result()["global_batch"] and panel.state.accumulation == 1
     panel.load_preset("Colab TPU v6e-1")
@@ -302,7 +304,7 @@ def test_tuning_notebook_records_its_numbers(tmp_path):
     out_dir = tmp_path / "tuning"
     pm.execute_notebook(str(NOTEBOOKS["batch_size_tuning"]), str(tmp_path / "out.ipynb"), kernel_name="python3",
                         parameters={"DEVICE": "cpu", "PRESET": "tiny", "SEQ_LEN": 64, "BATCH_SIZE": 8,
-                                    "HARDWARE": "t4", "CHIPS": 2, "PROBE": True, "PROBE_MAX_TRIES": 4,
+                                    "HARDWARE": "t4", "CHIPS": 2, "SHARDING": "fsdp", "PROBE": True, "PROBE_MAX_TRIES": 4,
                                     "PROBE_MAX_BATCH": 256, "PROBE_CPU_LIMIT_MB": 64,
                                     "OUT_DIR": str(out_dir)}, progress_bar=False)
     results = json.loads((out_dir / "results.json").read_text())
@@ -310,6 +312,8 @@ def test_tuning_notebook_records_its_numbers(tmp_path):
     assert results["hardware"] == "NVIDIA T4" and results["global_batch"] == 16 and results["fits"]
     assert results["max_batch_size"] >= 8 and results["step_seconds_estimate"] > 0
     assert results["verdict"]["headline"] == "FITS" and any("no bf16" in w for w in results["warnings"])
+    assert (results["sharding"], results["fsdp_chips"]) == ("fsdp", 2)
+    assert results["sharding_text"].startswith("sharding='fsdp' (fsdp over 2 chips)")
     probe = results["probe"]
     assert 0 < probe["max_batch_size"] < 256 and any(not t["ok"] for t in probe["tries"])
     assert len(probe["tries"]) <= 4 and probe["device"].startswith("CPU") and probe["memory_limit_bytes"] == 64 << 20

@@ -65,7 +65,7 @@ def param_counts(cfg: GPTConfig) -> tuple[int, int, int]:
     d, bias, V = cfg.n_embd, int(cfg.bias), cfg.vocab_size
     ln = d * (1 + bias)
     matmul = 12 * d * d
-    per_layer = 2 * ln + matmul + bias * (3 * d + d + 4 * d + d)
+    per_layer = block_params(cfg)
     embed = V * d + cfg.block_size * d + (0 if cfg.tie_weights else V * d)
     total = cfg.n_layer * per_layer + ln + embed
     matmul_total = cfg.n_layer * matmul + V * d
@@ -76,6 +76,12 @@ def param_counts(cfg: GPTConfig) -> tuple[int, int, int]:
     vectors = total - sum(r * c for r, c in mats)
     factored = sum(r + c + 1 for r, c in mats) + vectors
     return total, matmul_total, factored
+
+
+def block_params(cfg: GPTConfig) -> int:
+    """Parameters of one transformer Block (attention, MLP, two LayerNorms): the FSDP unit gathered at a time."""
+    d, bias = cfg.n_embd, int(cfg.bias)
+    return 2 * d * (1 + bias) + 12 * d * d + bias * (3 * d + d + 4 * d + d)
 
 
 def analytic_estimate(

@@ -1,17 +1,21 @@
 """The batch-size tuning panel's logic, in plain Python (the ipywidgets view is ``tpu_helpers.memory.widgets``).
 
 :class:`TuningPanel` holds the choices (model, sequence length, per-chip batch, accumulation or a global batch,
-precision, gradient checkpointing, optimizer, target hardware and slice size, assumed MFU, run length) and, on every
-change, computes the analytic memory estimate against the target's HBM, a verdict (FITS / DOES NOT FIT, percent of
-HBM, the largest batch per chip), a suggestion that keeps the global batch, warnings, and an *estimated* step time
-and cost. A bad value is refused with a message naming it; the last good figures stay, marked stale::
+precision, gradient checkpointing, optimizer, target hardware, slice size and SHARDING, assumed MFU, run length) and,
+on every change, computes the analytic memory estimate per chip under that sharding against the target's HBM, a
+verdict (FITS / DOES NOT FIT, percent of HBM, the largest batch per chip), the sharding line (per-chip bytes under
+data parallel and fsdp, `tpu_helpers.memory.sharded`), a suggestion that keeps the global batch, warnings, and an
+*estimated* step time and cost. A bad value is refused with a message naming it; the last good figures stay,
+marked stale::
 
     panel = TuningPanel(preset="small", seq_len=1024, batch_size=36, hardware="v5e", chips=8)
     panel.verdict()["headline"]           # "DOES NOT FIT"
     panel.suggestion().text               # "largest batch 9/chip: use batch 9/chip x accumulation 4 for ..."
     panel.apply_suggestion()
+    panel.set(sharding="fsdp")            # parameters, gradients and optimizer state split over the 8 chips
+    panel.sharding_text()                 # "sharding='fsdp' (fsdp over 8 chips): ... per chip; training of ..."
     panel.load_preset("TPU VM v5e-8")     # the v5e-8 notebook's configuration (a global batch of 64)
-    panel.probe(backend)                  # the largest batch that really runs on this device
+    panel.probe(backend)                  # the largest batch that really runs on this device (panel_probe.py)
 
 ``panel.show_static()`` prints the figures and draws the chart (papermill runs).
 """
@@ -19,24 +23,28 @@ and cost. A bad value is refused with a message naming it; the last good figures
 from __future__ import annotations
 
 import dataclasses
-import threading
 from dataclasses import dataclass
 from typing import Any
 
 from tpu_helpers.hardware import format_bytes
-from tpu_helpers.memory.analytic import analytic_estimate, resolve_config
+from tpu_helpers.memory.analytic import analytic_estimate, block_params, param_counts, resolve_config
 from tpu_helpers.memory.choices import (
     check_chips,
+    check_panel_sharding,
     chips_text,
     cost_text,
     duration_text,
     hf_model_settings,
+    max_fsdp,
     precision_warning,
     preset_settings,
 )
 from tpu_helpers.memory.figure import figure_png, memory_figure
-from tpu_helpers.memory.report import MemoryReport, largest_fitting_batch, memory_report, resolve_hardware
+from tpu_helpers.memory.panel_probe import ProbeMixin
+from tpu_helpers.memory.report import MemoryEstimate, MemoryReport, memory_report, resolve_hardware
+from tpu_helpers.memory.sharded import ShardingPlan, shard_estimate, sharding_plan
 from tpu_helpers.memory.step import OPTIMIZERS, PRECISIONS
+from tpu_helpers.memory.suggest import Suggestion, suggest
 from tpu_helpers.models.gpt import PRESETS, flops_per_token
 
 
@@ -56,15 +64,12 @@ class TuningState:
     optimizer: str = "adamw"
     hardware: str = "v5e"
     chips: int = 8
+    sharding: str = "data"          # data | fsdp | DxF mesh (e.g. 2x4), as the trainer's SHARDING
     mfu: float = 0.4                # assumed model FLOP utilisation (an estimate, editable)
     steps: int = 10_000             # optimizer steps in the run, for the cost
     safety_margin: float = 0.1
-
-
-@dataclass(frozen=True)
-class Suggestion:
-    text: str
-    changes: dict | None  # None: advice only, nothing the panel can apply
+    model_params: int | None = None  # None: the GPT's own count; a Hugging Face model's (hf_model_settings)
+    block_params: int | None = None  # None: one GPT Block; one Hugging Face decoder layer (the FSDP unit)
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -72,22 +77,23 @@ def _positive_int(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
-def _split(samples_per_chip: int, limit: int) -> tuple[int, int]:
-    """Largest micro-batch <= ``limit`` dividing ``samples_per_chip``, and the accumulation that keeps the total."""
-    b = next(b for b in range(min(limit, samples_per_chip), 0, -1) if samples_per_chip % b == 0)
-    return b, samples_per_chip // b
+def _mesh_text(fsdp: int, chips: int) -> str:
+    if fsdp == 1:
+        return "data parallel"
+    groups = chips // fsdp
+    return f"fsdp over {fsdp} chips" + (f", {groups} data-parallel groups" if groups > 1 else "")
 
 
-class TuningPanel:
+class TuningPanel(ProbeMixin):
     """``set(**changes)`` validates and recomputes (raises on a bad value); ``update`` records the error instead."""
 
     def __init__(self, **values: Any) -> None:
         self.state = TuningState()
         self._result: dict = {}
         self.report: MemoryReport | None = None
+        self.plan: ShardingPlan | None = None
         self.error: str | None = None
-        self.probe_result = None
-        self._probe_lock = threading.Lock()
+        self._init_probe()
         self.set(**values)
 
     # ---- state --------------------------------------------------------------------------------------------------
@@ -112,9 +118,10 @@ class TuningPanel:
         """One of the notebooks' configurations (``choices.NOTEBOOK_PRESETS``)."""
         return self.set(**preset_settings(name))
 
-    def load_hf_model(self, model: str, **settings) -> dict:
-        """Model sizes from a Hugging Face config by hub name or local path (no weights downloaded), plus any other
-        panel settings, e.g. ``panel.load_hf_model("Qwen/Qwen2.5-0.5B-Instruct", seq_len=512)``."""
+    def load_hf_model(self, model: Any, **settings) -> dict:
+        """Model sizes from a Hugging Face config by hub name or local path (no weights downloaded), or a config
+        object or dict, plus any other panel settings, e.g. ``panel.load_hf_model("Qwen/Qwen2.5-0.5B-Instruct",
+        seq_len=512)``."""
         return self.set(**hf_model_settings(model), **settings)
 
     def result(self) -> dict:
@@ -127,14 +134,36 @@ class TuningPanel:
         sizes = {k: getattr(st, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size") if getattr(st, k)}
         return resolve_config(st.preset, block_size=max(st.seq_len, PRESETS[st.preset].block_size), **sizes)
 
-    def _estimator(self, st: TuningState, precision: str | None = None, attention: str | None = None):
+    def _sizes(self, st: TuningState) -> tuple[int, int, int]:
+        """(the model's parameters, one sharding unit's parameters, the GPT formula's parameters)."""
+        cfg = self.model_config(st)
+        gpt = param_counts(cfg)[0]
+        return st.model_params or gpt, st.block_params or block_params(cfg), gpt
+
+    def _estimator(self, st: TuningState, precision: str | None = None, attention: str | None = None,
+                   fsdp: int | None = None):
+        """Per-chip estimate of batch ``b`` under ``fsdp`` chips (default: the state's sharding)."""
         cfg = self.model_config(st)
         spec = resolve_hardware(st.hardware)
+        precision = precision or st.precision
         # XLA lowers scaled_dot_product_attention to matmul-softmax-matmul: the attention matrix is materialised.
         attention = attention or ("math" if spec.kind == "tpu" else "flash")
-        return lambda b: analytic_estimate(cfg, b, st.seq_len, precision=precision or st.precision,
-                                           optimizer=st.optimizer, gradient_checkpointing=st.gradient_checkpointing,
-                                           attention=attention)
+        fsdp = check_panel_sharding(st.sharding, st.chips, spec)[1] if fsdp is None else fsdp
+        params, block, gpt = self._sizes(st)
+        scale = params / gpt
+        width = 2 if precision == "pure-bf16" else 4
+
+        def estimate(b: int) -> MemoryEstimate:
+            est = analytic_estimate(cfg, b, st.seq_len, precision=precision, optimizer=st.optimizer,
+                                    gradient_checkpointing=st.gradient_checkpointing, attention=attention)
+            if scale != 1:  # a Hugging Face model: its real parameter count for the model state
+                parts = {k: int(v * scale) if k in ("params", "grads", "optimizer") else v
+                         for k, v in est.breakdown.items()}
+                est = MemoryEstimate.from_categories(est.method, b, notes=[*est.notes, f"{params:,} parameters "
+                                                     "(the Hugging Face model's)"], **parts)
+            return shard_estimate(est, fsdp, block_params=block, bytes_per_param=width)
+
+        return estimate
 
     def _compute(self, st: TuningState) -> TuningState:
         for name in ("seq_len", "batch_size", "accumulation", "chips", "steps"):
@@ -145,8 +174,13 @@ class TuningPanel:
             raise ValueError(f"precision={st.precision!r} is not one of {PRECISIONS}")
         if st.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={st.optimizer!r} is not one of {OPTIMIZERS}")
+        for name in ("model_params", "block_params"):
+            if getattr(st, name) is not None:
+                _positive_int(name, getattr(st, name))
         spec = resolve_hardware(st.hardware)
         check_chips(st.chips, spec)
+        sharding, fsdp = check_panel_sharding(st.sharding, st.chips, spec)
+        st = dataclasses.replace(st, sharding=sharding)
         if st.global_batch is not None:
             _positive_int("global_batch", st.global_batch)
             per_step = st.batch_size * st.chips
@@ -155,7 +189,11 @@ class TuningPanel:
                                  f"{st.batch_size} x {st.chips} = {per_step}")
             st = dataclasses.replace(st, accumulation=st.global_batch // per_step)
         cfg = self.model_config(st)
-        report = memory_report(self._estimator(st), st.batch_size, spec, safety_margin=st.safety_margin)
+        report = memory_report(self._estimator(st, fsdp=fsdp), st.batch_size, spec, safety_margin=st.safety_margin)
+        params, block, _ = self._sizes(st)
+        plan = sharding_plan(self._estimator(st, fsdp=1), st.batch_size, chips=max_fsdp(spec, st.chips),
+                             hardware=spec, block_params=block, params=params, safety_margin=st.safety_margin,
+                             bytes_per_param=2 if st.precision == "pure-bf16" else 4, what="training")
         global_batch = st.batch_size * st.chips * st.accumulation
         tokens = global_batch * st.seq_len
         flops = flops_per_token(cfg, st.seq_len) * tokens
@@ -167,13 +205,15 @@ class TuningPanel:
             step_s = flops / (st.chips * spec.bf16_tflops * 1e12 * st.mfu)
             if spec.price_per_chip_hour is not None:
                 cost = step_s * st.steps / 3600 * st.chips * spec.price_per_chip_hour
-        self.report = report
+        self.report, self.plan = report, plan
         self._result = {
             "peak_bytes": report.estimate.peak_bytes, "breakdown": dict(report.estimate.breakdown),
             "hbm_bytes": report.hbm_bytes, "budget_bytes": report.budget_bytes, "fits": report.fits,
             "max_batch_size": report.max_batch_size, "global_batch": global_batch, "tokens_per_step": tokens,
             "step_seconds_estimate": step_s, "run_hours_estimate": None if step_s is None else step_s * st.steps / 3600,
             "run_cost_usd_estimate": cost, "hardware": spec.name, "attention": "math" if spec.kind == "tpu" else "flash",
+            "sharding": st.sharding, "fsdp_chips": fsdp, "sharding_text": self._sharding_text(st, fsdp, report, plan),
+            "per_chip_bytes_by_sharding": {k: v.peak_bytes for k, v in plan.per_chip.items()},
             "settings": dataclasses.asdict(st),
         }
         return st
@@ -183,54 +223,31 @@ class TuningPanel:
         rep, st = self.report, self.state
         assert rep is not None
         pct = 100 * rep.utilization
+        fsdp = self._result["fsdp_chips"]
+        under = f" with {_mesh_text(fsdp, st.chips)}" if fsdp > 1 else ""
         text = (f"{format_bytes(rep.estimate.peak_bytes)} of {format_bytes(rep.hbm_bytes)} per "
-                f"chip on {rep.hardware.name} at batch {st.batch_size}/chip (budget {100 * (1 - rep.safety_margin):.0f}"
-                f"%). Largest batch that fits: {rep.max_batch_size}/chip.")
+                f"chip on {rep.hardware.name} at batch {st.batch_size}/chip{under} (budget "
+                f"{100 * (1 - rep.safety_margin):.0f}%). Largest batch that fits: {rep.max_batch_size}/chip.")
         shown = f"{pct:.0f}%" if pct >= 10 else f"{pct:.2g}%"
         return {"fits": rep.fits, "headline": "FITS" if rep.fits else "DOES NOT FIT", "percent": pct,
                 "percent_text": f"{shown} of HBM", "max_batch_size": rep.max_batch_size, "text": text}
 
-    def _max_batch_with(self, **changes: Any) -> int:
-        st = dataclasses.replace(self.state, **changes)
-        spec = resolve_hardware(st.hardware)
-        return largest_fitting_batch(self._estimator(st), spec.hbm_bytes * (1 - st.safety_margin))
-
     def suggestion(self) -> Suggestion | None:
         """What to change so the step fits (or runs with less accumulation), keeping the global batch."""
-        st, rep = self.state, self.report
-        assert rep is not None
-        g, per_chip, m = self._result["global_batch"], st.batch_size * st.accumulation, rep.max_batch_size
-        keep = f"for global batch {g}"
-        if rep.fits:
-            if st.accumulation > 1 and m > st.batch_size:
-                b, a = _split(per_chip, m)
-                if b > st.batch_size:
-                    return Suggestion(f"a larger micro-batch fits: batch {b}/chip x accumulation {a} {keep}",
-                                      {"batch_size": b, "accumulation": a})
-            return None
-        if m >= 1:
-            b, a = _split(per_chip, m)
-            text = f"largest batch {m}/chip: use batch {b}/chip x accumulation {a} {keep}"
-            if not st.gradient_checkpointing:
-                ck = self._max_batch_with(gradient_checkpointing=True)
-                if ck > m:
-                    text += f" (or turn on gradient checkpointing: up to {ck}/chip, about 1/3 more compute)"
-            return Suggestion(text, {"batch_size": b, "accumulation": a})
-        options = [{"gradient_checkpointing": True}]
-        if resolve_hardware(st.hardware).bf16_supported:
-            options += [{"precision": "pure-bf16"}, {"gradient_checkpointing": True, "precision": "pure-bf16"}]
-        for extra in options:
-            if all(getattr(st, k) == v for k, v in extra.items()):
-                continue
-            m2 = self._max_batch_with(**extra)
-            if m2 >= 1:
-                b, a = _split(per_chip, m2)
-                what = " and ".join({"gradient_checkpointing": "turn on gradient checkpointing",
-                                     "precision": "store weights in bf16 (pure-bf16)"}[k] for k in extra)
-                return Suggestion(f"not even batch 1/chip fits: {what}, then batch {b}/chip x accumulation {a} "
-                                  f"{keep}", {**extra, "batch_size": b, "accumulation": a})
-        return Suggestion("not even batch 1/chip fits with checkpointing and bf16 weights: the model needs sharding "
-                          "over several chips (FSDP) or a chip with more memory", None)
+        return suggest(self)
+
+    def sharding_text(self) -> str:
+        """Per-chip bytes under the chosen SHARDING, then the plan's advice over data parallel and fsdp."""
+        return self._result["sharding_text"]
+
+    @staticmethod
+    def _sharding_text(st: TuningState, fsdp: int, report: MemoryReport, plan: ShardingPlan) -> str:
+        advice = plan.advice()  # says the data-parallel figure: the chosen one is added when it is sharded
+        advice = advice[0].upper() + advice[1:]
+        if fsdp == 1:
+            return advice
+        return (f"sharding={st.sharding!r} ({_mesh_text(fsdp, st.chips)}): {format_bytes(report.estimate.peak_bytes)}"
+                f" per chip at batch {st.batch_size}/chip. {advice}")
 
     def apply_suggestion(self) -> dict:
         s = self.suggestion()
@@ -263,7 +280,8 @@ class TuningPanel:
 
     def summary(self) -> str:
         v, s = self.verdict(), self.suggestion()
-        lines = [f"{v['headline']} ({v['percent_text']}): {v['text']}"] + ([f"suggestion: {s.text}"] if s else [])
+        lines = [f"{v['headline']} ({v['percent_text']}): {v['text']}", self.sharding_text()]
+        lines += [f"suggestion: {s.text}"] if s else []
         lines += [f"warning: {w}" for w in self.warnings()] + self.details()
         if self.error:
             lines.insert(0, f"STALE (last valid values shown): {self.error}")
@@ -271,7 +289,9 @@ class TuningPanel:
 
     def figure(self):
         assert self.report is not None
-        plan = f"x {chips_text(self.state.chips)}, global batch {self._result['global_batch']}"
+        fsdp = self._result["fsdp_chips"]
+        shard = f", fsdp x{fsdp}" if fsdp > 1 else ""
+        plan = f"x {chips_text(self.state.chips)}{shard}, global batch {self._result['global_batch']}"
         return memory_figure(self.report, stale=self.error, plan=plan)
 
     def widget(self, backend=None, **probe_kwargs: Any):
@@ -293,76 +313,3 @@ class TuningPanel:
         print(self.summary())
         display(Image(figure_png(self.figure())))
         return self.result()
-
-    # ---- the probe ----------------------------------------------------------------------------------------------
-    def probe_start(self, backend, cpu_limit_bytes: int | None = None, max_batch_size: int = 1024,
-                    state: TuningState | None = None) -> dict:
-        """Where the probe starts: the estimate's largest batch for the device it runs on (its memory, or the cap
-        imposed on the CPU, and the precision it runs in)."""
-        st = state or self.state
-        precision = backend.precision if backend.precision in PRECISIONS else "fp32"
-        if st.precision == "pure-bf16" and precision == "bf16":
-            precision = "pure-bf16"
-        cap = cpu_limit_bytes if backend.runs_on_host else None
-        budget = cap if cap is not None else backend.hardware.hbm_bytes * (1 - st.safety_margin)
-        est = self._estimator(st, precision=precision, attention="math" if backend.is_xla else "flash")
-        start = largest_fitting_batch(est, budget, upper=max_batch_size) if budget else st.batch_size
-        return {"start": max(1, min(start, max_batch_size)), "precision": precision, "memory_limit_bytes": cap}
-
-    def probe(self, backend, *, max_tries: int = 8, max_batch_size: int = 1024,
-              cpu_limit_bytes: int | None = 1 << 30, growth: float = 1.25, **kwargs: Any):
-        """Build the configured GPT on ``backend`` and find the largest batch that runs there, starting from the
-        estimate for that device and bisecting to the exact limit within ``max_tries`` (one probe at a time).
-
-        On the CPU, where running out of memory means the OS kills the process rather than an error, the tries run
-        under a :class:`~tpu_helpers.memory.live.LiveBytes` limit of ``cpu_limit_bytes`` (None: no limit).
-        """
-        if not self._probe_lock.acquire(blocking=False):
-            raise RuntimeError("a probe is already running on this panel; wait for its result")
-        try:
-            return self._probe(backend, max_tries, max_batch_size, cpu_limit_bytes, growth, **kwargs)
-        finally:
-            self._probe_lock.release()
-
-    def _probe(self, backend, max_tries, max_batch_size, cpu_limit_bytes, growth, **kwargs):
-        import torch
-
-        from tpu_helpers.memory.probe import probe_batch_size
-        from tpu_helpers.memory.step import make_optimizer
-        from tpu_helpers.memory.traced import gpt_batch
-        from tpu_helpers.models.gpt import GPT
-
-        st = self.state  # one snapshot: a control may change while the probe runs
-        plan = self.probe_start(backend, cpu_limit_bytes, max_batch_size, state=st)
-        cfg = self.model_config(st)
-        model = backend.prepare_model(GPT(cfg))
-        if plan["precision"] == "pure-bf16":
-            model = model.to(torch.bfloat16)
-        if st.gradient_checkpointing:
-            model.set_gradient_checkpointing(backend.checkpoint_fn())
-        opt = make_optimizer(st.optimizer, model.parameters())
-        if plan["memory_limit_bytes"] is not None:
-            kwargs.setdefault("memory_limit_bytes", plan["memory_limit_bytes"])
-        result = probe_batch_size(model, opt, gpt_batch(st.seq_len, cfg.vocab_size), backend,
-                                  start=plan["start"], max_tries=max_tries, max_batch_size=max_batch_size,
-                                  growth=growth, **kwargs)
-        if plan["precision"] == "pure-bf16":
-            result.precision = "pure-bf16"
-        self.probe_result, self._probe_key = result, self._model_key(st)
-        return result
-
-    @staticmethod
-    def _model_key(st: TuningState) -> tuple:
-        return (st.preset, st.n_layer, st.n_head, st.n_embd, st.vocab_size, st.seq_len, st.precision,
-                st.gradient_checkpointing, st.optimizer)
-
-    def probe_changes(self) -> dict | None:
-        """Settings that use the probe's batch: that batch per chip (with a global batch set, the largest
-        micro-batch up to it that divides it). None before a useful probe or once the model settings changed."""
-        p = self.probe_result
-        if p is None or p.max_batch_size < 1 or getattr(self, "_probe_key", None) != self._model_key(self.state):
-            return None
-        if self.state.global_batch is None:
-            return {"batch_size": p.max_batch_size}
-        b, a = _split(self.state.global_batch // self.state.chips, p.max_batch_size)
-        return {"batch_size": b, "accumulation": a}

@@ -22,8 +22,8 @@ def panel_from_config(config) -> TuningPanel:
     return TuningPanel(preset=config.preset, seq_len=config.seq_len, batch_size=config.batch_size,
                        accumulation=config.grad_accum, precision=precision,
                        gradient_checkpointing=config.gradient_checkpointing, optimizer=config.optimizer,
-                       hardware=ex.get("hardware", "v5e"), chips=ex.get("chips", 8), mfu=ex.get("mfu", 0.4),
-                       steps=config.steps, safety_margin=ex.get("safety_margin", 0.1))
+                       hardware=ex.get("hardware", "v5e"), chips=ex.get("chips", 8), sharding=config.sharding,
+                       mfu=ex.get("mfu", 0.4), steps=config.steps, safety_margin=ex.get("safety_margin", 0.1))
 
 
 def save_tuning_results(panel: TuningPanel, out_dir: str, **extra: Any) -> Path:

@@ -84,6 +84,9 @@ class ShardingPlan:
         if need == 1:
             return f"{self.what} of this {size} model fits data parallel on {chip}: {data} per chip"
         if need is None:
+            if self.chips == 1:
+                return (f"{self.what} of this {size} model does not fit on one chip of {chip}: {data} per chip. "
+                        "Use fsdp over several chips, a smaller batch, gradient checkpointing or LoRA")
             most = self.per_chip[f"fsdp x{self.chips}"].peak_bytes
             return (f"{self.what} of this {size} model does not fit on {self.chips} chips of {chip} even with fsdp "
                     f"({format_bytes(most)} per chip); data parallel needs {data} per chip. Use more chips, a "
@@ -138,11 +141,11 @@ def gpt_sharding_plan(model: object, batch_size: int, seq_len: int | None = None
                       gradient_checkpointing: bool = False, safety_margin: float = 0.1,
                       what: str = "full fine-tuning") -> ShardingPlan:
     """`sharding_plan` for the package GPT (a preset name, GPTConfig or dict of sizes) from the analytic estimate."""
-    from tpu_helpers.memory.analytic import analytic_estimate, param_counts, resolve_config
+    from tpu_helpers.memory.analytic import analytic_estimate, block_params, param_counts, resolve_config
 
     cfg = resolve_config(model)  # type: ignore[arg-type]
     total, _, _ = param_counts(cfg)
-    block = 12 * cfg.n_embd ** 2 + 4 * cfg.n_embd  # one Block: attention + MLP weights and two LayerNorms
+    block = block_params(cfg)
     w = 2 if precision == "pure-bf16" else 4
     return sharding_plan(
         lambda b: analytic_estimate(cfg, b, seq_len, precision=precision, optimizer=optimizer,

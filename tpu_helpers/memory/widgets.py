@@ -23,10 +23,13 @@ from typing import Any
 
 from tpu_helpers.hardware import CATALOG
 from tpu_helpers.memory.choices import (
+    GPT_SIZES,
     NOTEBOOK_PRESETS,
     chips_text,
+    keep_sharding,
     nearest_slice,
     preset_settings,
+    sharding_options,
     slice_sizes,
 )
 from tpu_helpers.memory.figure import figure_png
@@ -97,21 +100,26 @@ class PanelView:
             "hardware": ctl(w.Dropdown, "hardware", "target chip",
                             options=[(spec.name, key) for key, spec in CATALOG.items()]),
             "chips": ctl(w.Dropdown, "chips", "chips (slice)", options=[("1 chip", 1)]),
+            # Typed or picked: "data", "fsdp" or a DxF mesh; applied on Enter (a half-typed "2x" is not an error).
+            "sharding": ctl(w.Combobox, "sharding", "sharding", options=["data"], ensure_option=False,
+                            continuous_update=False, placeholder="data | fsdp | DxF"),
             "mfu": ctl(w.FloatText, "mfu", "MFU (assumed)", step=0.05),
             "steps": ctl(w.IntText, "steps", "run steps"),
         }
-        self.verdict, self.error, self.suggestion = w.HTML(), w.HTML(), w.HTML()
+        self.verdict, self.error, self.suggestion, self.sharding = w.HTML(), w.HTML(), w.HTML(), w.HTML()
         self.apply = w.Button(description="apply suggestion", button_style="primary", layout=item)
         self.warnings, self.details = w.HTML(), w.HTML()
         self.chart = w.Image(format="png", layout=w.Layout(width="100%", max_width="900px"))
-        for name, widget in (("verdict", self.verdict), ("error", self.error), ("suggestion", self.suggestion),
+        for name, widget in (("verdict", self.verdict), ("sharding", self.sharding), ("error", self.error),
+                             ("suggestion", self.suggestion),
                              ("apply", self.apply), ("warnings", self.warnings), ("details", self.details),
                              ("chart", self.chart)):
             widget.add_class(f"tpu-{name}")
         grid = w.Box(list(self.controls.values()),
                      layout=w.Layout(display="flex", flex_flow="row wrap", width="100%", align_items="center"))
         grid.add_class("tpu-controls")
-        items = [self.verdict, w.HBox([self.apply, self.suggestion], layout=w.Layout(align_items="center")),
+        items = [self.verdict, self.sharding,
+                 w.HBox([self.apply, self.suggestion], layout=w.Layout(align_items="center")),
                  grid, self.error, self.warnings, self.details, self.chart]
         if backend is not None:
             self.probe_button = w.Button(description="probe this device", icon="search", layout=item)
@@ -146,9 +154,9 @@ class PanelView:
         st, c = self.panel.state, self.controls
         self._syncing = True
         try:
-            self._set_chip_options(resolve_hardware(st.hardware))
+            self._set_chip_options(resolve_hardware(st.hardware), st.chips)
             for name in ("preset", "seq_len", "batch_size", "accumulation", "precision", "gradient_checkpointing",
-                         "optimizer", "hardware", "chips", "mfu", "steps"):
+                         "optimizer", "hardware", "chips", "sharding", "mfu", "steps"):
                 c[name].value = getattr(st, name)
             glob = st.global_batch is not None
             c["mode"].value = "global" if glob else "per_chip"
@@ -157,15 +165,17 @@ class PanelView:
         finally:
             self._syncing = False
 
-    def _set_chip_options(self, spec) -> None:
+    def _set_chip_options(self, spec, chips: int) -> None:
         options = tuple((chips_text(n), n) for n in slice_sizes(spec))
         if tuple(self.controls["chips"].options) != options:  # resetting options resets the value: only on change
             self.controls["chips"].options = options
+        if chips in slice_sizes(spec):
+            self.controls["sharding"].options = sharding_options(spec, chips)  # a Combobox keeps its value
 
     def _read_controls(self) -> dict:
         c = {k: v.value for k, v in self.controls.items()}
         changes = {k: c[k] for k in ("preset", "seq_len", "batch_size", "precision", "gradient_checkpointing",
-                                     "optimizer", "hardware", "chips", "mfu", "steps")}
+                                     "optimizer", "hardware", "chips", "sharding", "mfu", "steps")}
         if c["mode"] == "global":
             changes["global_batch"] = c["global_batch"]
         else:
@@ -183,16 +193,19 @@ class PanelView:
                     self._sync_controls()
                 self._render()
                 return
-            if name == "hardware":  # offer the slice sizes this chip comes in, keeping the nearest count
-                spec = resolve_hardware(c["hardware"].value)
+            if name in ("hardware", "chips"):  # the slice sizes this chip comes in, the nearest count, and a
+                spec = resolve_hardware(c["hardware"].value)  # sharding valid on it (a mesh keeps its fsdp size)
                 self._syncing = True
                 try:
                     chips = nearest_slice(c["chips"].value, spec)
-                    self._set_chip_options(spec)
+                    self._set_chip_options(spec, chips)
                     c["chips"].value = chips
+                    c["sharding"].value = keep_sharding(c["sharding"].value, chips, spec)
                 finally:
                     self._syncing = False
             changes = self._read_controls()
+            if name == "preset":  # a GPT preset: drop the sizes a Hugging Face model or the config had set
+                changes.update(GPT_SIZES)
             if name == "mode" and c["mode"].value == "global":
                 changes["global_batch"] = self.panel.result()["global_batch"]  # start from the current one
             self.panel.update(**changes)
@@ -230,6 +243,7 @@ class PanelView:
         self.error.value = "" if not p.error else (
             f"<div style='color:#b00020;font-weight:bold'>Not applied: {html.escape(p.error)}. "
             f"The verdict, figures and chart show the last valid values.</div>")
+        self.sharding.value = f"<div style='font-size:14px'><b>Sharding:</b> {html.escape(p.sharding_text())}</div>"
         s = p.suggestion()
         self.suggestion.value = (f"<span style='font-size:14px'><b>Suggestion:</b> {html.escape(s.text)}</span>"
                                  if s else "<span style='color:#555'>No change needed.</span>")
