@@ -114,17 +114,6 @@ def verify(path: Path, *, deep: bool = True) -> CheckpointInfo:
         except OSError as e:
             return bad(f"{where}unreadable: {e}")
     return CheckpointInfo(path, step, True, None)
-    try:  # a dying disk fails reads with EIO: that is damage to report, not a crash of the caller
-        size = path.stat().st_size
-        if size < expected_size:
-            return bad(f"truncated: {size} of {expected_size} bytes")
-        if size != expected_size:
-            return bad(f"size mismatch: {size} bytes, manifest says {expected_size}")
-        if sha256_file(path) != expected_sha:
-            return bad("checksum mismatch")
-    except OSError as e:
-        return bad(f"unreadable: {e}")
-    return CheckpointInfo(path, step, True, None)
 
 
 def commit(data_temp: Path, data: Path, manifest: dict) -> None:
