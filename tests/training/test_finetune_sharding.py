@@ -20,6 +20,7 @@ pytestmark = pytest.mark.xla
 # the checkpoint it saved and, for runs with "export", the export paths (the trained weights go to trained.pt).
 _RUN = r"""
 import json
+import shutil
 import torch
 from tpu_helpers.backend import get_backend
 from tpu_helpers.checkpoint import CheckpointManager
@@ -39,6 +40,8 @@ backend = get_backend("xla", spmd=ARGS["spmd"])
 out = []
 for run in ARGS["runs"]:
     stop, export, method = run.pop("stop_at", None), run.pop("export", None), run.pop("method", "lora")
+    if "copy_from" in run:  # resume another run's checkpoint in a directory of its own
+        shutil.copytree(run.pop("copy_from"), run["out_dir"])
     cfg = TrainConfig(device="xla", preset="tiny", seq_len=32, lr=3e-3, warmup_steps=1, eval_every=1000,
                       eval_batches=1, log_every=1, save_every=1000, **run)
     job = Finetune(FinetuneConfig(method=method, max_records=400, lora_targets="q_proj,v_proj"), cfg,
@@ -71,9 +74,10 @@ def test_finetuning_under_fsdp_checkpoints_resumes_on_one_device_and_exports(tmp
     from transformers import AutoModelForCausalLM
 
     steps, shared, export, export_full = 4, tmp_path / "shared", tmp_path / "export", tmp_path / "export_full"
-    full8, half8, method_full8 = _finetune({"spmd": True, "runs": [
+    full8, half8, fsdp8, method_full8 = _finetune({"spmd": True, "runs": [
         {"sharding": "fsdp", "batch_size": 2, "steps": steps, "out_dir": str(tmp_path / "full"), "export": str(export)},
         {"sharding": "fsdp", "batch_size": 2, "steps": steps, "stop_at": 2, "out_dir": str(shared)},
+        {"sharding": "fsdp", "batch_size": 2, "steps": steps, "copy_from": str(shared), "out_dir": str(tmp_path / "on8")},
         {"method": "full", "sharding": "fsdp", "batch_size": 2, "steps": 2, "out_dir": str(tmp_path / "method_full"),
          "export": str(export_full)},
     ]}, 8)
@@ -86,12 +90,13 @@ def test_finetuning_under_fsdp_checkpoints_resumes_on_one_device_and_exports(tmp
         assert len(saved) == 3 * 2 * 2 and all("lora_" in k and "_orig_module" not in k for k in saved), saved
     assert data1["model_keys"] == full8["model_keys"]
 
-    # ... and resumes under data parallel on one device, continuing the same run.
-    assert data1["resumed_from"] == 2 and data1["steps"] == list(range(1, steps + 1))
-    diff = max(abs(a - b) for a, b in zip(data1["losses"][2:], full8["losses"][2:], strict=True))
-    print(f"LoRA saved under fsdp on 8, resumed under data on 1: max |loss - uninterrupted| steps 3-{steps}: "
-          f"{diff:.3g}")
-    assert diff < 5e-5, (data1["losses"], full8["losses"])
+    # ... and resumes under data parallel on one device and under fsdp on 8, continuing the same run.
+    for name, resumed in (("data on 1", data1), ("fsdp on 8", fsdp8)):
+        assert resumed["resumed_from"] == 2 and resumed["steps"] == list(range(1, steps + 1)), name
+        diff = max(abs(a - b) for a, b in zip(resumed["losses"][2:], full8["losses"][2:], strict=True))
+        print(f"LoRA saved under fsdp on 8, resumed under {name}: max |loss - uninterrupted| steps 3-{steps}: "
+              f"{diff:.3g}")
+        assert diff < 5e-5, (name, resumed["losses"], full8["losses"])
     assert full8["losses"][-1] < full8["losses"][0]
 
     # The exported adapter reloads with peft onto the base and holds the trained weights; merged = base + adapter.

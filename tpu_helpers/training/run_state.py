@@ -250,4 +250,8 @@ def _load_model_state(trainer: Trainer, model, state: dict) -> None:
         missing, unexpected = sorted(trainable - set(state)), sorted(set(state) - trainable)
         raise ConfigError(f"the checkpoint's trainable weights do not match the model's (missing {missing[:5]}, "
                           f"unexpected {unexpected[:5]}); was it written with other LoRA settings?")
-    model.load_state_dict(state, strict=False)  # the frozen base is not in it (FSDPv2's hooks add its level back)
+    # strict=False: the frozen base is not in it. A key that matched no parameter (say, a wrapper level the
+    # load hooks did not add back) would leave that adapter silently untrained: refuse it.
+    unexpected = model.load_state_dict(state, strict=False).unexpected_keys
+    if unexpected:
+        raise ConfigError(f"the checkpoint's trainable weights {sorted(unexpected)[:5]} match no parameter of the model")
