@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tests.support import run_python
-
-pytestmark = pytest.mark.xla
+from tpu_helpers.config import ConfigError
+from tpu_helpers.training.finetune import finetune_from_parameters
 
 # Fine-tunes each run of ARGS["runs"] with the Finetune recipe and prints, as JSON, per-step losses, the keys of
 # the checkpoint it saved and, for runs with "export", the export paths (the trained weights go to trained.pt).
@@ -69,6 +69,7 @@ def _finetune(args: dict, devices: int) -> list[dict]:
     return json.loads(line[len("RESULT"):])
 
 
+@pytest.mark.xla
 def test_finetuning_under_fsdp_checkpoints_resumes_on_one_device_and_exports(tmp_path, tiny_lm_dir):
     from peft import PeftModel, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
@@ -122,3 +123,11 @@ def test_finetuning_under_fsdp_checkpoints_resumes_on_one_device_and_exports(tmp
     assert sorted(trained) == sorted(merged), (sorted(trained)[:4], sorted(merged)[:4])
     for name, value in trained.items():
         torch.testing.assert_close(merged[name], value, rtol=0, atol=0)
+
+
+def test_the_notebook_parameter_sharding_reaches_the_trainer_config():
+    ft, cfg = finetune_from_parameters({"SHARDING": "fsdp", "METHOD": "full", "STEPS": 3})
+    assert cfg.sharding == "fsdp" and ft.method == "full" and cfg.steps == 3
+    assert finetune_from_parameters({"SHARDING": "2X4"})[1].sharding == "2x4"
+    with pytest.raises(ConfigError, match=r"SHARDING='zero3' is not one of \('data', 'fsdp', 'DxF"):
+        finetune_from_parameters({"SHARDING": "zero3"})
