@@ -64,11 +64,14 @@ def test_finetune_notebook_with_fsdp_on_eight_xla_cpu_devices(notebooks, tmp_pat
     results, out_dir = _run(notebooks, tmp_path, "xla-cpu-8", SHARDING="fsdp", BATCH_SIZE=2)
     report = _check(results, out_dir)
     assert report["device"].startswith("XLA:CPU x8 (SPMD)"), report["device"]
-    assert results["config"]["sharding"] == "fsdp" and report["xla"]["compilations"] <= 4, report["xla"]
+    # Training compiles its graphs once. (The CompileTime count also holds a small program per sharded tensor that
+    # a checkpoint save gathers to the host: 72 per save here, 24 adapters + 48 Adam moments.)
+    assert results["config"]["sharding"] == "fsdp" and report["xla"]["uncached_compiles"] <= 4, report["xla"]
     assert results["sharding"] == {"sharding": "fsdp", "chips": 8, "mesh": [1, 8]}, results["sharding"]
     assert results["plan"]["estimate"]["method"].endswith("fsdp x8"), results["plan"]
     text = next((tmp_path / "runs").iterdir()).joinpath("finetune_llm.ipynb").read_text()
     assert "SHARDING='fsdp': about " in text and "fsdp x8" in text
     print(f"finetune_llm with SHARDING=fsdp on 8 XLA:CPU devices: {report['seconds']:.1f} s of training, "
-          f"{report['xla']['compilations']} compilations, val loss {report['first_val_loss']:.3f} -> "
+          f"{report['xla']['uncached_compiles']} graphs compiled ({report['xla']['compilations']} compilations), "
+          f"generation {results['samples_before']['compilations']} + {results['samples_after']['compilations']}, val loss {report['first_val_loss']:.3f} -> "
           f"{report['final_val_loss']:.3f}")

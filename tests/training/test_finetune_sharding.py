@@ -131,3 +131,29 @@ def test_the_notebook_parameter_sharding_reaches_the_trainer_config():
     assert finetune_from_parameters({"SHARDING": "2X4"})[1].sharding == "2x4"
     with pytest.raises(ConfigError, match=r"SHARDING='zero3' is not one of \('data', 'fsdp', 'DxF"):
         finetune_from_parameters({"SHARDING": "zero3"})
+
+
+def test_train_still_takes_progress_and_callbacks_when_the_trainer_exists(tmp_path):
+    # Under a sharded SHARDING, samples() before training makes the trainer (to sample from the sharded model).
+    from tpu_helpers.config import TrainConfig
+    from tpu_helpers.training.finetune import Finetune, FinetuneConfig
+    from tpu_helpers.training.trainer import Callback
+
+    class Steps(Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_step_end(self, trainer):
+            self.seen.append(trainer.step)
+
+    cfg = TrainConfig(device="cpu", steps=2, batch_size=4, seq_len=32, warmup_steps=1, eval_every=1000,
+                      eval_batches=1, log_every=1, save_every=1000, out_dir=str(tmp_path / "run"))
+    job = Finetune(FinetuneConfig(max_records=400), cfg)
+    job.load()
+    job.prepare_data()
+    job.make_trainer()
+    with pytest.raises(ConfigError, match=r"Finetune.train\(loss_fn=...\): the trainer already exists"):
+        job.train(loss_fn=None)
+    steps = Steps()
+    job.train(progress=False, callbacks=[steps])
+    assert steps.seen == [1, 2] and job.trainer.progress is False

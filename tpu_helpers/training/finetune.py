@@ -41,8 +41,9 @@ from tpu_helpers.data.sft import (
 from tpu_helpers.hardware import format_bytes
 from tpu_helpers.launch.params import config_from_parameters
 from tpu_helpers.models import hf, lora
+from tpu_helpers.training.callbacks import as_callback
 from tpu_helpers.training.causal_lm import CausalLMTrainer, DistillTrainer
-from tpu_helpers.training.sharding import mesh_shape
+from tpu_helpers.training.sharding import is_sharded, mesh_shape
 
 METHODS = ("lora", "full", "distill")
 
@@ -222,7 +223,7 @@ class Finetune:
             return {"exact_match": None, "rows": [], "compilations": 0}
         records = self.held_out if n is None else self.held_out[:n]
         prompts, answers = prompts_and_answers(records)
-        model = self.trainer.model if self.trainer is not None else self.backend.prepare_model(self.model)
+        model = self._model_on_device()
         before = self.backend.metrics().get("compilations", 0)
         preds = hf.generate(model, self.tokenizer, prompts, device=self.backend.device, sync=self.backend.sync,
                             max_new_tokens=self.ft.max_new_tokens, prompt_len=self.cfg.seq_len // 2)
@@ -230,6 +231,12 @@ class Finetune:
         rows = [{"prompt": p[-1]["content"], "answer": a, "prediction": y}
                 for p, a, y in zip(prompts, answers, preds, strict=True)]
         return {"exact_match": exact_match(preds, answers), "rows": rows, "compilations": compiles}
+
+    def _model_on_device(self) -> torch.nn.Module:
+        if self.trainer is None and is_sharded(self.cfg.sharding) and self.chips > 1:
+            # Sharded because it may not fit one chip whole: shard it now, as training will (the trainer does).
+            self.make_trainer()
+        return self.trainer.model if self.trainer is not None else self.backend.prepare_model(self.model)
 
     # ---- 5. training -------------------------------------------------------------------------------------------
     def run_identity(self) -> dict:
@@ -254,9 +261,19 @@ class Finetune:
         self.trainer = trainer
         return trainer
 
-    def train(self, **kwargs: Any):
-        trainer = self.trainer or self.make_trainer(**kwargs)
-        return trainer.fit()
+    def train(self, *, progress: bool | None = None, callbacks: list | None = None, **kwargs: Any):
+        """Fit; `progress`, `callbacks` and the other Trainer arguments apply when the trainer is made here. Made
+        earlier (by `samples()` under a sharded SHARDING), it takes `progress` and `callbacks` still."""
+        if self.trainer is None:
+            given = {k: v for k, v in (("progress", progress), ("callbacks", callbacks)) if v is not None}
+            return self.make_trainer(**given, **kwargs).fit()
+        if kwargs:
+            raise ConfigError(f"Finetune.train({', '.join(kwargs)}=...): the trainer already exists (made by "
+                              "samples() or make_trainer()); pass these to make_trainer() before sampling")
+        if progress is not None:
+            self.trainer.progress = progress
+        self.trainer.callbacks.extend(as_callback(c) for c in callbacks or [])
+        return self.trainer.fit()
 
     # ---- 6. export ---------------------------------------------------------------------------------------------
     def export(self, out_dir: str | Path | None = None, *, merged: bool | None = None) -> dict[str, str]:
