@@ -38,3 +38,45 @@ def test_the_plan_says_how_many_chips_fsdp_needs():
     assert huge.min_fsdp_chips() is None and "does not fit on 2 chips" in huge.advice()
     with pytest.raises(ValueError, match="chips=0 must be an integer >= 1"):
         sharding_plan(lambda b: analytic_estimate("tiny", b), 1, chips=0)
+
+
+def _qwen(**sizes):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**{"num_hidden_layers": 28, "tie_word_embeddings": True, **sizes})
+
+
+def test_the_fine_tuning_plan_says_when_a_hf_model_needs_fsdp():
+    from tpu_helpers.memory.hf_plan import hf_sharding_plan
+
+    qwen_1_5b = _qwen(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
+                      num_key_value_heads=2)
+    full = hf_sharding_plan(qwen_1_5b, 1, 1024, chips=8, method="full", gradient_checkpointing=True)
+    assert full.advice().startswith("full fine-tuning of this 1.5B model needs fsdp over at least 4 chips of TPU v5e"), \
+        full.advice()
+    assert "data parallel needs 24." in full.advice() and full.recommended() == "fsdp"
+    qwen_7b = _qwen(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
+                    num_key_value_heads=4, tie_word_embeddings=False)
+    lora = hf_sharding_plan(qwen_7b, 1, 1024, chips=8, method="lora", gradient_checkpointing=True)
+    assert lora.advice().startswith("LoRA fine-tuning of this 7.6B model needs fsdp over at least 2 chips"), \
+        lora.advice()
+
+
+def test_the_finetune_recipe_plans_per_chip_under_its_sharding(tiny_lm_dir):
+    from tpu_helpers.config import TrainConfig
+    from tpu_helpers.training.finetune import Finetune, FinetuneConfig
+
+    def job(sharding):
+        return Finetune(FinetuneConfig(method="full"), TrainConfig(device="cpu", sharding=sharding, batch_size=4,
+                                                                   seq_len=32))
+
+    data, fsdp = job("data").plan(chips=8), job("fsdp").plan(chips=8)
+    assert fsdp.estimate.method.endswith("fsdp x8") and not data.estimate.method.endswith("fsdp x8")
+    for key in ("params", "grads", "optimizer"):
+        assert fsdp.estimate.breakdown[key] == -(-data.estimate.breakdown[key] // 8)
+    assert fsdp.estimate.breakdown["activations"] == data.estimate.breakdown["activations"]
+    advice = job("fsdp").sharding_advice(chips=8)
+    assert advice.startswith("SHARDING='fsdp': about ") and "fsdp x8" in advice, advice
+    assert job("fsdp").sharding_advice() == ""  # one chip here: nothing to compare
+    with pytest.raises(ValueError, match=r"sharding='2x4' needs 2 x 4 = 8 chips but this run has 1"):
+        job("2x4").plan()

@@ -3,6 +3,8 @@
     est = hf_finetune_estimate(config, batch_size=8, seq_len=512, method="lora", lora_r=8,
                                lora_targets=["q_proj", "v_proj"], precision="bf16")
     rep = memory_report(lambda b: hf_finetune_estimate(config, b, 512, ...), batch_size=8, hardware="v6e")
+    plan = hf_sharding_plan(config, 8, 512, chips=8, method="full", hardware="v5e")  # data vs fsdp per chip
+    print(plan.advice())  # "full fine-tuning of this 1.5B model needs fsdp over at least 4 chips ..."
 
 Per chip, data parallel (everything replicated), batch b, sequence s, L layers of width h, a heads, vocab V:
 
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 
 from tpu_helpers.memory.report import MemoryEstimate
+from tpu_helpers.memory.sharded import ShardingPlan, sharding_plan
 
 METHODS = ("lora", "full", "distill")
 
@@ -89,3 +92,34 @@ def hf_finetune_estimate(config: Any, batch_size: int, seq_len: int, *, method: 
              f"{params:,} parameters, {trainable:,} trainable ({method})"]
     return MemoryEstimate.from_categories("plan", b, params=weights + teacher, grads=grads, optimizer=optimizer,
                                           activations=int(layers + logits), temporaries=0, notes=notes)
+
+
+_WHAT = {"lora": "LoRA fine-tuning", "full": "full fine-tuning", "distill": "distillation"}
+
+
+def block_params(model: torch.nn.Module) -> int:
+    """Parameters of the model's largest sharding unit (one decoder layer: what FSDP gathers at a time)."""
+    from tpu_helpers.training.sharding import block_classes
+
+    kinds = block_classes(model)
+    return max((sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m) in kinds), default=0)
+
+
+def gathered_bytes_per_param(method: str, precision: str = "bf16") -> int:
+    """Bytes per parameter of a gathered block: the bf16 frozen base under LoRA on TPU, else fp32 master weights."""
+    return 2 if (precision == "bf16" and method in ("lora", "distill")) else 4
+
+
+def hf_sharding_plan(config: Any, batch_size: int, seq_len: int, *, chips: int, hardware: Any = "v5e",
+                     method: str = "lora", precision: str = "bf16", safety_margin: float = 0.1,
+                     **estimate_kwargs: Any) -> ShardingPlan:
+    """Per-chip memory of one fine-tuning step under data parallel and FSDP over 2, 4, ... `chips`
+    (`tpu_helpers.memory.sharded`), from the config alone; `estimate_kwargs` go to `hf_finetune_estimate`."""
+    model = meta_model(config)
+    return sharding_plan(
+        lambda b: hf_finetune_estimate(config, b, seq_len, method=method, precision=precision, model=model,
+                                       **estimate_kwargs),
+        batch_size, chips=chips, hardware=hardware, block_params=block_params(model),
+        params=sum(p.numel() for p in model.parameters()),
+        bytes_per_param=gathered_bytes_per_param(method, precision), safety_margin=safety_margin,
+        what=_WHAT.get(method, method))

@@ -66,8 +66,10 @@ def is_peft(model: torch.nn.Module) -> bool:
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The state-dict entries of trainable parameters only (what a LoRA checkpoint needs)."""
-    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    """The state-dict entries of trainable parameters only (plain names, also under FSDPv2's wrappers)."""
+    from tpu_helpers.training.sharding import trainable_names
+
+    names = trainable_names(model)
     return {k: v for k, v in model.state_dict().items() if k in names}
 
 
@@ -103,13 +105,25 @@ def _atomic_dir(target: str | os.PathLike, write: Callable[[Path], None]) -> Pat
 
 
 def export_adapter(model: torch.nn.Module, out_dir: str | os.PathLike) -> Path:
-    """`save_pretrained` of the peft model: adapter_config.json + adapter_model.safetensors (CPU tensors)."""
+    """The peft adapter dir (adapter_config.json, adapter_model.safetensors, README.md), also of an FSDP-wrapped model.
+
+    peft's `save_pretrained` writes the config and model card; the weights come from `adapter_state_dict`, since
+    under FSDPv2 peft's own selection finds no adapter (the wrapped layers' names carry "_orig_module.") and would
+    write an empty file. The tensors are gathered to the CPU one at a time.
+    """
+    from safetensors.torch import save_file
+
+    from tpu_helpers.training.sharding import adapter_state_dict
+
     if not is_peft(model):
         raise ConfigError("export_adapter needs a LoRA (peft) model; with METHOD='full' export the merged model only")
-    state = {k: v.detach().cpu() for k, v in trainable_state(model).items()}
+    state = {k: v.detach().cpu().contiguous() for k, v in adapter_state_dict(model).items()}
+    if not state:
+        raise ConfigError(f"{type(model).__name__} has no weights for its LoRA adapter 'default': nothing to export")
 
     def write(tmp: Path) -> None:
-        model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        model.save_pretrained(tmp, state_dict={}, safe_serialization=True)  # config and card; weights next
+        save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
 
     return _atomic_dir(out_dir, write)
 

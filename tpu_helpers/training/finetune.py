@@ -3,6 +3,7 @@
     ft, cfg = finetune_from_parameters(globals())     # MODEL, DATASET, METHOD, LORA_*, SEQ_LEN, STEPS, DEVICE, ...
     job = Finetune(ft, cfg)
     print(job.plan().summary())                       # from the model's config only: nothing large allocated yet
+    print(job.sharding_advice())                      # several chips: per chip under data and fsdp (SHARDING)
     job.load(); job.prepare_data()
     before = job.samples()                            # held-out prompts, exact match
     report = job.train()                              # the package Trainer (XLA hygiene, resume, signals)
@@ -11,6 +12,10 @@
 METHOD "lora" trains peft adapters on a frozen base (bf16 on TPU); "full" trains every weight (fp32 master weights,
 bf16 autocast on TPU); "distill" trains LoRA adapters (or the full model with LORA_R=0) against a frozen TEACHER of
 the same vocabulary. The default MODEL "tiny" and DATASET "instructions" need no network.
+
+SHARDING (TrainConfig.sharding) "fsdp" shards the model, gradients and optimizer state over the chips (FSDPv2 on a
+v5e-8, one decoder layer gathered at a time; FSDP2 under torchrun): LoRA on a 7B or full fine-tuning of a 1.5B
+model on v5e chips. Checkpoints and exports keep the unwrapped model's names, so they load under any sharding.
 """
 
 from __future__ import annotations
@@ -33,9 +38,12 @@ from tpu_helpers.data.sft import (
     prompts_and_answers,
     record_form,
 )
+from tpu_helpers.hardware import format_bytes
 from tpu_helpers.launch.params import config_from_parameters
 from tpu_helpers.models import hf, lora
+from tpu_helpers.training.callbacks import as_callback
 from tpu_helpers.training.causal_lm import CausalLMTrainer, DistillTrainer
+from tpu_helpers.training.sharding import is_sharded, mesh_shape
 
 METHODS = ("lora", "full", "distill")
 
@@ -99,24 +107,63 @@ class Finetune:
         self.trainer: CausalLMTrainer | None = None
 
     # ---- 1. memory plan (config only) ----------------------------------------------------------------------------
-    def plan(self, hardware: Any = None):
+    @property
+    def chips(self) -> int:
+        """The chips this run spans: the SPMD program's devices on XLA, the torchrun processes elsewhere."""
+        return max(self.backend.device_count, self.backend.world_size)
+
+    def _plan_inputs(self) -> tuple[Any, dict]:
         from transformers import AutoConfig
 
-        from tpu_helpers.memory.hf_plan import hf_finetune_estimate
-        from tpu_helpers.memory.report import memory_report
-
-        config = AutoConfig.from_pretrained(self.source)
-        teacher = AutoConfig.from_pretrained(hf.resolve_model_source(self.ft.teacher)) if self.ft.teacher else None
         ft, cfg = self.ft, self.cfg
-        targets = ft.lora_targets if ft.lora_targets == "all-linear" else ft.lora_targets.split(",")
-        method = "full" if (ft.method == "distill" and ft.lora_r == 0) else ft.method
+        teacher = AutoConfig.from_pretrained(hf.resolve_model_source(ft.teacher)) if ft.teacher else None
+        return AutoConfig.from_pretrained(self.source), dict(
+            method="full" if (ft.method == "distill" and ft.lora_r == 0) else ft.method, lora_r=ft.lora_r,
+            lora_targets=ft.lora_targets if ft.lora_targets == "all-linear" else ft.lora_targets.split(","),
+            precision=self.backend.precision, gradient_checkpointing=cfg.gradient_checkpointing,
+            teacher_config=teacher)
+
+    def sharding_plan(self, hardware: Any = None, *, chips: int | None = None):
+        """Per-chip memory under data parallel and FSDP over 2, 4, ... chips (`tpu_helpers.memory.sharded`)."""
+        from tpu_helpers.memory.hf_plan import hf_sharding_plan
+
+        config, kwargs = self._plan_inputs()
+        return hf_sharding_plan(config, self.cfg.batch_size, self.cfg.seq_len, chips=chips or self.chips,
+                                hardware=hardware or self.backend.hardware, **kwargs)
+
+    def plan(self, hardware: Any = None, *, chips: int | None = None):
+        """The memory report of one step per chip under this run's SHARDING over its chips (fsdp: 1/N of the
+        weights, gradients and optimizer state plus one gathered block)."""
+        from tpu_helpers.memory.hf_plan import (
+            block_params,
+            gathered_bytes_per_param,
+            hf_finetune_estimate,
+            meta_model,
+        )
+        from tpu_helpers.memory.report import memory_report
+        from tpu_helpers.memory.sharded import shard_estimate
+
+        config, kwargs = self._plan_inputs()
+        model = meta_model(config)
+        fsdp = mesh_shape(self.cfg.sharding, chips or self.chips)[1]
+        block, width = block_params(model), gathered_bytes_per_param(kwargs["method"], kwargs["precision"])
 
         def estimate(b: int):
-            return hf_finetune_estimate(config, b, cfg.seq_len, method=method, lora_r=ft.lora_r,
-                                        lora_targets=targets, precision=self.backend.precision,
-                                        gradient_checkpointing=cfg.gradient_checkpointing, teacher_config=teacher)
+            est = hf_finetune_estimate(config, b, self.cfg.seq_len, model=model, **kwargs)
+            return shard_estimate(est, fsdp, block_params=block, bytes_per_param=width)
 
-        return memory_report(estimate, cfg.batch_size, hardware or self.backend.hardware)
+        return memory_report(estimate, self.cfg.batch_size, hardware or self.backend.hardware)
+
+    def sharding_advice(self, hardware: Any = None, *, chips: int | None = None) -> str:
+        """What SHARDING needs per chip here and what the other choices would ("" on a single chip)."""
+        chips = chips or self.chips
+        if chips == 1:
+            return ""
+        plan = self.sharding_plan(hardware, chips=chips)
+        fsdp = mesh_shape(self.cfg.sharding, chips)[1]
+        choice = plan.per_chip.get("data" if fsdp == 1 else f"fsdp x{fsdp}")
+        mine = f"SHARDING={self.cfg.sharding!r}: about {format_bytes(choice.peak_bytes)} per chip. " if choice else ""
+        return f"{mine}{plan.advice()}\n{plan.table()}"
 
     # ---- 2. model ----------------------------------------------------------------------------------------------
     @property
@@ -176,7 +223,7 @@ class Finetune:
             return {"exact_match": None, "rows": [], "compilations": 0}
         records = self.held_out if n is None else self.held_out[:n]
         prompts, answers = prompts_and_answers(records)
-        model = self.trainer.model if self.trainer is not None else self.backend.prepare_model(self.model)
+        model = self._model_on_device()
         before = self.backend.metrics().get("compilations", 0)
         preds = hf.generate(model, self.tokenizer, prompts, device=self.backend.device, sync=self.backend.sync,
                             max_new_tokens=self.ft.max_new_tokens, prompt_len=self.cfg.seq_len // 2)
@@ -184,6 +231,12 @@ class Finetune:
         rows = [{"prompt": p[-1]["content"], "answer": a, "prediction": y}
                 for p, a, y in zip(prompts, answers, preds, strict=True)]
         return {"exact_match": exact_match(preds, answers), "rows": rows, "compilations": compiles}
+
+    def _model_on_device(self) -> torch.nn.Module:
+        if self.trainer is None and is_sharded(self.cfg.sharding) and self.chips > 1:
+            # Sharded because it may not fit one chip whole: shard it now, as training will (the trainer does).
+            self.make_trainer()
+        return self.trainer.model if self.trainer is not None else self.backend.prepare_model(self.model)
 
     # ---- 5. training -------------------------------------------------------------------------------------------
     def run_identity(self) -> dict:
@@ -208,9 +261,19 @@ class Finetune:
         self.trainer = trainer
         return trainer
 
-    def train(self, **kwargs: Any):
-        trainer = self.trainer or self.make_trainer(**kwargs)
-        return trainer.fit()
+    def train(self, *, progress: bool | None = None, callbacks: list | None = None, **kwargs: Any):
+        """Fit; `progress`, `callbacks` and the other Trainer arguments apply when the trainer is made here. Made
+        earlier (by `samples()` under a sharded SHARDING), it takes `progress` and `callbacks` still."""
+        if self.trainer is None:
+            given = {k: v for k, v in (("progress", progress), ("callbacks", callbacks)) if v is not None}
+            return self.make_trainer(**given, **kwargs).fit()
+        if kwargs:
+            raise ConfigError(f"Finetune.train({', '.join(kwargs)}=...): the trainer already exists (made by "
+                              "samples() or make_trainer()); pass these to make_trainer() before sampling")
+        if progress is not None:
+            self.trainer.progress = progress
+        self.trainer.callbacks.extend(as_callback(c) for c in callbacks or [])
+        return self.trainer.fit()
 
     # ---- 6. export ---------------------------------------------------------------------------------------------
     def export(self, out_dir: str | Path | None = None, *, merged: bool | None = None) -> dict[str, str]:
@@ -241,5 +304,7 @@ class Finetune:
         results = {"report": report.to_dict(), "config": self.cfg.to_dict(), "finetune": dataclasses.asdict(self.ft),
                    "history": history.to_dict(), "samples_before": before, "samples_after": after,
                    "exports": paths or {}, "parameters": self.parameter_summary(), "data": self.data_stats,
-                   "plan": plan.to_dict() if plan is not None else None}
+                   "plan": plan.to_dict() if plan is not None else None,
+                   "sharding": {"sharding": self.cfg.sharding, "chips": self.chips,
+                                "mesh": list(getattr(self.backend, "mesh_shape", ()))}}
         return write_results(self.cfg.out_dir, results, figure=history.figure())

@@ -273,9 +273,14 @@ class RunState:
 
 
 def _model_state(trainer: Trainer, model, state: dict) -> dict:
-    """The model's state dict `state`; with `trainer.save_trainable_only` (LoRA) only the trainable weights."""
+    """The model's state dict `state`; with `trainer.save_trainable_only` (LoRA) only the trainable weights.
+
+    `state` has the plain names (FSDPv2's state-dict hooks drop its "_orig_module." level) while the wrapped
+    model's parameters carry that level: compare plain with plain, or under fsdp no adapter weight is kept."""
     if getattr(trainer, "save_trainable_only", False):
-        names = {n for n, p in model.named_parameters() if p.requires_grad}
+        from tpu_helpers.training.sharding import trainable_names
+
+        names = trainable_names(model)
         state = {k: v for k, v in state.items() if k in names}
     return state
 
@@ -284,9 +289,15 @@ def _load_model_state(trainer: Trainer, model, state: dict) -> None:
     if not getattr(trainer, "save_trainable_only", False):
         model.load_state_dict(state)
         return
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    from tpu_helpers.training.sharding import trainable_names
+
+    trainable = trainable_names(model)
     if set(state) != trainable:
         missing, unexpected = sorted(trainable - set(state)), sorted(set(state) - trainable)
         raise ConfigError(f"the checkpoint's trainable weights do not match the model's (missing {missing[:5]}, "
                           f"unexpected {unexpected[:5]}); was it written with other LoRA settings?")
-    model.load_state_dict(state, strict=False)
+    # strict=False: the frozen base is not in it. A key that matched no parameter (say, a wrapper level the
+    # load hooks did not add back) would leave that adapter silently untrained: refuse it.
+    unexpected = model.load_state_dict(state, strict=False).unexpected_keys
+    if unexpected:
+        raise ConfigError(f"the checkpoint's trainable weights {sorted(unexpected)[:5]} match no parameter of the model")

@@ -151,6 +151,17 @@ def prepare_model(backend: Any, model: torch.nn.Module, config: Any) -> torch.nn
 _WRAPPED = "_orig_module."  # the level FSDPv2 (and XLA FSDP) add to module names
 
 
+def plain_name(name: str) -> str:
+    """A parameter or module name without the wrapper levels FSDPv2 adds ("h.0._orig_module.ln_1.weight" ->
+    "h.0.ln_1.weight"): the name state dicts use (sharding_xla's hooks drop the same level)."""
+    return name.replace(_WRAPPED, "")
+
+
+def trainable_names(model: torch.nn.Module) -> set[str]:
+    """The state-dict names of `model`'s trainable parameters (plain names, also under FSDPv2's wrappers)."""
+    return {plain_name(n) for n, p in model.named_parameters() if p.requires_grad}
+
+
 def adapter_state_dict(model: torch.nn.Module, adapter_name: str = "default") -> dict:
     """The PEFT (LoRA) adapter weights of `model` with peft's own key names, also when FSDP wrapped its layers.
 
@@ -164,8 +175,8 @@ def adapter_state_dict(model: torch.nn.Module, adapter_name: str = "default") ->
     plain = model.state_dict()
     wrapped = {}
     for name in [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]:
-        key = name.replace(_WRAPPED, "")
+        key = plain_name(name)
         if key in plain:
             wrapped[name] = plain[key]
     adapter = get_peft_model_state_dict(model, state_dict=wrapped, adapter_name=adapter_name)
-    return {k.replace(_WRAPPED, ""): v for k, v in adapter.items()}
+    return {plain_name(k): v for k, v in adapter.items()}
