@@ -209,11 +209,15 @@ class Backend:
 
         return DefaultSavePlanner() if save else DefaultLoadPlanner()
 
-    def load_sharded_tensors(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loaded: dict) -> None:
-        """Put what DCP loaded into `sharded_tensors`' template into the model and optimizer."""
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+    def load_sharded_tensors(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loaded: dict, *,
+                             strict: bool = True) -> None:
+        """Put what DCP loaded into `sharded_tensors`' template into the model and optimizer; `strict=False` when
+        the template held only some of the model's weights (LoRA's adapters)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
+        keys = set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"],
+                              options=StateDictOptions(strict=strict))
+        _refuse_unexpected(getattr(keys, "unexpected_keys", []))
 
     def to_device(self, batch: Any) -> Any:
         return tree_map_tensors(lambda t: t.to(self.device, non_blocking=True), batch)
@@ -347,6 +351,12 @@ class _DeviceIterable:
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
+
+
+def _refuse_unexpected(keys: list[str]) -> None:
+    # A weight that matched no parameter (a wrapper level the load hooks did not add back) would stay untrained.
+    if keys:
+        raise ValueError(f"the checkpoint's weights {sorted(keys)[:5]} match no parameter of the model")
 
 
 def _is_fsdp2(model: torch.nn.Module) -> bool:

@@ -203,8 +203,12 @@ class XlaBackend(Backend):
 
         return sharding_xla.dcp_planner(save=save)
 
-    def load_sharded_tensors(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loaded: dict) -> None:
-        self.load_state_dicts(model, optimizer, loaded["model"], loaded["optimizer"])
+    def load_sharded_tensors(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loaded: dict, *,
+                             strict: bool = True) -> None:
+        from tpu_helpers.backend.base import _refuse_unexpected
+
+        _refuse_unexpected(model.load_state_dict(loaded["model"], strict=strict).unexpected_keys)
+        optimizer.load_state_dict(loaded["optimizer"])
 
     def _resolve_precision(self, precision: str) -> str:
         if precision == "auto":

@@ -168,10 +168,7 @@ class RunState:
         return getattr(self.trainer.model, "module", self.trainer.model)  # unwrap DDP
 
     def sharded_writer(self) -> str | None:
-        """The sharded checkpoint kind this run saves ("xla-spmd", "fsdp2"), or None: saved whole in one file.
-        LoRA saves only its small adapters, whole, under any sharding."""
-        if getattr(self.trainer, "save_trainable_only", False):
-            return None
+        """The sharded checkpoint kind this run saves ("xla-spmd", "fsdp2"), or None: saved whole in one file."""
         return self.trainer.backend.sharded_writer(self._unwrapped())
 
     def state_dict(self) -> dict:
@@ -188,8 +185,10 @@ class RunState:
         if handle is not None and handle.writer == self.sharded_writer():
             # Same kind of sharded run (any chip count): DCP reads each device's part in place.
             template = t.backend.sharded_tensors(model, t.optimizer)
+            template["model"] = _model_state(t, model, template["model"])
             handle.load_into(template, t.backend.dcp_planner(save=False))
-            t.backend.load_sharded_tensors(model, t.optimizer, template)
+            trainable_only = getattr(t, "save_trainable_only", False)
+            t.backend.load_sharded_tensors(model, t.optimizer, template, strict=not trainable_only)
         else:
             if handle is not None:  # saved sharded, resumed unsharded (or by another writer): whole, on the CPU
                 state = {**state, **handle.read_whole()}
@@ -234,6 +233,7 @@ class RunState:
         t = self.trainer
         model = self._unwrapped()
         tensors = t.backend.sharded_tensors(model, t.optimizer)
+        tensors["model"] = _model_state(t, model, tensors["model"])  # LoRA: the adapters only
         planner = sharded.finite_checking(type(t.backend.dcp_planner(save=True)))()
 
         def write(directory: Path) -> list[str]:
