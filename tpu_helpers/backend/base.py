@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
+from tpu_helpers.backend.sharding_torch import TorchSharding
 from tpu_helpers.choices import PRECISIONS
 from tpu_helpers.hardware import HardwareSpec, lookup
 
@@ -44,7 +45,7 @@ def tree_map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
     return obj
 
 
-class Backend:
+class Backend(TorchSharding):
     """CPU backend and the interface every backend implements."""
 
     name = "cpu"
@@ -128,97 +129,6 @@ class Backend:
             model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
         return model
 
-    # ---- sharding (issue 11; the choice itself is tpu_helpers.training.sharding) ---------------------------------
-    @property
-    def device_count(self) -> int:
-        """Devices this process's program spans (XLA SPMD: every chip; here: its own device)."""
-        return 1
-
-    def shard_model(self, model: torch.nn.Module, blocks: set[type], *, checkpoint: bool = False) -> torch.nn.Module:
-        """FSDP2 (`fully_shard`) over the torchrun processes: each block class in `blocks` is a unit, the root
-        holds the rest. `checkpoint` is the XLA wrapper's option; here the model's own checkpointing applies."""
-        from torch.distributed.fsdp import fully_shard
-
-        model = model.to(self.device)
-        for module in list(model.modules()):
-            if type(module) in blocks:
-                fully_shard(module)
-        fully_shard(model)
-        return model
-
-    def sharding_spec(self, tensor: torch.Tensor) -> str:
-        """How `tensor` is split over devices ("" when it is whole here)."""
-        placements = getattr(tensor, "placements", None)  # a DTensor under FSDP2
-        return str(tuple(placements)) if placements is not None else ""
-
-    def device_bytes(self, tensor: torch.Tensor) -> int:
-        """Bytes of `tensor` this device holds (its shard under FSDP)."""
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        return local.numel() * local.element_size()
-
-    def after_load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Called after a checkpoint was loaded into `model` and `optimizer` (XLA FSDP re-shards what it loaded)."""
-
-    def state_dicts(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-        """The model's and optimizer's whole (unsharded) state dicts, in the plain format of an unwrapped model, so
-        a checkpoint loads under any sharding. FSDP2 gathers them with torch.distributed.checkpoint's state_dict
-        API (the optimizer's then keyed by index again, as `Optimizer.state_dict` does)."""
-        if not _is_fsdp2(model):
-            return model.state_dict(), optimizer.state_dict()
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        from tpu_helpers.checkpoint.sharded import index_keyed
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-        if "param_groups" not in optim_sd:  # ranks other than 0 get empty dicts: only rank 0 writes
-            return model_sd, optim_sd
-        return model_sd, index_keyed(optim_sd)
-
-    def load_state_dicts(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict,
-                         optim_sd: dict) -> None:
-        """Load what `state_dicts` (or an unsharded run) saved into this run's model and optimizer."""
-        if not _is_fsdp2(model):
-            model.load_state_dict(model_sd)
-            optimizer.load_state_dict(optim_sd)
-            return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
-        name_of = {id(p): name for name, p in model.named_parameters()}
-        names = [name_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
-        groups = [{**g, "params": [names[i] for i in g["params"]]} for g in optim_sd["param_groups"]]
-        named = {"state": {names[i]: v for i, v in optim_sd["state"].items()}, "param_groups": groups}
-        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=named, options=options)
-
-    # ---- sharded checkpoints (torch.distributed.checkpoint; the files are tpu_helpers.checkpoint.sharded) ------
-    def sharded_writer(self, model: torch.nn.Module) -> str | None:
-        """Which kind of sharded checkpoint `model` is saved as ("fsdp2"), or None to save it whole."""
-        return "fsdp2" if _is_fsdp2(model) else None
-
-    def sharded_tensors(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        """{"model": ..., "optimizer": ...} as each process holds them (DTensor shards, nothing gathered); with a
-        fresh optimizer its state is created first, so the same call gives the template to load into."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        return {"model": model_sd, "optimizer": optim_sd}
-
-    def dcp_planner(self, *, save: bool) -> Any:
-        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-
-        return DefaultSavePlanner() if save else DefaultLoadPlanner()
-
-    def load_sharded_tensors(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loaded: dict, *,
-                             strict: bool = True) -> None:
-        """Put what DCP loaded into `sharded_tensors`' template into the model and optimizer; `strict=False` when
-        the template held only some of the model's weights (LoRA's adapters)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-        keys = set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"],
-                              options=StateDictOptions(strict=strict))
-        _refuse_unexpected(getattr(keys, "unexpected_keys", []))
-
     def to_device(self, batch: Any) -> Any:
         return tree_map_tensors(lambda t: t.to(self.device, non_blocking=True), batch)
 
@@ -263,6 +173,16 @@ class Backend:
     def barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier()
+
+    def gather_objects(self, value: Any) -> list:
+        """`value` from every process of the run, by process index (also a barrier); [value] alone. For the few
+        host-side decisions all processes must share (which checkpoint to resume, whether a save worked): one
+        process deciding alone leaves the others waiting at the next collective for ever."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            values: list = [None] * dist.get_world_size()
+            dist.all_gather_object(values, value)
+            return values
+        return [value]
 
     def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
@@ -351,16 +271,6 @@ class _DeviceIterable:
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
-
-
-def _refuse_unexpected(keys: list[str]) -> None:
-    # A weight that matched no parameter (a wrapper level the load hooks did not add back) would stay untrained.
-    if keys:
-        raise ValueError(f"the checkpoint's weights {sorted(keys)[:5]} match no parameter of the model")
-
-
-def _is_fsdp2(model: torch.nn.Module) -> bool:
-    return any(hasattr(p, "placements") for p in model.parameters())
 
 
 def warn_fallback(requested: str, reason: str, chosen: str) -> None:

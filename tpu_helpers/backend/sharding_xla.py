@@ -28,10 +28,19 @@ import numpy as np
 import torch
 import torch_xla
 import torch_xla.distributed.spmd as xs
+import torch_xla.runtime as xr
 from torch_xla.distributed.fsdp import checkpoint_module
 from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
 from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
+
+from tpu_helpers.backend.sharding_torch import refuse_unexpected
+
+
+def sharding_spec(tensor: torch.Tensor) -> str:
+    """XLA's sharding annotation of a device tensor, e.g. "{devices=[8,1]0,1,2,3,4,5,6,7}" for a batch split 8
+    ways on its first axis; "" when it carries none (a single-device or replicated tensor)."""
+    return torch_xla._XLAC._get_xla_sharding_spec(tensor)
 
 
 def make_mesh(data: int, fsdp: int) -> xs.Mesh:
@@ -102,7 +111,7 @@ def reshard_after_load(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     """Restore FSDPv2's sharding on parameters and optimizer state that a checkpoint load replaced with
     unsharded copies, so the resumed run holds 1/N per chip and runs the same compiled step as before."""
     for param in model.parameters():
-        if param.dim() > 0 and not torch_xla._XLAC._get_xla_sharding_spec(param):
+        if param.dim() > 0 and not sharding_spec(param):
             xs.mark_sharding(param, mesh, _prepare_spmd_partition_spec(param, shard_maximal=True))
     shard_optimizer_state(optimizer, mesh)
 
@@ -111,11 +120,11 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, mesh: xs.Mesh) -> No
     """Give each per-parameter optimizer tensor (Adam's moments) its parameter's sharding (FSDPv2's rule)."""
     for group in optimizer.param_groups:
         for param in group["params"]:
-            if not torch_xla._XLAC._get_xla_sharding_spec(param):
+            if not sharding_spec(param):
                 continue
             for value in optimizer.state.get(param, {}).values():
                 if isinstance(value, torch.Tensor) and value.shape == param.shape and value.dim() > 0 and \
-                        not torch_xla._XLAC._get_xla_sharding_spec(value):
+                        not sharding_spec(value):
                     xs.mark_sharding(value, mesh, _prepare_spmd_partition_spec(value, shard_maximal=True))
 
 
@@ -151,5 +160,69 @@ def shard_shape(shape: tuple[int, ...], spec: str) -> tuple[int, ...]:
 
 def device_bytes(tensor: torch.Tensor) -> int:
     """Bytes of `tensor` that one device holds (its shard; the whole tensor when replicated)."""
-    spec = torch_xla._XLAC._get_xla_sharding_spec(tensor) if tensor.device.type == "xla" else ""
+    spec = sharding_spec(tensor) if tensor.device.type == "xla" else ""
     return math.prod(shard_shape(tuple(tensor.shape), spec)) * tensor.element_size()
+
+
+class SpmdSharding:
+    """The XLA backend's side of SHARDING (`XlaBackend` inherits it): the mesh over the chips, FSDPv2, and the
+    sharded checkpoints' state dicts and DCP planners. Uses the backend's `spmd` and `mesh`."""
+
+    @property
+    def device_count(self) -> int:
+        """Devices this process's program spans: every chip under SPMD, else its own one."""
+        return int(xr.global_runtime_device_count()) if self.spmd else 1
+
+    def set_mesh(self, data: int, fsdp: int = 1) -> None:
+        """Lay the chips out as a (data, fsdp) mesh; batches are split over all of them."""
+        if not self.spmd:
+            if data * fsdp != 1:
+                raise ValueError(f"a {data}x{fsdp} mesh needs SPMD (spmd=True or 'auto'); this process drives one "
+                                 "device")
+            return
+        self.mesh = make_mesh(data, fsdp)
+        # Each host's loader yields only its own chips' rows (Trainer.loader_batch_size): minibatch=True tells
+        # torch_xla that a batch is this host's part of the global one. Without it, on a pod every host's rows
+        # would be taken as the whole global batch. On one host both mean the same, so single-host runs (and the
+        # tests on simulated chips) go through the pod path.
+        self._input_sharding = xs.ShardingSpec(self.mesh, (batch_axes(self.mesh), None), minibatch=True)
+
+    @property
+    def mesh_shape(self) -> tuple[int, int]:
+        """(data, fsdp) sizes of the current mesh; (1, 1) without SPMD."""
+        if self.mesh is None:
+            return 1, 1
+        shape = tuple(self.mesh.mesh_shape)
+        return (shape[0], 1) if len(shape) == 1 else (shape[0], shape[1])
+
+    def shard_model(self, model: torch.nn.Module, blocks: set[type], *, checkpoint: bool = False) -> torch.nn.Module:
+        """FSDPv2 over the mesh's fsdp axis, one unit per block class in `blocks` (`shard_model` above)."""
+        return shard_model(model, self.mesh, blocks, checkpoint=checkpoint)
+
+    def sharding_spec(self, tensor: torch.Tensor) -> str:
+        return sharding_spec(tensor) if tensor.device.type == "xla" else ""
+
+    def device_bytes(self, tensor: torch.Tensor) -> int:
+        return device_bytes(tensor)
+
+    def after_load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if self.mesh is not None and self.mesh_shape[1] > 1:
+            reshard_after_load(model, optimizer, self.mesh)
+
+    def sharded_writer(self, model: torch.nn.Module) -> str | None:
+        # Sharded over several chips: DCP with torch_xla's SPMD planners, each host writing the shards its chips
+        # hold (on a pod the hosts agree through the gloo group that `barrier` starts, before DCP is called).
+        return "xla-spmd" if self.mesh is not None and self.mesh_shape[1] > 1 else None
+
+    def sharded_tensors(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        if not optimizer.state:  # a resume: DCP loads in place, so the (sharded) optimizer state must exist
+            prime_optimizer(optimizer, self.mesh)
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+    def dcp_planner(self, *, save: bool) -> Any:
+        return dcp_planner(save=save)
+
+    def load_sharded_tensors(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loaded: dict, *,
+                             strict: bool = True) -> None:
+        refuse_unexpected(model.load_state_dict(loaded["model"], strict=strict).unexpected_keys)
+        optimizer.load_state_dict(loaded["optimizer"])

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -30,6 +31,7 @@ import torch_xla.runtime as xr
 import torch_xla.utils.checkpoint as xla_checkpoint
 
 from tpu_helpers.backend.base import Backend, tree_map_tensors
+from tpu_helpers.backend.sharding_xla import SpmdSharding
 from tpu_helpers.hardware import detect_tpu, format_bytes, lookup
 
 _CACHE_INITIALISED: str | None = None  # the directory in use (with its per-process subdirectory)
@@ -79,7 +81,7 @@ def runtime_started() -> bool:
         return True
 
 
-class XlaBackend(Backend):
+class XlaBackend(SpmdSharding, Backend):
     name = "xla"
     autocast_device_type = "xla"
 
@@ -138,78 +140,6 @@ class XlaBackend(Backend):
     def loader_kind(self) -> str:
         return "tpu" if self.on_tpu else "xla"
 
-    # ---- sharding (issue 11): the mesh and FSDPv2, in backend/sharding_xla.py ----------------------------------
-    @property
-    def device_count(self) -> int:
-        """Devices this process's program spans: every chip under SPMD, else its own one."""
-        return int(xr.global_runtime_device_count()) if self.spmd else 1
-
-    def set_mesh(self, data: int, fsdp: int = 1) -> None:
-        """Lay the chips out as a (data, fsdp) mesh; batches are split over all of them."""
-        if not self.spmd:
-            if data * fsdp != 1:
-                raise ValueError(f"a {data}x{fsdp} mesh needs SPMD (spmd=True or 'auto'); this process drives one "
-                                 "device")
-            return
-        import torch_xla.distributed.spmd as xs
-
-        from tpu_helpers.backend import sharding_xla
-
-        self.mesh = sharding_xla.make_mesh(data, fsdp)
-        self._input_sharding = xs.ShardingSpec(self.mesh, (sharding_xla.batch_axes(self.mesh), None))
-
-    @property
-    def mesh_shape(self) -> tuple[int, int]:
-        """(data, fsdp) sizes of the current mesh; (1, 1) without SPMD."""
-        if self.mesh is None:
-            return 1, 1
-        shape = tuple(self.mesh.mesh_shape)
-        return (shape[0], 1) if len(shape) == 1 else (shape[0], shape[1])
-
-    def shard_model(self, model: torch.nn.Module, blocks: set[type], *, checkpoint: bool = False) -> torch.nn.Module:
-        """FSDPv2 over the mesh's fsdp axis, one unit per block class in `blocks` (see sharding_xla)."""
-        from tpu_helpers.backend import sharding_xla
-
-        return sharding_xla.shard_model(model, self.mesh, blocks, checkpoint=checkpoint)
-
-    def sharding_spec(self, tensor: torch.Tensor) -> str:
-        return sharding_spec(tensor) if tensor.device.type == "xla" else ""
-
-    def device_bytes(self, tensor: torch.Tensor) -> int:
-        from tpu_helpers.backend import sharding_xla
-
-        return sharding_xla.device_bytes(tensor)
-
-    def after_load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        if self.mesh is not None and self.mesh_shape[1] > 1:
-            from tpu_helpers.backend import sharding_xla
-
-            sharding_xla.reshard_after_load(model, optimizer, self.mesh)
-
-    def sharded_writer(self, model: torch.nn.Module) -> str | None:
-        # Sharded over several chips: DCP with torch_xla's SPMD planners, each host writing the shards its chips
-        # hold (on a pod the hosts agree through the gloo group that `barrier` starts, before DCP is called).
-        return "xla-spmd" if self.mesh is not None and self.mesh_shape[1] > 1 else None
-
-    def sharded_tensors(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        from tpu_helpers.backend import sharding_xla
-
-        if not optimizer.state:  # a resume: DCP loads in place, so the (sharded) optimizer state must exist
-            sharding_xla.prime_optimizer(optimizer, self.mesh)
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-
-    def dcp_planner(self, *, save: bool) -> Any:
-        from tpu_helpers.backend import sharding_xla
-
-        return sharding_xla.dcp_planner(save=save)
-
-    def load_sharded_tensors(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loaded: dict, *,
-                             strict: bool = True) -> None:
-        from tpu_helpers.backend.base import _refuse_unexpected
-
-        _refuse_unexpected(model.load_state_dict(loaded["model"], strict=strict).unexpected_keys)
-        optimizer.load_state_dict(loaded["optimizer"])
-
     def _resolve_precision(self, precision: str) -> str:
         if precision == "auto":
             # bf16 is native on the TPU's MXU; XLA:CPU emulates it slowly, so tests default to fp32 there.
@@ -248,19 +178,34 @@ class XlaBackend(Backend):
     def sync(self) -> None:
         torch_xla.sync()
 
+    def _hosts_group(self) -> bool:
+        """Under SPMD on a pod slice (several hosts): a gloo group over the hosts, found by torch_xla's xla://
+        rendezvous, started on first use. False for one process, or one process per chip (xmp.spawn)."""
+        if not (self.world_size > 1 and self.spmd):
+            return False
+        import torch.distributed as dist
+
+        if not self._host_group and not dist.is_initialized():
+            import torch_xla.distributed.xla_backend  # noqa: F401  (registers the xla:// init method)
+
+            dist.init_process_group("gloo", init_method="xla://")
+        self._host_group = True
+        return True
+
     def barrier(self) -> None:
-        if self.world_size > 1 and self.spmd:
-            # Hosts of a pod slice under SPMD: a gloo group over the hosts, found by torch_xla's xla:// rendezvous.
+        if self._hosts_group():
             import torch.distributed as dist
 
-            if not self._host_group and not dist.is_initialized():
-                import torch_xla.distributed.xla_backend  # noqa: F401  (registers the xla:// init method)
-
-                dist.init_process_group("gloo", init_method="xla://")
-            self._host_group = True
             dist.barrier()
         elif self.world_size > 1:
             xm.rendezvous("tpu_helpers.barrier")
+
+    def gather_objects(self, value: Any) -> list:
+        if self._hosts_group():
+            return super().gather_objects(value)
+        if self.world_size > 1:
+            return [pickle.loads(p) for p in xm.rendezvous("tpu_helpers.gather", pickle.dumps(value))]
+        return [value]
 
     def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.mesh is None and self.world_size > 1:
@@ -349,12 +294,6 @@ def xla_metrics() -> dict:
         "persistent_cache_misses": int(met.counter_value("PersistentCacheMiss") or 0),
         "persistent_cache_deserialize_failures": int(met.counter_value("PersistentCacheDeserializeFailure") or 0),
     }
-
-
-def sharding_spec(tensor: torch.Tensor) -> str:
-    """XLA's sharding annotation of a device tensor, e.g. "{devices=[8,1]0,1,2,3,4,5,6,7}" for a batch split 8
-    ways on its first axis; "" when it carries none (a single-device or replicated tensor)."""
-    return torch_xla._XLAC._get_xla_sharding_spec(tensor)
 
 
 def spawn(fn: Callable, args: tuple = (), *, nprocs: int | None = None, start_method: str = "fork") -> None:

@@ -96,7 +96,7 @@ class CheckpointManager:
             warnings.warn(f"saved {path} but could not prune old checkpoints: {e}", stacklevel=2)
 
     def save_sharded(self, step: int, state: dict, write: Callable[[Path], list[str]], *, writer: str,
-                     size: int = 0, barrier: Callable[[], None] = lambda: None,
+                     size: int = 0, gather: Callable[[Any], list] = lambda value: [value],
                      meta: dict | None = None) -> Path | list[str]:
         """Write checkpoint `step` of a sharded model as a DCP directory (every process of the run calls this).
 
@@ -105,33 +105,41 @@ class CheckpointManager:
         (step, RNG, history...: small) is pickled by the main process. Everything goes into a hidden temp
         directory, is hashed into the manifest and renamed into place, so an interrupted save leaves the earlier
         checkpoints as they were. Returns the directory, or the nan/inf names (then nothing is kept). `size`: the
-        tensors' bytes, to make room on a full disk; `barrier` waits for every process.
+        tensors' bytes, to make room on a full disk; `gather(value)` collects a value from every process (the
+        backend's `gather_objects`): the processes wait for each other between the phases and agree on failures,
+        so a save that fails on one host fails on all of them instead of leaving the others waiting.
         """
         _check_step(step)
         path = self.directory / f"ckpt-{step:08d}{sharded.SUFFIX}"
         temp = self.directory / f".ckpt-{step:08d}{sharded.SUFFIX}.tmp"
         started = time.time()
-        try:
+
+        def prepare() -> None:
             if self.is_main:
-                meta_json = json.loads(json.dumps(meta or {}))
                 self.directory.mkdir(parents=True, exist_ok=True)
                 self._make_room(step, size)
                 layout.remove(temp)
                 temp.mkdir()
-            barrier()
+
+        def finish() -> None:
+            if self.is_main and not bad:
+                files = sharded.finish(temp, state, writer)
+                layout.commit(temp, path, {"format": layout.FORMAT, "step": step, "kind": "dcp", "writer": writer,
+                                           "files": files, "bytes": sum(f["bytes"] for f in files.values()),
+                                           "created": _now(), "meta": json.loads(json.dumps(meta or {}))})
+
+        bad: list[str] = []
+        try:
+            agreed(prepare, gather)
             bad = write(temp)
-            barrier()
-            if bad or not self.is_main:
-                return bad
-            files = sharded.finish(temp, state, writer)
-            layout.commit(temp, path, {"format": layout.FORMAT, "step": step, "kind": "dcp", "writer": writer,
-                                       "files": files, "bytes": sum(f["bytes"] for f in files.values()),
-                                       "created": _now(), "meta": meta_json})
+            agreed(finish, gather)
         except Exception as e:
             raise CheckpointError(self._save_failure(step, size, e)) from e
         finally:
             if self.is_main:
                 layout.remove(temp)
+        if bad or not self.is_main:
+            return bad
         self._after_save(step, path, started)
         return path
 
@@ -355,3 +363,23 @@ def _check_step(step: Any) -> None:
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def agreed(phase: Callable[[], Any], gather: Callable[[Any], list]) -> Any:
+    """`phase()` run here, then every process waits for the others (`gather`: the backend's `gather_objects`) and
+    learns whether it failed anywhere: then it raises everywhere (its own error, or a CheckpointError naming the
+    process that failed), instead of one process raising alone while the others wait at their next collective
+    for ever (a full disk on host 0 of a pod). Returns what `phase` returned."""
+    error: Exception | None = None
+    result = None
+    try:
+        result = phase()
+    except Exception as e:  # noqa: BLE001 (told to the other processes, then raised)
+        error = e
+    failures = gather(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    for index, failure in enumerate(failures):
+        if failure:
+            raise CheckpointError(f"process {index} failed: {failure}")
+    return result

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tpu_helpers.checkpoint import CheckpointManager
+from tpu_helpers.checkpoint.manager import agreed
 from tpu_helpers.config import ConfigError
 from tpu_helpers.data.text import data_identity
 from tpu_helpers.training import finite
@@ -117,10 +118,8 @@ class RunState:
             )
         if t.backend.is_main:
             self.manager.write_run_info(self.identity)
-        if latest is None or cfg.resume is not True:
-            t.backend.manual_seed(cfg.seed)
-            return
-        loaded = self.manager.load_latest()
+        loaded = self.manager.load_latest() if latest is not None and cfg.resume is True else None
+        self._check_same_start(loaded[0] if loaded else None)
         if loaded is None:
             t.backend.manual_seed(cfg.seed)
             return
@@ -130,6 +129,19 @@ class RunState:
         self.resume_changes = apply_changes(t, state.get("config"))
         if self.resume_changes and t.backend.is_main:
             _say(f"resumed from step {step} with changed settings: " + "; ".join(self.resume_changes))
+
+    def _check_same_start(self, step: int | None) -> None:
+        """Every process resumes from the same step (or none starts over while another resumes): on a pod slice an
+        out_dir on each host's own disk has host 0's checkpoints only, and the hosts would silently train
+        different models."""
+        seen = self.trainer.backend.gather_objects(step)
+        if len(set(seen)) > 1:
+            said = ", ".join(f"process {i}: {'no checkpoint' if s is None else f'step {s}'}" for i, s in enumerate(seen))
+            raise ConfigError(
+                f"the processes of this run see different checkpoints in out_dir="
+                f"{str(self.trainer.config.out_dir)!r} ({said}); every process must read the same directory: on a "
+                "pod slice put out_dir on storage all hosts mount (Filestore, a gcsfuse bucket)"
+            )
 
     def _load_checked(self, step: int, state: dict) -> None:
         """load_state, with "this checkpoint belongs to another run" instead of a raw state_dict error."""
@@ -211,19 +223,23 @@ class RunState:
         if t.diverged is not None and t.config.on_nonfinite == "stop":
             return None  # the loss went nan/inf: the weights are not worth a checkpoint slot
         writer = self.sharded_writer()
-        if writer is not None:
-            saved = self._save_sharded(writer)
-            bad = saved if isinstance(saved, list) else []
-        else:
+
+        def save_here() -> tuple[Path | None, list[str]]:
+            if writer is not None:
+                saved = self._save_sharded(writer)
+                return (None, saved) if isinstance(saved, list) else (saved, [])
             state = self.state_dict()
             bad = finite.nonfinite_tensors(state["model"])
-            saved = None if bad else self.manager.save(t.step, state, meta={"epoch": t.epoch})
+            return None if bad else self.manager.save(t.step, state, meta={"epoch": t.epoch}), bad
+
+        # Every process learns whether the save worked: the main one failing alone (a full disk on host 0 of a
+        # pod) must not leave the others waiting at their next collective.
+        saved, bad = agreed(save_here, t.backend.gather_objects)
         if bad:
             finite.flag(t, f"the weights hold nan/inf at step {t.step} ({', '.join(bad[:3])}"
                            f"{', ...' if len(bad) > 3 else ''})")
             return None
         self.last_path = saved
-        t.backend.barrier()
         return self.last_path
 
     def _save_sharded(self, writer: str) -> Path | list[str]:
@@ -242,7 +258,7 @@ class RunState:
 
         size = sum(p.numel() * p.element_size() for p in model.parameters()) * 3  # weights + AdamW moments
         return self.manager.save_sharded(t.step, self._small_state(), write, writer=writer, size=size,
-                                         barrier=t.backend.barrier, meta={"epoch": t.epoch})
+                                         gather=t.backend.gather_objects, meta={"epoch": t.epoch})
 
     def report(self, start_step: int, seconds: float) -> RunReport:
         t = self.trainer
