@@ -9,24 +9,28 @@ from types import SimpleNamespace
 
 import pytest
 
+from tpu_helpers.backend import runtime_env, tpu_host
 from tpu_helpers.backend.base import Backend
-from tpu_helpers.backend.runtime_env import pod_host
 from tpu_helpers.checkpoint import CheckpointManager
 from tpu_helpers.config import ConfigError, TrainConfig
+from tpu_helpers.launch import multichip
 from tpu_helpers.launch.pods import host_writes, pod_command, pod_mesh
 from tpu_helpers.launch.train import config_from_args
 from tpu_helpers.training.trainer import Trainer
 
 
 def test_pod_command_starts_the_same_training_on_every_worker():
-    cfg = TrainConfig(device="tpu", preset="medium", sharding="4x8", steps=100, out_dir="runs/pod a")
-    cmd = pod_command(cfg, tpu="my-v5e-32", zone="us-west4-a", project="proj")
+    cfg = TrainConfig(device="tpu", preset="medium", sharding="4x8", steps=100, out_dir="/mnt/shared/pod a")
+    cmd = pod_command(cfg, tpu="my-v5e-32", zone="us-west4-a", project="proj", workdir="~/my clone")
     parts = shlex.split(cmd)
     assert parts[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-v5e-32"]
     assert "--worker=all" in parts and "--zone=us-west4-a" in parts and "--project=proj" in parts
-    remote = shlex.split(parts[-1][len("--command="):])
-    assert remote[:5] == ["cd", "~/tpu_helpers", "&&", "python", "-m"] and remote[5] == "tpu_helpers.train"
-    assert config_from_args(remote[6:]) == cfg
+    remote = parts[-1][len("--command="):]
+    # "~/" stays unquoted so the remote shell expands it; the rest of a path with a space is quoted.
+    assert remote.startswith("cd ~/'my clone' && . ~/venv/bin/activate && python -m tpu_helpers.train "), remote
+    words = shlex.split(remote)
+    assert config_from_args(words[words.index("tpu_helpers.train") + 1:]) == cfg
+    assert "activate" not in pod_command(cfg, tpu="t", zone="z", venv=None)
     with pytest.raises(ConfigError, match="tpu='' must be a non-empty string"):
         pod_command(cfg, tpu="", zone="z")
 
@@ -41,11 +45,28 @@ def test_fsdp_stays_within_a_host_on_a_pod():
         pod_mesh("3x8", 8, 4)
 
 
-def test_host_index_from_the_tpu_vm_environment():
-    assert pod_host({}) == (0, 1)
-    assert pod_host({"TPU_WORKER_ID": "2", "TPU_WORKER_HOSTNAMES": "h0,h1,h2,h3"}) == (2, 4)
-    with pytest.raises(ValueError, match=r"TPU_WORKER_ID=5 is outside the 2 hosts"):
-        pod_host({"TPU_WORKER_ID": "5", "TPU_WORKER_HOSTNAMES": "h0,h1"})
+def test_hosts_of_the_slice_from_where_torch_xla_reads_them(monkeypatch):
+    # Recorded value of the TPU VM metadata key worker-network-endpoints on a 4-host slice ("name:uid:ip").
+    endpoints = "t1v-n-0:abc:10.130.0.2,t1v-n-1:abd:10.130.0.3,t1v-n-2:abe:10.130.0.4,t1v-n-3:abf:10.130.0.5"
+    assert tpu_host.parse_worker_endpoints(endpoints) == ["10.130.0.2", "10.130.0.3", "10.130.0.4", "10.130.0.5"]
+    assert tpu_host.slice_hosts({}, fetch=lambda: endpoints) == 4
+    assert tpu_host.slice_hosts({"TPU_WORKER_HOSTNAMES": "h0,h1"}, fetch=lambda: endpoints) == 2  # GKE sets it
+    assert tpu_host.slice_hosts({}, fetch=lambda: None) == 1  # no metadata server: one host
+    assert tpu_host.slice_hosts({}, fetch=lambda: "t1v-n-0:abc:10.130.0.2") == 1  # a v5e-8 VM
+    # The whole program spans every host's chips, so each host splits the global batch over all of them.
+    monkeypatch.delenv(runtime_env.PJRT_DEVICE, raising=False)  # as on a TPU VM
+    assert runtime_env.slice_device_count("tpu", tpu_chips=8, hosts=4) == 32
+    assert runtime_env.slice_device_count("cpu", tpu_chips=8, hosts=1) == 1
+
+
+def test_the_notebook_plans_the_global_batch_over_every_host(monkeypatch):
+    monkeypatch.setattr(multichip, "slice_device_count", lambda device: 32)  # 4 hosts x 8 chips, as on a v5e-32
+    plan = multichip.plan_multichip(TrainConfig(device="tpu", sharding="4x8"), global_batch=64)
+    assert (plan.chips, plan.config.batch_size) == (32, 2)
+    pod = SimpleNamespace(num_replicas=32, status=lambda: "TPU v5e x32 (SPMD)")
+    multichip.check_backend(plan, pod)
+    with pytest.raises(ConfigError, match=r"backend drives 8 devices but the batch was planned for 32 chips"):
+        multichip.check_backend(plan, SimpleNamespace(num_replicas=8, status=lambda: "TPU v5e x8"))
 
 
 def test_each_host_loads_its_share_and_only_host_0_writes(tmp_path):
@@ -65,3 +86,12 @@ def test_each_host_loads_its_share_and_only_host_0_writes(tmp_path):
     assert not (tmp_path / "results.pt").exists()
     CheckpointManager(tmp_path / "ckpt", is_main=False).save(1, {"model": {}})
     assert not list((tmp_path / "ckpt").glob("ckpt-*"))
+    # results.json too: the notebooks' save_results writes on host 0 only.
+    from tpu_helpers.training.history import History
+    from tpu_helpers.training.recipes import GptRun, save_results
+
+    for backend, name in ((host1, "host1"), (Backend("fp32"), "host0")):
+        run = GptRun(TrainConfig(out_dir=str(tmp_path / name)), backend, None, None, None, None,
+                     SimpleNamespace(history=History()), report=SimpleNamespace(to_dict=dict))
+        save_results(run)
+    assert not (tmp_path / "host1").exists() and (tmp_path / "host0" / "results.json").exists()

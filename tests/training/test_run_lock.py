@@ -87,7 +87,9 @@ def test_save_results_uses_a_unique_temp_file(tmp_path: Path) -> None:
     cfg = tiny_config(tmp_path)
     (Path(cfg.out_dir) / ".loss.png.tmp").mkdir(parents=True)  # another writer's fixed-name temp in the way
     trainer = type("T", (), {"history": History()})()
-    run = GptRun(cfg, None, None, None, None, None, trainer, report=Report())
+    from tpu_helpers.backend.base import Backend
+
+    run = GptRun(cfg, Backend("fp32"), None, None, None, None, trainer, report=Report())
     save_results(run)
     assert (Path(cfg.out_dir) / "loss.png").stat().st_size > 0
     assert [p.name for p in Path(cfg.out_dir).iterdir() if p.name.endswith(".tmp")] == [".loss.png.tmp"]

@@ -91,6 +91,21 @@ def local_device_count(device: str = "tpu", *, tpu_chips: int | None = None) -> 
     return int(os.environ.get(TPU_DEVICES) or tpu_chips or 1)
 
 
+def slice_device_count(device: str = "tpu", *, tpu_chips: int | None = None, hosts: int | None = None) -> int:
+    """Devices one SPMD program spans, read without starting the XLA runtime: this host's
+    (`local_device_count`) times the hosts of a TPU pod slice (`tpu_host.slice_hosts`, asked only on a host with
+    TPU chips; 1 elsewhere). On a v5e-32 every host gets 32, so each plans the same global batch split."""
+    from tpu_helpers.backend import tpu_host
+
+    if tpu_chips is None and device in ("tpu", "xla", "auto") and (pjrt_device() or "TPU") == "TPU":
+        tpu_chips = tpu_host.tpu_chip_count()
+    local = local_device_count(device, tpu_chips=tpu_chips)
+    if hosts is None:
+        on_tpu = device in ("tpu", "xla", "auto") and (pjrt_device() or "TPU") == "TPU" and bool(tpu_chips)
+        hosts = tpu_host.slice_hosts() if on_tpu else 1
+    return local * hosts
+
+
 def spawned_process() -> bool:
     """Whether this process is one of several that `xmp.spawn` started on this host."""
     return int(os.environ.get(LOCAL_PROCESS_COUNT, "1")) > 1
@@ -141,19 +156,3 @@ def runtime_started() -> bool:
     if "torch_xla" not in sys.modules:
         return False
     return backend.xla_module().runtime_started()
-
-
-# ---- pod slices (issue 11): which host this is, from the TPU VM's environment, before any runtime starts -------
-WORKER_ID = "TPU_WORKER_ID"  # this host's index in the slice, set on TPU VM hosts
-WORKER_HOSTNAMES = "TPU_WORKER_HOSTNAMES"  # comma-separated hosts of the slice
-
-
-def pod_host(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
-    """(this host's index, hosts in the slice) from the TPU VM's variables; (0, 1) off a pod."""
-    env = os.environ if environ is None else environ
-    hosts = [h for h in env.get(WORKER_HOSTNAMES, "").split(",") if h.strip()]
-    index = int(env.get(WORKER_ID) or 0)
-    count = max(1, len(hosts))
-    if not 0 <= index < count:
-        raise ValueError(f"{WORKER_ID}={index} is outside the {count} hosts in {WORKER_HOSTNAMES}")
-    return index, count

@@ -80,6 +80,37 @@ def describe_chips(chips: list[TpuChip]) -> str:
     return ", ".join(f"{n} x TPU {gen} (PCI device {dev})" for (gen, dev), n in groups.items())
 
 
+# ---- pod slices: how many hosts run the program ---------------------------------------------------------------
+WORKER_HOSTNAMES = "TPU_WORKER_HOSTNAMES"  # "host-0,host-1,...": set on GKE, where the metadata server is not asked
+METADATA_URL = "http://metadata.google.internal/computeMetadata/v1/instance/attributes/worker-network-endpoints"
+
+
+def parse_worker_endpoints(text: str) -> list[str]:
+    """The hosts of a slice from the TPU VM metadata value worker-network-endpoints ("name:uid:ip,name:uid:ip")."""
+    return [part.split(":")[-1].strip() for part in text.split(",") if part.strip()]
+
+
+def _fetch_metadata(url: str = METADATA_URL, timeout: float = 2.0) -> str | None:
+    import urllib.request
+
+    request = urllib.request.Request(url, headers={"Metadata-Flavor": "Google"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.read().decode()
+    except (OSError, ValueError):  # not a GCE VM, no such key (a TPU VM of one host), or no answer in time
+        return None
+
+
+def slice_hosts(environ: dict | None = None, fetch=_fetch_metadata) -> int:
+    """Hosts in this TPU slice, read before any runtime starts from where torch_xla reads them (its
+    `_internal/tpu.get_worker_ips`): TPU_WORKER_HOSTNAMES when set, else the VM's metadata. 1 when neither
+    answers: a single-host TPU VM (v5e-8), Colab, Kaggle. Call it only on a host with TPU chips attached."""
+    env = os.environ if environ is None else environ
+    text = env.get(WORKER_HOSTNAMES) or fetch() or ""
+    hosts = parse_worker_endpoints(text) if ":" in text else [h for h in text.split(",") if h.strip()]
+    return max(1, len(hosts))
+
+
 # ---- the TPU lock ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TpuLock:

@@ -25,9 +25,10 @@ from tpu_helpers.config import ConfigError, TrainConfig
 MODES = ("spmd", "spawn")
 
 
-def local_device_count(device: str = "tpu") -> int:
-    """XLA devices this host will have, read without starting the XLA runtime (1 for "cpu"/"cuda")."""
-    return runtime_env.local_device_count(device)
+def slice_device_count(device: str = "tpu") -> int:
+    """XLA devices of the whole run, read without starting the XLA runtime: this host's chips (or simulated
+    XLA:CPU devices) times the hosts of a pod slice; 1 for "cpu"/"cuda"."""
+    return runtime_env.slice_device_count(device)
 
 
 def split_global_batch(global_batch: int, chips: int, grad_accum: int = 1) -> int:
@@ -76,9 +77,7 @@ def plan_multichip(config: TrainConfig, *, global_batch: int, mode: str = "spmd"
                           "torch_xla spawns no other counts")
     nprocs = None if spawn_procs == 0 else 1
     if chips is None:
-        chips = local_device_count(config.device)
-        if mode == "spawn" and nprocs == 1:
-            chips = 1
+        chips = 1 if mode == "spawn" and nprocs == 1 else slice_device_count(config.device)
     per_chip = split_global_batch(global_batch, chips, config.grad_accum)
     _check_sharding(config.sharding, mode, chips)
     return MultiChipPlan(config.replace(batch_size=per_chip, spmd=mode == "spmd"), mode, chips, global_batch,
@@ -118,6 +117,35 @@ def _gib(n: int) -> str:
     from tpu_helpers.hardware import format_bytes
 
     return format_bytes(n)
+
+
+def train(plan: MultiChipPlan, *, prompt: str = "Once upon a time", max_new_tokens: int = 200) -> dict:
+    """Train the planned run (SPMD from this process, or `xmp.spawn` for MODE "spawn") and return its results:
+    what host 0 writes to results.json, returned on every host of a pod, so the notebook's results cells run on
+    each without waiting for a file. SPMD prints the device and model size first and a sample at the end."""
+    if plan.mode == "spawn":
+        return train_spawn(plan)
+    from tpu_helpers.backend import backend_for
+    from tpu_helpers.training.recipes import build_gpt_run, run_results, save_results
+
+    backend = backend_for(plan.config)
+    check_backend(plan, backend)
+    print(backend.status())
+    run = build_gpt_run(plan.config, backend=backend)
+    print(f"{run.model.num_params():,} parameters")
+    run.report = run.trainer.fit()
+    extra = {"mode": plan.mode, "chips": plan.chips, "global_batch": plan.global_batch}
+    save_results(run, **extra)
+    print(run.sample(prompt, max_new_tokens=max_new_tokens))
+    return run_results(run, **extra)
+
+
+def summary(results: dict) -> str:
+    """The report's headline figures, a line each."""
+    report = results["report"]
+    keys = ("device", "steps", "tokens_per_s", "first_val_loss", "final_val_loss", "final_train_loss", "checkpoint")
+    lines = [f"{key:18s} {report.get(key)}" for key in keys]
+    return "\n".join([*lines, f"{'compilations':18s} {(report.get('xla') or {}).get('compilations')}"])
 
 
 def check_backend(plan: MultiChipPlan, backend) -> None:

@@ -13,7 +13,9 @@ is the single-host one, started on all workers at once:
 SHARDING on a pod: "data", or a "DxF" mesh with F at most the chips of one host (fsdp within each host, data
 across hosts; see `training.sharding.check_hosts` for why). Checkpoints of sharded models are written shard by
 shard by every host (torch.distributed.checkpoint over a gloo group of the hosts), so out_dir must be storage all
-hosts mount; an out_dir that is not shared is reported at the first save, naming the files other hosts wrote.
+hosts mount; an out_dir that is not shared is reported at the first save (naming the files other hosts wrote) or
+at the start of a resume (the hosts see different checkpoints). The v5e-8 notebook runs the same way on every
+host: `launch.multichip` plans its global batch over all the slice's chips (`runtime_env.slice_device_count`).
 """
 
 from __future__ import annotations
@@ -23,21 +25,31 @@ import shlex
 from tpu_helpers.config import ConfigError, TrainConfig
 from tpu_helpers.launch.train import train_flags
 
-__all__ = ["host_writes", "pod_command", "pod_mesh", "this_host"]
+__all__ = ["host_writes", "pod_command", "pod_mesh"]
 
 
 def pod_command(config: TrainConfig, *, tpu: str, zone: str, workdir: str = "~/tpu_helpers",
-                project: str | None = None) -> str:
-    """The gcloud command that starts `python -m tpu_helpers.train` with `config` on every host of slice `tpu`."""
-    for name, value in (("tpu", tpu), ("zone", zone), ("workdir", workdir)):
+                venv: str | None = "~/venv", project: str | None = None) -> str:
+    """The gcloud command that starts `python -m tpu_helpers.train` with `config` on every host of slice `tpu`,
+    from the clone in `workdir` with the virtual environment `venv` (the README's setup; None: none).
+
+    `config.out_dir` should be storage every host mounts (an absolute path on Filestore or a gcsfuse bucket):
+    every host reads the checkpoints to resume, and a sharded model's hosts each write their shards there."""
+    for name, value in (("tpu", tpu), ("zone", zone), ("workdir", workdir), ("venv", venv or "-")):
         if not isinstance(value, str) or not value.strip():
             raise ConfigError(f"{name}={value!r} must be a non-empty string")
-    remote = f"cd {workdir} && python -m tpu_helpers.train {' '.join(train_flags(config))}".rstrip()
+    activate = f" && . {_shell_path(venv)}/bin/activate" if venv else ""
+    remote = f"cd {_shell_path(workdir)}{activate} && python -m tpu_helpers.train {' '.join(train_flags(config))}"
     parts = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", tpu, f"--zone={zone}"]
     if project:
         parts.append(f"--project={project}")
-    parts += ["--worker=all", f"--command={shlex.quote(remote)}"]
+    parts += ["--worker=all", f"--command={shlex.quote(remote.rstrip())}"]
     return " ".join(parts)
+
+
+def _shell_path(path: str) -> str:
+    # Quoted for the remote shell, except a leading "~/", which only expands unquoted.
+    return "~/" + shlex.quote(path[2:]) if path.startswith("~/") else shlex.quote(path)
 
 
 def pod_mesh(sharding: str, chips_per_host: int, hosts: int) -> tuple[int, int]:
@@ -56,10 +68,3 @@ def pod_mesh(sharding: str, chips_per_host: int, hosts: int) -> tuple[int, int]:
 def host_writes(backend) -> bool:
     """Whether this host writes checkpoints and results (host 0 of the slice; the only host elsewhere)."""
     return bool(backend.is_main)
-
-
-def this_host() -> tuple[int, int]:
-    """(host index, hosts in the slice) from the TPU VM's environment, before any runtime starts; (0, 1) off a pod."""
-    from tpu_helpers.backend.runtime_env import pod_host
-
-    return pod_host()

@@ -104,22 +104,33 @@ def _atomic_dir(target: str | os.PathLike, write: Callable[[Path], None]) -> Pat
     return target
 
 
-def export_adapter(model: torch.nn.Module, out_dir: str | os.PathLike) -> Path:
+def export_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights an export writes, copied to the CPU one tensor at a time: the LoRA adapter's (peft's key names,
+    also under FSDP) or, without LoRA, the whole model's. Under SPMD on a pod slice reading a sharded tensor to
+    the host runs a program on every host, so every process calls this; only the main one writes."""
+    from tpu_helpers.training.sharding import adapter_state_dict
+
+    if is_peft(model):
+        state = {k: v.detach().cpu().contiguous() for k, v in adapter_state_dict(model).items()}
+        if not state:
+            raise ConfigError(f"{type(model).__name__} has no weights for its LoRA adapter 'default': nothing to "
+                              "export")
+        return state
+    return {k: v.detach().cpu().float() for k, v in model.state_dict().items()}
+
+
+def export_adapter(model: torch.nn.Module, out_dir: str | os.PathLike, *, state: dict | None = None) -> Path:
     """The peft adapter dir (adapter_config.json, adapter_model.safetensors, README.md), also of an FSDP-wrapped model.
 
-    peft's `save_pretrained` writes the config and model card; the weights come from `adapter_state_dict`, since
-    under FSDPv2 peft's own selection finds no adapter (the wrapped layers' names carry "_orig_module.") and would
-    write an empty file. The tensors are gathered to the CPU one at a time.
+    peft's `save_pretrained` writes the config and model card; the weights come from `adapter_state_dict` (through
+    `export_state`, or `state` when already taken), since under FSDPv2 peft's own selection finds no adapter (the
+    wrapped layers' names carry "_orig_module.") and would write an empty file.
     """
     from safetensors.torch import save_file
 
-    from tpu_helpers.training.sharding import adapter_state_dict
-
     if not is_peft(model):
         raise ConfigError("export_adapter needs a LoRA (peft) model; with METHOD='full' export the merged model only")
-    state = {k: v.detach().cpu().contiguous() for k, v in adapter_state_dict(model).items()}
-    if not state:
-        raise ConfigError(f"{type(model).__name__} has no weights for its LoRA adapter 'default': nothing to export")
+    state = export_state(model) if state is None else state
 
     def write(tmp: Path) -> None:
         model.save_pretrained(tmp, state_dict={}, safe_serialization=True)  # config and card; weights next
@@ -129,9 +140,12 @@ def export_adapter(model: torch.nn.Module, out_dir: str | os.PathLike) -> Path:
 
 
 def export_merged(model: torch.nn.Module, tokenizer: Any, out_dir: str | os.PathLike, *, base_source: str,
-                  dtype: torch.dtype = torch.float32) -> Path:
-    """A standalone model in safetensors: LoRA merged into a fresh CPU copy of the base (the live model is untouched)."""
+                  dtype: torch.dtype = torch.float32, state: dict | None = None) -> Path:
+    """A standalone model in safetensors: LoRA merged into a fresh CPU copy of the base (the live model is
+    untouched). `state`: the model's `export_state`, when already taken."""
     from transformers import AutoModelForCausalLM
+
+    state = export_state(model) if state is None else state
 
     def write(tmp: Path) -> None:
         if is_peft(model):
@@ -139,14 +153,14 @@ def export_merged(model: torch.nn.Module, tokenizer: Any, out_dir: str | os.Path
 
             adapter = Path(tempfile.mkdtemp(dir=tmp.parent))
             try:
-                export_adapter(model, adapter / "a")
+                export_adapter(model, adapter / "a", state=state)
                 base = AutoModelForCausalLM.from_pretrained(base_source, dtype=torch.float32)
                 merged = PeftModel.from_pretrained(base, adapter / "a").merge_and_unload()
             finally:
                 shutil.rmtree(adapter, ignore_errors=True)
         else:
             merged = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
-            merged.load_state_dict({k: v.detach().cpu().float() for k, v in model.state_dict().items()})
+            merged.load_state_dict(state)
             merged.tie_weights()
         merged.to(dtype).save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:

@@ -279,15 +279,20 @@ class Finetune:
     def export(self, out_dir: str | Path | None = None, *, merged: bool | None = None) -> dict[str, str]:
         out = Path(out_dir or self.cfg.out_dir)
         model = self.trainer.model if self.trainer is not None else self.model
+        merged = self.ft.export_merged if merged is None else merged
+        # Every process reads the weights to the host (on a pod a sharded tensor's read runs on all hosts); the
+        # main one writes.
+        state = lora.export_state(model) if merged or lora.is_peft(model) else {}
         self.backend.barrier()
         paths: dict[str, str] = {}
         if not self.backend.is_main:
             return paths
         if lora.is_peft(model):
-            paths["adapter"] = str(lora.export_adapter(model, out / "adapter"))
+            paths["adapter"] = str(lora.export_adapter(model, out / "adapter", state=state))
             self.tokenizer.save_pretrained(out / "adapter")
-        if self.ft.export_merged if merged is None else merged:
-            paths["merged"] = str(lora.export_merged(model, self.tokenizer, out / "merged", base_source=self.source))
+        if merged:
+            paths["merged"] = str(lora.export_merged(model, self.tokenizer, out / "merged", base_source=self.source,
+                                                     state=state))
         from tpu_helpers.atomic_io import atomic_write_text
 
         atomic_write_text(out / "finetune.json", json.dumps({**dataclasses.asdict(self.ft), "paths": paths}, indent=1))
@@ -307,4 +312,4 @@ class Finetune:
                    "plan": plan.to_dict() if plan is not None else None,
                    "sharding": {"sharding": self.cfg.sharding, "chips": self.chips,
                                 "mesh": list(getattr(self.backend, "mesh_shape", ()))}}
-        return write_results(self.cfg.out_dir, results, figure=history.figure())
+        return write_results(self.cfg.out_dir, results, figure=history.figure(), is_main=self.backend.is_main)

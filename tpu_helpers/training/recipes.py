@@ -73,13 +73,20 @@ def train_gpt(config: TrainConfig, *, backend: Backend | None = None, progress: 
     return run
 
 
+def run_results(run: GptRun, **extra: Any) -> dict:
+    """What `save_results` writes: the report, config, history and `extra` values of a finished run."""
+    if run.report is None:
+        raise RuntimeError("save_results() needs a finished run: call train_gpt() or run.trainer.fit() first")
+    return {"report": run.report.to_dict(), "config": run.config.to_dict(), "history": run.history.to_dict(),
+            **run.extra_results, **extra}
+
+
 def save_results(run: GptRun, *, name: str = "results", **extra: Any) -> Path:
-    """Write `<out_dir>/<name>.json` (report, config, final losses, extra values) and `loss.png`, atomically.
+    """Write `<out_dir>/<name>.json` (report, config, final losses, extra values) and `loss.png`, atomically;
+    on the main process only (host 0 of a pod, rank 0 under torchrun).
 
     When run by `python -m tpu_helpers run`, the same files are copied into that run's directory.
     """
-    if run.report is None:
-        raise RuntimeError("save_results() needs a finished run: call train_gpt() or run.trainer.fit() first")
-    results = {"report": run.report.to_dict(), "config": run.config.to_dict(), "history": run.history.to_dict(),
-               **run.extra_results, **extra}
-    return write_results(run.config.out_dir, results, name=name, figure=run.history.figure())
+    results = run_results(run, **extra)
+    return write_results(run.config.out_dir, results, name=name, figure=run.history.figure(),
+                         is_main=run.backend.is_main)

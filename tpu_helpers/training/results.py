@@ -41,9 +41,16 @@ def render_png(figure: Any, *, dpi: int = 110) -> bytes:
 
 
 def write_results(out_dir: str | Path, results: dict, *, name: str = "results", figure: Any = None,
-                  figure_name: str = "loss.png") -> Path:
+                  figure_name: str = "loss.png", is_main: bool = True) -> Path:
     """Write `<name>.json` (and `figure_name` when a figure is given) into `out_dir` and the runner's run
-    directory; returns the JSON path in `out_dir`. Values JSON cannot hold are written as their `str`."""
+    directory; returns the JSON path in `out_dir`. Values JSON cannot hold are written as their `str`.
+    `is_main=False` (every host of a pod but host 0, every torchrun rank but 0) writes nothing."""
+    if not is_main:
+        if figure is not None:
+            import matplotlib.pyplot as plt
+
+            plt.close(figure)
+        return Path(out_dir) / f"{name}.json"
     text = json.dumps(results, indent=2, default=str)
     png = render_png(figure) if figure is not None else None
     for directory in result_dirs(out_dir):
