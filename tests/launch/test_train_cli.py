@@ -81,3 +81,14 @@ def test_a_device_that_cannot_be_used_is_one_error_line_not_a_traceback(capsys):
     assert main(["--device", "tpu", "--preset", "tiny"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: device='tpu' cannot be used: no TPU chips") and "Traceback" not in err
+
+
+def test_a_sharding_this_run_cannot_take_is_one_error_line(capsys, tmp_path):
+    from tpu_helpers.launch.train import main
+
+    # A 2-D mesh needs XLA SPMD; on the CPU (or under torchrun) only "data" and "fsdp" exist.
+    args = ["--device", "cpu", "--preset", "tiny", "--dataset", "embedded", "--max_chars", "20000", "--seq_len", "32", "--batch_size", "2",
+            "--steps", "1", "--sharding", "2x4", "--out_dir", str(tmp_path / "run")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: sharding='2x4': a 2-D mesh needs an XLA SPMD run") and "Traceback" not in err

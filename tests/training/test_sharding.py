@@ -12,6 +12,7 @@ import json
 import pytest
 
 from tests.support import run_python
+from tpu_helpers.backend import runtime_env
 from tpu_helpers.config import ConfigError, TrainConfig
 from tpu_helpers.training.sharding import ShardingError, block_classes, check_sharding, is_sharded, mesh_shape
 
@@ -52,7 +53,13 @@ def hf_model(lora):
 def hf_loss(output, targets):
     return torch.nn.functional.cross_entropy(output.logits.float().view(-1, output.logits.size(-1)), targets.view(-1))
 
+import glob, os
+def new_barriers(seen):  # opt-barriers in the HLO of the programs compiled since `seen` (torch_xla's checkpointing)
+    files = set(glob.glob(os.path.join(ARGS.get("dump") or "/nonexistent", "*before_optimizations.txt")))
+    return sum(open(f).read().count(" opt-barrier(") for f in files - seen), files
+
 out = []
+seen = set()
 backend = get_backend("xla", spmd=ARGS["spmd"])
 train, _, tok = build_datasets("embedded", "byte", block_size=32, max_chars=200_000)
 for run in ARGS["runs"]:
@@ -69,6 +76,7 @@ for run in ARGS["runs"]:
     t = Trainer(model, train, None, config=cfg, backend=backend, loss_fn=loss_fn, progress=False,
                 callbacks=[compiles, *stop])
     report = t.fit()
+    barriers, seen = new_barriers(seen)
     params = [p for p in t.model.parameters()]
     states = [v for s in t.optimizer.state.values() for v in s.values()
               if isinstance(v, torch.Tensor) and v.device.type == "xla"]
@@ -86,6 +94,8 @@ for run in ARGS["runs"]:
         "resumed_from": report.resumed_from,
         "compiles_end": t.backend.metrics()["compilations"],  # after the final save
         "steps": [r["step"] for r in t.history.train],
+        "opt_barriers": barriers,
+        "minibatch": bool(getattr(backend._input_sharding, "minibatch", False)) if backend.mesh is not None else None,
     })
     if kind == "lora":
         from peft import get_peft_model_state_dict
@@ -98,7 +108,10 @@ print("RESULT" + json.dumps(out))
 
 def _train(args: dict, devices: int) -> list[dict]:
     code = f"ARGS = {json.dumps(args)!s}\n".replace("true", "True").replace("false", "False") + _TRAIN
-    proc = run_python(code, env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices)}, timeout=900)
+    env = runtime_env.xla_cpu_env(devices)
+    if args.get("dump"):  # the compiler's HLO, to see what each run's step holds
+        env[runtime_env.XLA_FLAGS] = runtime_env.dump_dir_flags(args["dump"])
+    proc = run_python(code, env=env, timeout=900)
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
     return json.loads(line[len("RESULT"):])
 
@@ -114,7 +127,7 @@ def test_fsdp_on_eight_devices_shards_everything_and_matches_one_device(tmp_path
     runs1 = [{"model": "gpt", "batch_size": 16}, {"model": "hf", "batch_size": 16}, {"model": "lora", "batch_size": 16}]
     for i, run in enumerate(runs8 + runs1):
         run.update(common, out_dir=str(tmp_path / f"run{i}"))
-    gpt8, gpt2x4, hf8, lora8 = _train({"spmd": True, "runs": runs8}, 8)
+    gpt8, gpt2x4, hf8, lora8 = _train({"spmd": True, "runs": runs8, "dump": str(tmp_path / "hlo")}, 8)
     gpt1, hf1, lora1 = _train({"spmd": False, "runs": runs1}, 1)
 
     for name, many, one in (("gpt fsdp", gpt8, gpt1), ("gpt 2x4", gpt2x4, gpt1), ("hf fsdp", hf8, hf1),
@@ -128,6 +141,13 @@ def test_fsdp_on_eight_devices_shards_everything_and_matches_one_device(tmp_path
         assert many["n_states"] > 0 and many["unsharded_states"] == 0, name
         assert many["compiles"][str(steps)] == many["compiles"]["2"], (name, many["compiles"])  # none after warm-up
     assert gpt8["losses"][-1] < gpt8["losses"][0]
+    # Gradient checkpointing per block under fsdp: torch_xla's checkpoint adds an opt-barrier per recomputed block to
+    # the step's HLO, over what the same GPT's step without it has (the 2x4 run: same model, same programs).
+    print(f"opt-barriers in the compiled programs: gpt fsdp + checkpointing {gpt8['opt_barriers']}, "
+          f"gpt 2x4 without {gpt2x4['opt_barriers']}")
+    assert gpt8["opt_barriers"] > gpt2x4["opt_barriers"]
+    # Each host's batch is its part of the global one (torch_xla's minibatch input sharding): what a pod needs.
+    assert all(r["minibatch"] for r in (gpt8, gpt2x4, hf8, lora8))
     assert gpt8["mesh"] == [1, 8] and gpt2x4["mesh"] == [2, 4]
     for result in (gpt8, hf8, lora8):  # 1/8 each, plus the padding of the tiny tensors that 8 does not divide
         assert 0.12 <= result["param_ratio"] < 0.14 and 0.12 <= result["state_ratio"] < 0.14, result
@@ -152,8 +172,11 @@ def test_a_checkpoint_saved_under_fsdp_on_8_resumes_under_data_on_1_and_fsdp_on_
     shutil.copytree(shared, tmp_path / "on4")
     (data1,) = _train({"spmd": False, "runs": [
         {"model": "gpt", "sharding": "data", "batch_size": 16, "steps": steps, "out_dir": str(shared)}]}, 1)
-    (fsdp4,) = _train({"spmd": True, "runs": [
-        {"model": "gpt", "sharding": "fsdp", "batch_size": 4, "steps": steps, "out_dir": str(tmp_path / "on4")}]}, 4)
+    shutil.copytree(shared, tmp_path / "pt_to_fsdp")  # its newest checkpoint: step 5, whole (.pt), from data on 1
+    fsdp4, pt_to_fsdp4 = _train({"spmd": True, "runs": [
+        {"model": "gpt", "sharding": "fsdp", "batch_size": 4, "steps": steps, "out_dir": str(tmp_path / "on4")},
+        {"model": "gpt", "sharding": "fsdp", "batch_size": 4, "steps": steps + 2,
+         "out_dir": str(tmp_path / "pt_to_fsdp")}]}, 4)
     assert half8["steps"] == [1, 2]
     # Saved sharded: a DCP directory whose manifest lists every file, each tensor written as its 8 shards (no
     # gather onto the host), and no program compiled for the save (a gather compiled one per tensor).
@@ -179,6 +202,10 @@ def test_a_checkpoint_saved_under_fsdp_on_8_resumes_under_data_on_1_and_fsdp_on_
     assert fsdp4["unsharded_params"] == [] and fsdp4["unsharded_states"] == 0  # re-sharded after the load
     # After a resume the first two steps compile (loaded state, then the step's own outputs), then none.
     assert fsdp4["compiles"][str(steps)] == fsdp4["compiles"]["4"], fsdp4["compiles"]
+    # And the other way: a whole .pt written by a data-parallel run goes on under fsdp, sharded again after the load.
+    assert pt_to_fsdp4["resumed_from"] == steps and pt_to_fsdp4["steps"][-2:] == [steps + 1, steps + 2]
+    assert pt_to_fsdp4["unsharded_params"] == [] and pt_to_fsdp4["unsharded_states"] == 0
+    assert all(abs(x) < 10 for x in pt_to_fsdp4["losses"][-2:]) and pt_to_fsdp4["losses"][-1] < data1["losses"][0]
 
 
 def test_sharding_values_are_checked():
@@ -192,6 +219,10 @@ def test_sharding_values_are_checked():
         check_sharding("zero3")
     with pytest.raises(ShardingError, match=r"both mesh sizes must be >= 1"):
         check_sharding("0x8")
+    with pytest.raises(ShardingError, match=r"needs 2 x 4 = 8 chips but this run has 1; .* \(e.g. 1x1\)"):
+        mesh_shape("2x4", 1)
+    with pytest.raises(ShardingError, match=r"sharding=\(True, 4\) must be one of"):
+        check_sharding((True, 4))
     with pytest.raises(ConfigError, match=r"sharding='fdsp' is not one of \('data', 'fsdp', 'DxF \(e.g. 2x4\)'\)"):
         TrainConfig(sharding="fdsp")
     assert TrainConfig(sharding="2X4").sharding == "2x4"
@@ -226,3 +257,19 @@ def test_the_v5e8_plan_checks_the_sharding_and_states_the_memory():
         multichip.plan_multichip(TrainConfig(sharding="3x4"), global_batch=64, chips=8)
     with pytest.raises(ConfigError, match=r"SHARDING='fsdp' needs MODE='spmd'"):
         multichip.plan_multichip(TrainConfig(sharding="fsdp"), global_batch=64, chips=8, mode="spawn")
+
+
+def test_fsdp_on_a_single_chip_keeps_the_models_own_gradient_checkpointing():
+    # "fsdp" with one XLA device runs the model unwrapped (nothing to shard over), so no per-block wrapper
+    # checkpoints it: the model must do it itself, or the memory saving silently disappears.
+    from types import SimpleNamespace
+
+    from tpu_helpers.training.sharding import checkpoints_blocks
+
+    cfg = TrainConfig(sharding="fsdp", gradient_checkpointing=True)
+    assert not checkpoints_blocks(cfg, SimpleNamespace(is_xla=True, device_count=1))
+    assert checkpoints_blocks(cfg, SimpleNamespace(is_xla=True, device_count=8))
+    assert not checkpoints_blocks(cfg.replace(sharding="8x1"), SimpleNamespace(is_xla=True, device_count=8))
+    assert not checkpoints_blocks(cfg.replace(gradient_checkpointing=False), SimpleNamespace(is_xla=True,
+                                                                                             device_count=8))
+    assert not checkpoints_blocks(cfg, SimpleNamespace(is_xla=False, device_count=1))  # FSDP2: the model's own

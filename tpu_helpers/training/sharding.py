@@ -34,7 +34,8 @@ class ShardingError(ValueError):
 
 def check_sharding(value: Any) -> str:
     """Normalise and validate a SHARDING value ("data", "fsdp", "2x4" or a (data, fsdp) pair); returns the string."""
-    if isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, int) for v in value):
+    if isinstance(value, (tuple, list)) and len(value) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value):
         value = f"{value[0]}x{value[1]}"
     if not isinstance(value, str):
         raise ShardingError(f"sharding={value!r} must be one of {SHARDINGS}")
@@ -60,7 +61,7 @@ def mesh_shape(sharding: str, devices: int) -> tuple[int, int]:
     data, fsdp = (int(v) for v in sharding.split("x"))
     if data * fsdp != devices:
         divisors = [d for d in range(1, devices + 1) if devices % d == 0]
-        examples = ", ".join(f"{d}x{devices // d}" for d in divisors[1:4])
+        examples = ", ".join(f"{d}x{devices // d}" for d in divisors[1:4] or divisors)
         raise ShardingError(f"sharding={sharding!r} needs {data} x {fsdp} = {data * fsdp} chips but this run has "
                             f"{devices}; use a mesh whose sizes multiply to {devices} (e.g. {examples}) or 'fsdp'")
     return data, fsdp
@@ -111,14 +112,17 @@ def _no_split_names(model: torch.nn.Module) -> set[str]:
 
 def checkpoints_blocks(config: Any, backend: Any) -> bool:
     """Whether gradient checkpointing is applied per block by the sharding wrapper (XLA FSDP) rather than by the
-    model's own `set_gradient_checkpointing`."""
-    return bool(config.gradient_checkpointing) and backend.is_xla and is_sharded(config.sharding)
+    model's own `set_gradient_checkpointing`: only when `prepare_model` will wrap the model, i.e. the fsdp axis
+    of the mesh spans more than one chip ("fsdp" on a single chip runs unwrapped and checkpoints by itself)."""
+    if not (config.gradient_checkpointing and backend.is_xla and is_sharded(config.sharding)):
+        return False
+    return mesh_shape(config.sharding, backend.device_count)[1] > 1
 
 
 def check_hosts(fsdp: int, devices: int, hosts: int) -> None:
-    """On a pod slice (several hosts), FSDP stays within each host's chips: LoRA's adapters (saved whole) and the
-    exports are gathered on each host, which needs every shard of a tensor on that host's chips; and several hosts
-    cannot be simulated here, so fsdp spanning hosts is not offered untested. Full models save sharded either way."""
+    """On a pod slice (several hosts), FSDP stays within each host's chips: its per-block all-gathers and
+    reduce-scatters then run over the chips' own interconnect, while only the data-parallel gradient reduction
+    crosses hosts; and fsdp spanning hosts cannot be simulated here, so it is not offered untested."""
     per_host = devices // max(1, hosts)
     if hosts > 1 and fsdp > per_host:
         raise ShardingError(f"fsdp over {fsdp} chips spans several of the {hosts} hosts ({per_host} chips each); "
