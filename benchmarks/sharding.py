@@ -1,27 +1,31 @@
-"""Data parallel against FSDP on 8 simulated chips: what fits per chip, what XLA compiles, and the step time.
+"""Data parallel against FSDP on 8 simulated chips: what fits per chip, by the plan and by what XLA compiles, and
+the step time of each.
 
-    PYTHONPATH=. python benchmarks/sharding.py                 # plan table + XLA:CPU runs of GPT "mini"
-    PYTHONPATH=. python benchmarks/sharding.py --preset tiny --seq-len 32 --no-plan
+    PYTHONPATH=. python benchmarks/sharding.py                        # all three parts (about 10 minutes here)
+    PYTHONPATH=. python benchmarks/sharding.py --no-plan --widths 128,256 --time-width 128   # a quick look
 
 1. By the memory plan (`tpu_helpers.memory.sharded`, analytic GPT estimate, bf16, AdamW, 8 sequences of 1024 per
    chip with gradient checkpointing): the largest GPT that trains per v5e chip under `data` and under `fsdp` x8.
-2. On 8 XLA:CPU devices (CPU_NUM_DEVICES=8, SPMD), the same GPT trained a few steps under `data` and `fsdp`: the
-   compiled program's memory per device (XLA's memory-usage report of the partitioned step, which is per device)
-   next to the plan's fp32 per-chip figure, and the steady-state step time of each.
+2. On 8 XLA:CPU devices (CPU_NUM_DEVICES=8, SPMD), a ladder of GPTs (6 layers, widths 128..768, fp32, AdamW, a few
+   steps each) trained under `data` and under `fsdp`: the compiled step's memory per device (XLA's memory-usage
+   report of the partitioned program, which is per device, compiled with XLA:CPU's memory-minimising scheduler as
+   the compiled estimates are: a TPU's scheduler is memory-aware too) next to the plan's per-chip figure (fp32,
+   unfused attention as XLA lowers it), and the largest width that fits a per-device budget by each.
+3. The steady-state step time of `fsdp` against `data` on one model of the ladder (default scheduler, as training
+   runs), median of the steps after warm-up.
 
 What XLA:CPU can and cannot say about the all-gathers: the 8 "devices" are threads of one process sharing one
 memory, so an all-gather or reduce-scatter is a memory copy, not a transfer over ICI; the time ratio measures the
-extra copies and the partitioner's reshapes (and any "involuntary rematerialization" it warns about), not the
-interconnect. On a v5e, FSDP's per-block all-gathers overlap with compute when the blocks are large enough; the
-compiled memory per device, by contrast, is the same program's buffer assignment and carries over to the TPU in
-shape (the TPU compiler's details differ).
+extra copies, the partitioner's reshapes and 8 threads competing for this machine's cores, not the interconnect.
+On a v5e, FSDP's per-block all-gathers overlap with compute when the blocks are large enough. The compiled memory
+per device, by contrast, is the same partitioned program's buffer assignment and carries over to the TPU in shape
+(the TPU compiler's fusion and layout details differ).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -30,18 +34,20 @@ from pathlib import Path
 
 from tpu_helpers.backend import runtime_env
 from tpu_helpers.hardware import format_bytes
+from tpu_helpers.memory.analytic import analytic_estimate, block_params, param_counts
 from tpu_helpers.memory.compiled import parse_memory_reports
 from tpu_helpers.memory.sharded import gpt_sharding_plan, shard_estimate
+from tpu_helpers.models.gpt import GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+MIB = 1 << 20
 
 _CHILD = r"""
 import json, sys, time
 import torch
 from tpu_helpers.backend import get_backend
 from tpu_helpers.config import TrainConfig
-from tpu_helpers.data import build_datasets
-from tpu_helpers.models.gpt import GPT, gpt_config
+from tpu_helpers.models.gpt import GPT, GPTConfig
 from tpu_helpers.training.trainer import Callback, Trainer
 
 args = json.loads(sys.argv[1])
@@ -51,25 +57,26 @@ class Times(Callback):
     def on_step_end(self, trainer):
         self.t.append(time.perf_counter())
 backend = get_backend("xla", spmd=True)
-train, _, tok = build_datasets("embedded", "byte", block_size=args["seq_len"], max_chars=400_000)
-cfg = TrainConfig(device="xla", preset=args["preset"], seq_len=args["seq_len"], batch_size=args["batch"],
-                  steps=args["steps"], warmup_steps=1, log_every=args["steps"], eval_every=10_000,
-                  save_every=10_000, out_dir=args["out"], sharding=args["sharding"], xla_checks="off",
-                  max_chars=400_000)
+model_cfg = GPTConfig(**args["model"])
 torch.manual_seed(0)
-model = GPT(gpt_config(args["preset"], vocab_size=tok.vocab_size, block_size=args["seq_len"]))
+data = torch.randint(0, model_cfg.vocab_size, (4096, model_cfg.block_size + 1))
+train = torch.utils.data.TensorDataset(data[:, :-1], data[:, 1:])
+cfg = TrainConfig(device="xla", preset="mini", seq_len=model_cfg.block_size, batch_size=args["batch"],
+                  steps=args["steps"], warmup_steps=1, log_every=args["steps"], eval_every=10_000,
+                  save_every=10_000, out_dir=args["out"], sharding=args["sharding"], xla_checks="off")
 times = Times()
-t = Trainer(model, train, None, config=cfg, backend=backend, progress=False, callbacks=[times])
+t = Trainer(GPT(model_cfg), train, None, config=cfg, backend=backend, progress=False, callbacks=[times])
 t.fit()
-steady = [b - a for a, b in zip(times.t[2:], times.t[3:])]
-print("RESULT" + json.dumps({"step_s": sorted(steady)[len(steady) // 2], "loss": t.history.train[-1]["loss"]}))
+steady = sorted(b - a for a, b in zip(times.t[2:], times.t[3:]))
+print("RESULT" + json.dumps({"step_s": steady[len(steady) // 2] if steady else None,
+                             "compilations": backend.metrics()["compilations"]}))
 """
 
 
 def plan_table(chips: int = 8) -> None:
     sizes = {"small": (12, 768), "medium": (24, 1024), "large": (36, 1280), "xl (1.6B)": (48, 1600),
              "2.7B": (32, 2560), "6.7B": (32, 4096), "13B": (40, 5120)}
-    print(f"By the plan: bf16 AdamW, 8 x 1024 tokens per chip, gradient checkpointing, v5e ({chips} chips)")
+    print(f"1. By the plan: bf16 AdamW, 8 x 1024 tokens per chip, gradient checkpointing, v5e ({chips} chips)")
     print(f"{'model':<12}{'data / chip':>14}{'fsdp x8 / chip':>16}  fits data  fits fsdp")
     for name, (layers, width) in sizes.items():
         cfg = dict(vocab_size=50304, block_size=1024, n_layer=layers, n_head=width // 64, n_embd=width)
@@ -79,30 +86,71 @@ def plan_table(chips: int = 8) -> None:
               f"{'yes' if plan.fits('data') else 'no':>9}  {'yes' if plan.fits(f'fsdp x{chips}') else 'no':>9}")
 
 
-def run_xla(preset: str, seq_len: int, batch: int, steps: int, sharding: str) -> tuple[dict, int]:
+def run_xla(model: GPTConfig, batch: int, steps: int, sharding: str, *, memory_scheduler: bool) -> dict:
+    """Train `model` a few steps on 8 XLA:CPU devices in a fresh process; its step time and the compiled
+    programs' largest memory per device."""
     dump, out = tempfile.mkdtemp(prefix="th_shard_dump_"), tempfile.mkdtemp(prefix="th_shard_out_")
     try:
-        env = {**os.environ, **runtime_env.dump_env(dump, pjrt="CPU"), **runtime_env.xla_cpu_env(8),
-               "PYTHONPATH": str(ROOT)}
-        spec = {"preset": preset, "seq_len": seq_len, "batch": batch, "steps": steps, "sharding": sharding,
-                "out": out}
+        env = {**runtime_env.dump_env(dump, pjrt="CPU", memory_scheduler=memory_scheduler),
+               **runtime_env.xla_cpu_env(8), "PYTHONPATH": str(ROOT)}
+        spec = {"model": vars(model), "batch": batch, "steps": steps, "sharding": sharding, "out": out}
         proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(spec)], env=env, capture_output=True,
                               text=True, cwd=ROOT, timeout=3600)
         if proc.returncode:
             raise RuntimeError(proc.stderr[-3000:])
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
-        return json.loads(line[6:]), max(parse_memory_reports(dump).values())
+        return {**json.loads(line[6:]), "compiled": max(parse_memory_reports(dump).values())}
     finally:
         shutil.rmtree(dump, ignore_errors=True)
         shutil.rmtree(out, ignore_errors=True)
 
 
+def plan_bytes(model: GPTConfig, batch: int, sharding: str) -> int:
+    base = analytic_estimate(model, batch, model.block_size, precision="fp32", attention="math")
+    est = base if sharding == "data" else shard_estimate(base, 8, block_params=block_params(model))
+    return est.peak_bytes
+
+
+def ladder(widths: list[int], batch: int, seq_len: int, budget: int) -> None:
+    print(f"\n2. GPTs of 6 layers on 8 XLA:CPU devices: {batch} x {seq_len} tokens per device, fp32, AdamW; "
+          "MiB per device")
+    print(f"{'width':>6}{'params':>9}{'data plan':>11}{'compiled':>10}{'ratio':>7}{'fsdp plan':>11}{'compiled':>10}"
+          f"{'ratio':>7}")
+    fits: dict[str, dict[str, int]] = {"data": {}, "fsdp": {}}
+    for width in widths:
+        model = GPTConfig(vocab_size=256, block_size=seq_len, n_layer=6, n_head=max(1, width // 64), n_embd=width)
+        row = f"{width:>6}{param_counts(model)[0] / 1e6:>8.1f}M"
+        for sharding in ("data", "fsdp"):
+            plan = plan_bytes(model, batch, sharding)
+            compiled = run_xla(model, batch, 4, sharding, memory_scheduler=True)["compiled"]
+            row += f"{plan / MIB:>11.1f}{compiled / MIB:>10.1f}{compiled / plan:>7.2f}"
+            for how, value in (("plan", plan), ("compiled", compiled)):
+                if value <= budget:
+                    fits[sharding][how] = width
+        print(row, flush=True)
+    print(f"largest width within {budget / MIB:.0f} MiB per device: " + "; ".join(
+        f"{s} by the plan {fits[s].get('plan', 'none')}, by the compiled program {fits[s].get('compiled', 'none')}"
+        for s in ("data", "fsdp")))
+
+
+def step_times(width: int, batch: int, seq_len: int, steps: int) -> None:
+    model = GPTConfig(vocab_size=256, block_size=seq_len, n_layer=6, n_head=max(1, width // 64), n_embd=width)
+    print(f"\n3. Step time, width {width}, {batch} x {seq_len} tokens per device, median of steps 4..{steps}")
+    result = {s: run_xla(model, batch, steps, s, memory_scheduler=False) for s in ("data", "fsdp")}
+    for sharding, r in result.items():
+        print(f"{sharding:<6}{r['step_s'] * 1000:>9.1f} ms/step  {r['compilations']} compilations")
+    print(f"step time fsdp / data: {result['fsdp']['step_s'] / result['data']['step_s']:.2f} "
+          "(XLA:CPU: memory copies between threads, not ICI transfers)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--preset", default="mini")
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=2, help="sequences per chip")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--widths", default="128,256,384,512,640,768", help="model widths of the ladder")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=2, help="sequences per device")
+    parser.add_argument("--budget-mib", type=float, default=256, help="per-device memory budget for 'fits'")
+    parser.add_argument("--time-width", type=int, default=384, help="the ladder model timed in part 3")
+    parser.add_argument("--time-steps", type=int, default=16)
     parser.add_argument("--no-plan", action="store_true")
     parser.add_argument("--no-xla", action="store_true")
     a = parser.parse_args()
@@ -110,20 +158,8 @@ def main() -> None:
         plan_table()
     if a.no_xla:
         return
-    from tpu_helpers.memory import analytic_estimate
-
-    base = analytic_estimate(a.preset, a.batch, a.seq_len, precision="fp32")
-    print(f"\nGPT {a.preset!r}, {a.batch} x {a.seq_len} tokens per device, 8 XLA:CPU devices, fp32, AdamW")
-    print(f"{'sharding':<10}{'plan / device':>15}{'compiled / device':>19}{'step (s)':>10}")
-    results = {}
-    for sharding in ("data", "fsdp"):
-        result, compiled = run_xla(a.preset, a.seq_len, a.batch, a.steps, sharding)
-        d = 7 * 64 * 64 if a.preset == "tiny" else 12 * 384 * 384
-        plan = base if sharding == "data" else shard_estimate(base, 8, block_params=d)
-        results[sharding] = result["step_s"]
-        print(f"{sharding:<10}{format_bytes(plan.peak_bytes):>15}{format_bytes(compiled):>19}"
-              f"{result['step_s']:>10.3f}")
-    print(f"step time fsdp / data: {results['fsdp'] / results['data']:.2f} (XLA:CPU: copies, not ICI transfers)")
+    ladder([int(w) for w in a.widths.split(",")], a.batch, a.seq_len, int(a.budget_mib * MIB))
+    step_times(a.time_width, a.batch, a.seq_len, a.time_steps)
 
 
 if __name__ == "__main__":
