@@ -113,6 +113,7 @@ class CheckpointManager:
         path = self.directory / f"ckpt-{step:08d}{sharded.SUFFIX}"
         temp = self.directory / f".ckpt-{step:08d}{sharded.SUFFIX}.tmp"
         started = time.time()
+        meta_json = json.loads(json.dumps(meta or {}))  # fail before writing gigabytes, not after
 
         def prepare() -> None:
             if self.is_main:
@@ -126,7 +127,7 @@ class CheckpointManager:
                 files = sharded.finish(temp, state, writer)
                 layout.commit(temp, path, {"format": layout.FORMAT, "step": step, "kind": "dcp", "writer": writer,
                                            "files": files, "bytes": sum(f["bytes"] for f in files.values()),
-                                           "created": _now(), "meta": json.loads(json.dumps(meta or {}))})
+                                           "created": _now(), "meta": meta_json})
 
         bad: list[str] = []
         try:
