@@ -20,7 +20,7 @@ pytestmark = pytest.mark.xla
 # sharding spec and the number of devices the batch was split over. Arguments arrive as JSON in ARGS.
 _TRAIN = r"""
 import json, os, sys
-from tpu_helpers.backend import get_backend, xla_module
+from tpu_helpers.backend import get_backend
 from tpu_helpers.config import TrainConfig
 from tpu_helpers.data import build_datasets
 from tpu_helpers.models.gpt import GPT, gpt_config
@@ -37,7 +37,7 @@ class StopAt(Callback):  # an interruption: the trainer saves and returns after 
 class Probe(Trainer):
     def compute_loss(self, batch):
         if not hasattr(self, "spec"):
-            self.spec = xla_module().sharding_spec(batch[0])
+            self.spec = self.backend.sharding_spec(batch[0])
         return super().compute_loss(batch)
 
 out = []
