@@ -97,13 +97,12 @@ def slice_device_count(device: str = "tpu", *, tpu_chips: int | None = None, hos
     TPU chips; 1 elsewhere). On a v5e-32 every host gets 32, so each plans the same global batch split."""
     from tpu_helpers.backend import tpu_host
 
-    if tpu_chips is None and device in ("tpu", "xla", "auto") and (pjrt_device() or "TPU") == "TPU":
+    tpu_path = device in ("tpu", "xla", "auto") and (pjrt_device() or "TPU") == "TPU"
+    if tpu_chips is None and tpu_path:
         tpu_chips = tpu_host.tpu_chip_count()
-    local = local_device_count(device, tpu_chips=tpu_chips)
     if hosts is None:
-        on_tpu = device in ("tpu", "xla", "auto") and (pjrt_device() or "TPU") == "TPU" and bool(tpu_chips)
-        hosts = tpu_host.slice_hosts() if on_tpu else 1
-    return local * hosts
+        hosts = tpu_host.slice_hosts() if tpu_path and tpu_chips else 1
+    return local_device_count(device, tpu_chips=tpu_chips) * hosts
 
 
 def spawned_process() -> bool:
