@@ -1,15 +1,15 @@
 """Load a Hugging Face causal LM and its tokenizer for fine-tuning, and generate from it without recompiling.
 
     model, tokenizer = load_causal_lm("Qwen/Qwen2.5-0.5B-Instruct")   # or a local dir, or "tiny" (offline default)
-    texts = generate(model, tokenizer, prompts, backend=backend, max_new_tokens=8)
+    texts = generate(model, tokenizer, prompts, device=backend.device, sync=backend.sync, max_new_tokens=8)
 
 `load_causal_lm` goes through `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained` for every
 source; "tiny" first builds the offline tiny Qwen2 (models/hf_tiny.py) in the cache. A local directory without a
 config.json is an error naming the path (from_pretrained would otherwise try the hub with it).
 
-`generate` runs a fixed-length greedy loop over one buffer of fixed shape (prompts left-padded to a fixed length,
-new tokens written in place with a mask, positions as device tensors): every token runs the same graph, so on XLA
-the whole generation compiles once, where `model.generate` with a dynamic cache compiles per token.
+`generate` answers greedily with a KV cache in fixed shapes (`models.generation`: prompts left-padded to a fixed
+length, a preallocated cache, positions as device tensors): one prefill and one decode graph on XLA, compiled once,
+where `model.generate` compiles per token; each new token costs one token's forward, not the whole prefix again.
 """
 
 from __future__ import annotations
@@ -99,51 +99,57 @@ def set_gradient_checkpointing(model: torch.nn.Module, checkpoint_fn: Any) -> No
         base.enable_input_require_grads()
 
 
-@torch.no_grad()
+# Cache slots come in multiples of this, so generating more or fewer new tokens reuses the same graphs on XLA.
+CACHE_BUCKET = 128
+
+
+def cache_bucket(length: int) -> int:
+    return -(-length // CACHE_BUCKET) * CACHE_BUCKET
+
+
+def prompt_texts(tokenizer: Any, prompts: list) -> list[str]:
+    """Chat prompts (lists of messages) through the chat template with the generation prompt; strings as they are."""
+    return [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) if isinstance(p, list) else p
+            for p in prompts]
+
+
+def eos_ids(tokenizer: Any) -> list[int]:
+    eos = tokenizer.eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def completion_texts(tokenizer: Any, rows: list[list[int]]) -> list[str]:
+    """The text of each completion: its tokens before the first EOS, special tokens left out."""
+    stop = set(eos_ids(tokenizer))
+    out = []
+    for row in rows:
+        end = next((i for i, t in enumerate(row) if t in stop), len(row))
+        out.append(tokenizer.decode(row[:end], skip_special_tokens=True))
+    return out
+
+
 def generate(model: torch.nn.Module, tokenizer: Any, prompts: list, *, device: Any, sync: Any = None,
              max_new_tokens: int = 8, prompt_len: int | None = None, batch_size: int = 16) -> list[str]:
-    """Greedy answers for chat prompts (lists of messages) or strings, in fixed-shape batches.
+    """Greedy answers for chat prompts (lists of messages) or strings, in fixed-shape batches, with a KV cache
+    (`models.generation`): on XLA the first call compiles a prefill and a decode graph, and later calls with up to
+    `CACHE_BUCKET` slots of prompt plus new tokens (rounded up) compile nothing.
 
-    `sync` is called once per token (the backend's sync on XLA: one graph per token, the same graph every time).
+    `sync` is called after the prefill and each new token (the backend's sync on XLA: the same graph every time).
     """
-    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
-             if isinstance(p, list) else p for p in prompts]
-    enc = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    from tpu_helpers.models.generation import generate_ids, left_pad
+
+    enc = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in prompt_texts(tokenizer, prompts)]
     width = prompt_len or max(len(e) for e in enc)
-    pad = tokenizer.pad_token_id
-    eos = tokenizer.eos_token_id
-    total = width + max_new_tokens
-    was_training = model.training
-    model.eval()
+    total = cache_bucket(width + max_new_tokens)
     out: list[str] = []
     for start in range(0, len(enc), batch_size):
         chunk = enc[start:start + batch_size]
         n = len(chunk)
         chunk = chunk + [chunk[-1]] * (batch_size - n)  # a fixed batch: a short last chunk would be a new graph
-        ids = torch.full((batch_size, total), pad, dtype=torch.long)
-        mask = torch.zeros((batch_size, total), dtype=torch.long)
-        for i, e in enumerate(chunk):
-            e = e[-width:]
-            ids[i, width - len(e):width] = torch.tensor(e)
-            mask[i, width - len(e):width] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        cols = torch.arange(total, device=device)
-        pos = torch.full((1,), width, dtype=torch.long).to(device)  # data, not a constant: one graph for all steps
-        for _ in range(max_new_tokens):
-            position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits
-            last = logits.index_select(1, pos - 1).squeeze(1)
-            nxt = last.argmax(-1)
-            here = (cols == pos).unsqueeze(0)
-            ids = torch.where(here, nxt.unsqueeze(1), ids)
-            mask = torch.where(here, torch.ones_like(mask), mask)
-            pos = pos + 1
-            if sync is not None:
-                sync()
-        new = ids[:n, width:].cpu().tolist()
-        for row in new:
-            if eos in row:
-                row = row[:row.index(eos)]
-            out.append(tokenizer.decode(row, skip_special_tokens=True))
-    model.train(was_training)
+        batch = left_pad(chunk, width, tokenizer.pad_token_id)
+        gen = generate_ids(model, batch.ids.to(device), batch.mask.to(device), max_new_tokens=max_new_tokens,
+                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, sync=sync,
+                           cache_len=total)
+        # The whole buffer comes to the host in one transfer (slicing on the device would be a graph per length).
+        out += completion_texts(tokenizer, gen.ids.cpu()[:n, :max_new_tokens].tolist())
     return out

@@ -1,0 +1,230 @@
+"""Generation with the KV cache (models/generation.py): the same tokens as the uncached loop (CPU and XLA:CPU, with
+and without LoRA, left-padded prompts of different lengths, the model families transformers ships, sliding
+windows), two graphs on XLA and none for a second call or more tokens, reproducible sampling, EOS masking."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tests.support import XLA_BACKEND
+from tpu_helpers.config import ConfigError
+from tpu_helpers.models import hf, lora
+from tpu_helpers.models.generation import (
+    Sampling,
+    generate_ids,
+    generate_ids_uncached,
+    left_pad,
+    pick,
+    uniform,
+)
+
+
+def _model(tiny_lm_dir, *, with_lora: bool):
+    """The tiny Qwen2 with weights that say something (random init repeats one token): a LoRA adapter with
+    random B, kept as an adapter or merged into the base."""
+    model, tok = hf.load_causal_lm(str(tiny_lm_dir))
+    torch.manual_seed(0)
+    model = lora.add_lora(model, r=4)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    return (model if with_lora else model.merge_and_unload()).eval(), tok
+
+
+def _prompts(tok, width=24):
+    from tpu_helpers.data.sft import instruction_records, prompts_and_answers
+
+    prompts, _ = prompts_and_answers(instruction_records(split="test")[:6])
+    enc = [tok(t, add_special_tokens=False)["input_ids"] for t in hf.prompt_texts(tok, prompts)]
+    enc[1] = enc[1][-5:]  # lengths 17, 5, 14, ...: different amounts of left padding
+    return left_pad(enc, width, tok.pad_token_id)
+
+
+def _until_eos(ids, eos, pad):
+    """The uncached loop's rows cut after their first EOS (padding after it), and the completion mask."""
+    seen = (ids == eos).long().cumsum(1)
+    mask = ((seen == 0) | ((seen == 1) & (ids == eos))).long()
+    return torch.where(mask.bool(), ids, torch.full_like(ids, pad)), mask
+
+
+def _gen(model, tok, p, device="cpu", **kw):
+    return generate_ids(model, p.ids.to(device), p.mask.to(device), eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id, **{"max_new_tokens": 10, **kw})
+
+
+@pytest.mark.parametrize("with_lora", [False, True], ids=["plain", "lora"])
+def test_cached_greedy_equals_the_uncached_loop_on_cpu(tiny_lm_dir, with_lora):
+    model, tok = _model(tiny_lm_dir, with_lora=with_lora)
+    p = _prompts(tok)
+    got = _gen(model, tok, p)
+    raw = generate_ids_uncached(model, p.ids, p.mask, max_new_tokens=10)
+    want, want_mask = _until_eos(raw, tok.eos_token_id, tok.pad_token_id)
+    assert len(set(want.flatten().tolist())) > 5  # varied output, not one repeated token
+    assert torch.equal(got.ids, want) and torch.equal(got.mask, want_mask)
+    assert 0 < want_mask.sum() < want_mask.numel()  # some rows end with EOS, some run to the end
+    # The log-probabilities are those of a forward pass over prompt + completion (what training computes).
+    full = torch.cat([p.ids, raw], 1)
+    mask = torch.cat([p.mask, torch.ones_like(raw)], 1)
+    with torch.no_grad():
+        logits = model(input_ids=full, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    ref = torch.log_softmax(logits[:, 23:-1].float(), -1).gather(-1, raw.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(got.logprobs, ref * want_mask, atol=1e-4, rtol=1e-4)
+
+
+# Small random models of the families transformers ships; Gemma 3 and Qwen2 with use_sliding_window have
+# sliding-window layers (window 5-6, shorter than prompt + completion here).
+SIZES = dict(vocab_size=97, hidden_size=32, intermediate_size=64, max_position_embeddings=64, num_attention_heads=4,
+             num_key_value_heads=2)
+FAMILIES = {
+    "llama": lambda: transformers.LlamaConfig(num_hidden_layers=2, **SIZES),
+    "qwen3": lambda: transformers.Qwen3Config(head_dim=8, num_hidden_layers=2, **SIZES),
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        head_dim=8, num_hidden_layers=3, sliding_window=6,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], **SIZES),
+    "qwen2-sliding": lambda: transformers.Qwen2Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=5,
+                                                      max_window_layers=1, **SIZES),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_cached_greedy_equals_the_uncached_loop_across_model_families(family, monkeypatch):
+    config = FAMILIES[family]()
+    torch.manual_seed(1)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.15 if family == "gemma3" else 0.5)
+    p = left_pad([torch.randint(3, 97, (n,)).tolist() for n in (12, 7, 3, 10)], 12, 0)
+    want = generate_ids_uncached(model, p.ids, p.mask, max_new_tokens=9)
+    got = generate_ids(model, p.ids, p.mask, max_new_tokens=9, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(got.ids, want), (got.ids, want)
+    if "sliding" in str(getattr(model.config, "layer_types", "")):
+        # The window is enforced by the mask: without it the answers differ.
+        from tpu_helpers.models import generation
+
+        monkeypatch.setattr(generation, "_sliding_window", lambda model: None)
+        unwindowed = generate_ids(model, p.ids, p.mask, max_new_tokens=9, eos_token_id=None, pad_token_id=0)
+        assert not torch.equal(unwindowed.ids, want)
+
+
+def test_sampling_is_reproducible_and_top_k_1_is_greedy(tiny_lm_dir):
+    model, tok = _model(tiny_lm_dir, with_lora=False)
+    p = _prompts(tok)
+    hot = Sampling(temperature=1.5, top_k=50, top_p=0.9)
+    a = _gen(model, tok, p, sampling=hot, seed=torch.tensor([7, 3]))
+    b = _gen(model, tok, p, sampling=hot, seed=torch.tensor([7, 3]))
+    c = _gen(model, tok, p, sampling=hot, seed=torch.tensor([7, 4]))
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.logprobs, b.logprobs)
+    assert not torch.equal(a.ids, c.ids)
+    greedy = _gen(model, tok, p)
+    assert not torch.equal(a.ids, greedy.ids)
+    for narrow in (Sampling(temperature=1.0, top_k=1), Sampling(temperature=1.0, top_p=1e-6)):
+        assert torch.equal(_gen(model, tok, p, sampling=narrow, seed=5).ids, greedy.ids)
+
+
+def test_the_sampler_draws_from_the_truncated_softmax():
+    torch.manual_seed(0)
+    rows, vocab = 20000, 6
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]).expand(rows, vocab)
+    u = uniform(torch.tensor([1, 2]), torch.tensor([0]), rows)
+    assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.01
+
+    def freq(sampling):
+        token, logp = pick(logits, sampling, u)
+        return torch.bincount(token, minlength=vocab).float() / rows, token, logp
+
+    f, token, logp = freq(Sampling(temperature=2.0))
+    want = torch.softmax(logits[0] / 2.0, -1)
+    torch.testing.assert_close(f, want, atol=0.015, rtol=0)
+    torch.testing.assert_close(logp, torch.log(want)[token])  # under softmax(logits / T), before truncation
+    f, _, _ = freq(Sampling(temperature=1.0, top_k=2))
+    torch.testing.assert_close(f[:2], torch.softmax(logits[0, :2], -1), atol=0.015, rtol=0)
+    assert f[2:].sum() == 0
+    f, _, _ = freq(Sampling(temperature=1.0, top_p=0.7))  # cumulative 0.56, 0.77: the first two reach 0.7
+    torch.testing.assert_close(f[:2], torch.softmax(logits[0, :2], -1), atol=0.015, rtol=0)
+    assert f[2:].sum() == 0
+
+
+def test_rows_that_produce_eos_stop_growing(tiny_lm_dir):
+    model, tok = _model(tiny_lm_dir, with_lora=False)
+    p = _prompts(tok)
+    free = generate_ids(model, p.ids, p.mask, max_new_tokens=10, eos_token_id=None, pad_token_id=tok.pad_token_id)
+    eos = free.ids[0, 2].item()  # what row 0 says third: taken as EOS
+    got = generate_ids(model, p.ids, p.mask, max_new_tokens=10, eos_token_id=[eos], pad_token_id=tok.pad_token_id)
+    for row in range(p.ids.shape[0]):
+        hits = (free.ids[row] == eos).nonzero().flatten().tolist()
+        end = hits[0] + 1 if hits else 10
+        assert got.mask[row].tolist() == [1] * end + [0] * (10 - end), row
+        assert torch.equal(got.ids[row, :end], free.ids[row, :end])
+        assert (got.ids[row, end:] == tok.pad_token_id).all() and (got.logprobs[row, end:] == 0).all()
+    assert got.mask[0].sum() <= 3 and got.mask.sum(1).max() == 10  # row 0 stopped, another ran to the end
+
+
+def test_bad_generation_arguments_name_the_value(tiny_lm_dir):
+    model, tok = _model(tiny_lm_dir, with_lora=False)
+    p = _prompts(tok)
+    with pytest.raises(ConfigError, match=r"max_new_tokens=0 must be an integer >= 1"):
+        _gen(model, tok, p, max_new_tokens=0)
+    with pytest.raises(ConfigError, match=r"cache_len=30 is less than the prompt width 24 \+ max_new_tokens 10"):
+        _gen(model, tok, p, cache_len=30)
+    with pytest.raises(ConfigError, match=r"TEMPERATURE=-1 must be >= 0"):
+        Sampling(temperature=-1)
+    with pytest.raises(ConfigError, match=r"TOP_P=0 must be in \(0, 1\]"):
+        Sampling(top_p=0)
+
+
+@pytest.mark.xla
+@pytest.mark.skipif(XLA_BACKEND is None, reason="torch_xla not installed")
+@pytest.mark.parametrize("with_lora", [False, True], ids=["plain", "lora"])
+def test_on_xla_two_graphs_then_none_for_a_second_call_or_more_tokens(tiny_lm_dir, with_lora):
+    b = XLA_BACKEND
+    model, tok = _model(tiny_lm_dir, with_lora=with_lora)
+    p = _prompts(tok)
+    want = generate_ids_uncached(model, p.ids, p.mask, max_new_tokens=12)
+    hot = Sampling(temperature=1.5, top_k=50, top_p=0.9)
+    sampled_cpu = _gen(model, tok, p, sampling=hot, seed=torch.tensor([7, 3]), cache_len=64)
+    want, _ = _until_eos(want, tok.eos_token_id, tok.pad_token_id)
+    model = b.move_model(model)
+    compiles = []
+    for new_tokens in (4, 4, 12):
+        start = b.metrics()["compilations"]
+        got = _gen(model, tok, p, b.device, max_new_tokens=new_tokens, sync=b.sync, cache_len=64)
+        ids = got.ids.cpu()
+        compiles.append(b.metrics()["compilations"] - start)
+        assert torch.equal(ids[:, :new_tokens], want[:, :new_tokens])
+    assert compiles[0] <= 2 and compiles[1:] == [0, 0], compiles
+    # Sampling: another stream (seed) and the same shapes compile nothing new either; the uniform numbers are
+    # bit-identical to the CPU's, and so are the tokens here.
+    start = b.metrics()
+    sampled = _gen(model, tok, p, b.device, sampling=hot, seed=torch.tensor([7, 3]), sync=b.sync, cache_len=64)
+    again = _gen(model, tok, p, b.device, sampling=hot, seed=torch.tensor([7, 9]), sync=b.sync, cache_len=64)
+    ids, other = sampled.ids.cpu(), again.ids.cpu()
+    end = b.metrics()
+    assert end["compilations"] - start["compilations"] <= 2 and end["cpu_fallback_ops"] == {}
+    assert torch.equal(ids, sampled_cpu.ids) and not torch.equal(ids, other)
+    dev = b.device
+    assert torch.equal(uniform(torch.tensor([3, 4]).to(dev), torch.tensor([5]).to(dev), 8).cpu(),
+                       uniform(torch.tensor([3, 4]), torch.tensor([5]), 8))
+
+
+@pytest.mark.xla
+@pytest.mark.skipif(XLA_BACKEND is None, reason="torch_xla not installed")
+def test_hf_generate_keeps_its_signature_and_compiles_nothing_for_more_tokens(tiny_lm_dir):
+    from tpu_helpers.data.sft import instruction_records, prompts_and_answers
+
+    b = XLA_BACKEND
+    model, tok = _model(tiny_lm_dir, with_lora=True)
+    prompts, _ = prompts_and_answers(instruction_records(split="test")[:5])
+    cpu = hf.generate(model, tok, prompts, device="cpu", max_new_tokens=9, prompt_len=24, batch_size=4)
+    model = b.move_model(model)
+    counts = []
+    for new_tokens in (3, 9):
+        start = b.metrics()["compilations"]
+        out = hf.generate(model, tok, prompts, device=b.device, sync=b.sync, max_new_tokens=new_tokens,
+                          prompt_len=24, batch_size=4)
+        counts.append(b.metrics()["compilations"] - start)
+    assert counts[0] <= 2 and counts[1] == 0, counts
+    assert out == cpu and len(out) == 5 and any(out)

@@ -1,0 +1,316 @@
+"""Fixed-shape text generation with a key/value cache: one prefill graph and one decode graph, on any device.
+
+    prompt = left_pad(token_lists, width=64, pad=tokenizer.pad_token_id)              # (B, 64) ids and mask
+    out = generate_ids(model, prompt.ids.to(dev), prompt.mask.to(dev), max_new_tokens=128,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                       sampling=Sampling(temperature=0.8, top_p=0.95), seed=key, sync=backend.sync)
+    out.ids, out.logprobs, out.mask                                                     # (B, 128) each
+
+What stays fixed, so that XLA compiles two graphs whatever the prompts, the number of new tokens or the step:
+- shapes: prompts left-padded to one width P, a cache of P + N slots per sequence, outputs of N columns; a row
+  that produced EOS keeps running on padding with its mask at 0 (stop by masking, never by shrinking);
+- the position is device data: the decode step's slot, its column in the outputs and the sampling counter are
+  tensors advanced on the device, never Python ints baked into the graph (`sync` cuts each step, so every decode
+  step is the same graph: the first call compiles prefill and decode, later calls and longer outputs compile
+  nothing);
+- the attention mask is built here (additive, (B, 1, q, P + N)) and handed to the model as a 4D mask, which
+  transformers uses as given: its own mask code would read the padding mask on the host (SDPA's is_causal
+  check) and size masks from Python ints.
+
+The cache is transformers' own `StaticLayer` (the layer of `StaticCache`): per layer, keys and values of shape
+(batch, kv_heads, P + N, head_dim), i.e. (batch, layers, P + N, kv_heads, head_dim) for the model, preallocated at
+the prefill and written in place with `index_copy_` at a position that is a device tensor (`cumulative_length`).
+That runs with one decode graph on XLA. `StaticCache` itself is not used as a whole: for sliding-window layers
+(Gemma 2/3, Qwen2 with use_sliding_window) it builds `StaticSlidingWindowLayer`, a rolling buffer driven by a
+Python int (`cumulative_length_int`) that takes another code path once the window is full (a new graph) and whose
+slots do not line up with a left-padded batch. Here every layer gets a full-length `StaticLayer` and a sliding
+window is a mask (the same attention, more cache memory for those layers).
+
+Sampling: temperature, top-k and top-p, by inverse-CDF sampling with one uniform number per row and step drawn
+from a counter-based hash of (seed, stream, step, row) computed on the device in int64 arithmetic. It neither
+syncs nor recompiles, gives the same numbers on the CPU, CUDA and XLA, and needs no generator state: the stream
+is a function of the `seed` tensor, so a resumed run that passes the same seed samples the same answers. (torch
+2.9 + torch_xla 2.9 have no `torch.Generator` on the XLA device: "XLA device type not an accelerator"; the
+device's global RNG does not recompile but is shared with dropout and advanced by every other random op.)
+`logprobs` are the log-probabilities of the chosen tokens under softmax(logits / temperature) (temperature 1 when
+greedy), before top-k/top-p truncation: what a training forward pass over the same tokens computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tpu_helpers.config import ConfigError
+
+_M32 = 0xFFFFFFFF
+# Multipliers below 2**31: a 32-bit value times one stays below 2**63, so int64 arithmetic never overflows and the
+# hash is the same on every device.
+_MUL = (0x7FEB352D, 0x5BD1E995, 0x2C1B3C6D, 0x297A2D39)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen: temperature 0 is greedy (argmax); top_k 0 and top_p 1.0 turn those off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
+            raise ConfigError(f"TEMPERATURE={self.temperature!r} must be >= 0 (0 is greedy)")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ConfigError(f"TOP_K={self.top_k!r} must be an integer >= 0 (0 keeps every token)")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise ConfigError(f"TOP_P={self.top_p!r} must be in (0, 1] (1.0 keeps every token)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+GREEDY = Sampling()
+
+
+@dataclass
+class Generated:
+    """Completions of a batch: token ids (padding after EOS), their log-probabilities (0 where masked) and the
+    completion mask (1 up to and including the EOS token), each (batch, max_new_tokens) (or (batch, cache_len - P)
+    with a longer `cache_len`), on the model's device."""
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass
+class Prompts:
+    """Left-padded prompt ids and their attention mask, (batch, width) int64 each, on the CPU."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+
+
+def left_pad(token_lists: Sequence[Sequence[int]], width: int, pad: int) -> Prompts:
+    """Each prompt's last `width` tokens, right-aligned in a row of `width` (padding on the left)."""
+    ids = torch.full((len(token_lists), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(token_lists), width), dtype=torch.long)
+    for i, tokens in enumerate(token_lists):
+        tokens = list(tokens)[-width:]
+        if tokens:
+            ids[i, width - len(tokens):] = torch.tensor(tokens, dtype=torch.long)
+            mask[i, width - len(tokens):] = 1
+    return Prompts(ids, mask)
+
+
+# ---- random numbers from a counter (no generator state) ------------------------------------------------------------
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (xor-shift-multiply) on int64 tensors holding values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * _MUL[0]) & _M32
+    x = x ^ (x >> 15)
+    x = (x * _MUL[1]) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform(seed: torch.Tensor, step: torch.Tensor, rows: int) -> torch.Tensor:
+    """`rows` float32 numbers in (0, 1), a function of `seed` (int64, any shape: its entries are all mixed in),
+    the device tensor `step` and the row index only."""
+    h = torch.zeros((), dtype=torch.long, device=seed.device)
+    for k, part in enumerate([*seed.reshape(-1).unbind(0), step.reshape(())]):
+        h = _mix((h * _MUL[2 + k % 2] + (part & _M32) + k) & _M32)
+    row = torch.arange(rows, device=seed.device, dtype=torch.long)
+    h = _mix(_mix((h + row * _MUL[3]) & _M32) ^ (row + 1))
+    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index of the first entry whose cumulative probability reaches u * total, per row (no data-dependent shape)."""
+    cum = probs.cumsum(-1)
+    target = u.unsqueeze(-1) * cum[:, -1:]
+    return (cum < target).sum(-1).clamp(max=probs.shape[-1] - 1)
+
+
+def pick(logits: torch.Tensor, sampling: Sampling, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token, log-probability) per row from (rows, vocab) logits; `u`: one uniform number per row when sampling."""
+    logits = logits.float()
+    if sampling.greedy:
+        token = logits.argmax(-1)
+        return token, torch.log_softmax(logits, -1).gather(-1, token.unsqueeze(-1)).squeeze(-1)
+    scaled = logits / sampling.temperature
+    logp = torch.log_softmax(scaled, -1)
+    if sampling.top_k or sampling.top_p < 1.0:
+        k = min(sampling.top_k or scaled.shape[-1], scaled.shape[-1])
+        # topk returns the k best sorted (all of them when only top_p is set): truncate, then sample among those.
+        vals, idx = scaled.topk(k, dim=-1)
+        probs = torch.softmax(vals, -1)
+        if sampling.top_p < 1.0:
+            # Keep the smallest prefix whose mass reaches top_p (the best token always stays).
+            before = probs.cumsum(-1) - probs
+            probs = torch.where(before < sampling.top_p, probs, torch.zeros_like(probs))
+        token = idx.gather(-1, _inverse_cdf(probs, u).unsqueeze(-1)).squeeze(-1)
+    else:
+        token = _inverse_cdf(logp.exp(), u)
+    return token, logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+
+
+# ---- the cache and the masks --------------------------------------------------------------------------------------
+def _num_layers(model: torch.nn.Module) -> int:
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    return int(config.num_hidden_layers)
+
+
+def make_cache(model: torch.nn.Module, length: int) -> Any:
+    """A transformers `Cache` of full-length `StaticLayer`s (see the module docstring), allocated on first write."""
+    from transformers.cache_utils import Cache, StaticLayer
+
+    return Cache(layers=[StaticLayer(max_cache_len=length) for _ in range(_num_layers(model))])
+
+
+def _sliding_window(model: torch.nn.Module) -> int | None:
+    """The window of the model's sliding-attention layers, when it has any (layer_types says which)."""
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    types = getattr(config, "layer_types", None) or []
+    return getattr(config, "sliding_window", None) if "sliding_attention" in types else None
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.full_like(zero, torch.finfo(dtype).min)).unsqueeze(1)
+
+
+def _masks(allowed: torch.Tensor, distance: torch.Tensor, window: int | None, dtype: torch.dtype) -> Any:
+    """The 4D mask(s) the model takes: one tensor, or {"full_attention", "sliding_attention"} for hybrid models."""
+    full = _additive(allowed, dtype)
+    if window is None:
+        return full
+    return {"full_attention": full, "sliding_attention": _additive(allowed & (distance < window), dtype)}
+
+
+# ---- generation -----------------------------------------------------------------------------------------------------
+def _forward(model, ids, mask, positions, cache, keep_last: bool):
+    kwargs: dict[str, Any] = {"logits_to_keep": 1} if keep_last else {}
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, **kwargs)
+    return out.logits[:, -1]
+
+
+def _eos_tensor(eos_token_id: int | Sequence[int] | None, device: Any) -> torch.Tensor:
+    ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    return torch.tensor(ids or [-1], dtype=torch.long).to(device)
+
+
+@torch.no_grad()
+def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+                 max_new_tokens: int, eos_token_id: int | Sequence[int] | None, pad_token_id: int,
+                 sampling: Sampling = GREEDY, seed: int | torch.Tensor = 0, sync: Callable[[], None] | None = None,
+                 cache_len: int | None = None, mask_dtype: torch.dtype | None = None) -> Generated:
+    """Complete left-padded prompts (`input_ids`, `attention_mask`: (B, P) on the model's device) by
+    `max_new_tokens` tokens with a KV cache (see the module docstring).
+
+    `seed`: an int, or an int64 device tensor (e.g. [run seed, step]) so that a new stream per call compiles
+    nothing new. `sync` cuts the graph after the prefill and after each decode step (the backend's sync on XLA).
+    `cache_len` (default P + max_new_tokens) sets the cache's slots and the outputs' width, cache_len - P: a
+    larger one lets calls with other `max_new_tokens` reuse the same two graphs (the columns past
+    `max_new_tokens` stay padding with mask 0)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
+                         "must be the same (batch, width)")
+    sync = sync or (lambda: None)
+    device = input_ids.device
+    batch, width = input_ids.shape
+    total = width + max_new_tokens if cache_len is None else cache_len
+    if total < width + max_new_tokens:
+        raise ConfigError(f"cache_len={cache_len!r} is less than the prompt width {width} + max_new_tokens "
+                          f"{max_new_tokens}")
+    room = total - width  # the outputs' columns
+    dtype = mask_dtype or next(model.parameters()).dtype
+    if not dtype.is_floating_point:
+        dtype = torch.float32
+    window = _sliding_window(model)
+    seed_t = seed.to(device=device, dtype=torch.long) if isinstance(seed, torch.Tensor) else \
+        torch.tensor([int(seed)], dtype=torch.long).to(device)
+    eos = _eos_tensor(eos_token_id, device)
+    was_training = model.training
+    model.eval()
+    try:
+        cache = make_cache(model, total)
+        prompt_mask = attention_mask.to(torch.long)
+        # Slots: the prompt's P, then one per new token; a slot holds a token when its prompt mask is 1 or it is
+        # a generated slot already written (the causal condition below).
+        valid = torch.cat([prompt_mask.bool(), torch.ones((batch, room), dtype=torch.bool, device=device)], 1)
+        slot_pos = torch.cat([(prompt_mask.cumsum(-1) - 1).clamp(min=0),
+                              prompt_mask.sum(-1, keepdim=True) + torch.arange(room, device=device)], 1)
+        slots = torch.arange(total, device=device)
+        q = torch.arange(width, device=device)
+        # Prefill: query i sees slots j <= i that hold a token (a padding query sees itself, so no row is empty).
+        allowed = ((slots[None, :] <= q[:, None]) & valid[:, None, :]) | (slots[None, :] == q[:, None])
+        distance = slot_pos[:, :width, None] - slot_pos[:, None, :]
+        logits = _forward(model, input_ids, _masks(allowed, distance, window, dtype), slot_pos[:, :width], cache,
+                          keep_last=True)
+        step = torch.zeros((1,), dtype=torch.long).to(device)  # device data: the same decode graph every step
+        cols = torch.arange(room, device=device)
+        out_ids = torch.full((batch, room), pad_token_id, dtype=torch.long, device=device)
+        out_logp = torch.zeros((batch, room), dtype=torch.float32, device=device)
+        out_mask = torch.zeros((batch, room), dtype=torch.long, device=device)
+        done = torch.zeros((batch,), dtype=torch.bool, device=device)
+        token: torch.Tensor | None = None
+        for _ in range(max_new_tokens):
+            if token is not None:  # a decode step: the previous token goes in at its slot
+                slot = width + step - 1  # the previous token's slot
+                allowed = ((slots <= slot) & valid).unsqueeze(1)
+                pos = slot_pos.gather(1, slot.expand(batch, 1))
+                distance = pos.unsqueeze(-1) - slot_pos.unsqueeze(1)
+                logits = _forward(model, token.unsqueeze(1), _masks(allowed, distance, window, dtype), pos, cache,
+                                  keep_last=False)
+            u = None if sampling.greedy else uniform(seed_t, step, batch)
+            token, logp = pick(logits, sampling, u)
+            live = ~done
+            token = torch.where(live, token, torch.full_like(token, pad_token_id))
+            here = (cols == step).unsqueeze(0)
+            out_ids = torch.where(here, token.unsqueeze(1), out_ids)
+            out_logp = torch.where(here & live.unsqueeze(1), logp.unsqueeze(1), out_logp)
+            out_mask = torch.where(here, live.long().unsqueeze(1), out_mask)
+            done = done | (token.unsqueeze(1) == eos.unsqueeze(0)).any(-1)
+            step = step + 1
+            sync()
+    finally:
+        model.train(was_training)
+    return Generated(out_ids, out_logp, out_mask)
+
+
+@torch.no_grad()
+def generate_ids_uncached(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+                          max_new_tokens: int, sync: Callable[[], None] | None = None) -> torch.Tensor:
+    """The reference greedy loop without a cache (what `hf.generate` ran before the cache): every token runs the
+    whole (B, P + N) buffer through the model again. Fixed shapes too (one graph on XLA), but each token costs the
+    whole prefix; kept for tests (the cached output must equal it) and benchmarks/generation.py."""
+    device = input_ids.device
+    batch, width = input_ids.shape
+    total = width + max_new_tokens
+    was_training = model.training
+    model.eval()
+    try:
+        ids = torch.cat([input_ids, torch.zeros((batch, max_new_tokens), dtype=torch.long, device=device)], 1)
+        mask = torch.cat([attention_mask.long(), torch.zeros((batch, max_new_tokens), dtype=torch.long,
+                                                             device=device)], 1)
+        cols = torch.arange(total, device=device)
+        pos = torch.full((1,), width, dtype=torch.long).to(device)  # data, not a constant: one graph for all steps
+        for _ in range(max_new_tokens):
+            position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits
+            nxt = logits.index_select(1, pos - 1).squeeze(1).argmax(-1)
+            here = (cols == pos).unsqueeze(0)
+            ids = torch.where(here, nxt.unsqueeze(1), ids)
+            mask = torch.where(here, torch.ones_like(mask), mask)
+            pos = pos + 1
+            if sync is not None:
+                sync()
+    finally:
+        model.train(was_training)
+    return ids[:, width:]
