@@ -22,6 +22,12 @@ def test_cadence_every_n_steps_and_at_the_last():
     assert s.is_last_step(25) and not s.is_last_step(24)
     with pytest.raises(ValueError, match="log_every=0 must be an int >= 1"):
         Cadence(steps=5, log_every=0, eval_every=1, save_every=1)
+    # Steps that read the device by design (GRPO's rewards): none unless declared.
+    assert not any(s.is_read_step(t) for t in steps)
+    reads = Cadence(steps=10, log_every=5, eval_every=5, save_every=5, read_every=3)
+    assert [t for t in range(1, 11) if reads.is_read_step(t)] == [1, 4, 7, 10]
+    with pytest.raises(ValueError, match="read_every=0 must be an int >= 1 or None"):
+        Cadence(steps=5, log_every=1, eval_every=1, save_every=1, read_every=0)
 
 
 def test_the_trainer_takes_its_cadence_from_the_config_once(tmp_path, tiny_data):

@@ -15,8 +15,8 @@ counters (never a device tensor), after each step's sync, and tells apart:
   step reached the graph as a constant or a size (an exponent, `arange(n)`, a slice length) or the code took
   another path (an `if` on the step);
 - `host_read`: a device-to-host transfer in a step that reads nothing by design (not a log, evaluation or
-  checkpoint step): `.item()`, `.tolist()`, `print(tensor)`, `if tensor:`; each one stalls the chip until the step
-  finishes;
+  checkpoint step, nor one the trainer's cadence declares, `Cadence.is_read_step`, as GRPO's reward steps):
+  `.item()`, `.tolist()`, `print(tensor)`, `if tensor:`; each one stalls the chip until the step finishes;
 - `cpu_fallback`: an `aten::*` counter, i.e. an op without an XLA kernel that ran on the CPU (a transfer both
   ways each time); `FALLBACK_HINTS` names XLA-friendly replacements, e.g. `xla_safe_kl_div`.
 
@@ -173,7 +173,9 @@ class XlaDetector(Callback):
                 self._report("changing_value", None, step, CAUSES["changing_value"].format(detail=detail))
 
         reads = now["device_to_host_transfers"] - last["device_to_host_transfers"] - fallback_calls
-        if reads > 0 and not (cadence.is_log_step(step) or cadence.is_eval_step(step) or saved_before):
+        # A read the trainer's step makes by design (GRPO's rewards) is declared by its cadence.
+        if reads > 0 and not (cadence.is_log_step(step) or cadence.is_eval_step(step) or saved_before
+                              or cadence.is_read_step(step)):
             self._report("host_read", None, step, CAUSES["host_read"].format(detail=reads))
 
     def on_fit_end(self, trainer, report) -> None:

@@ -307,6 +307,11 @@ class Trainer:
             cb.on_fit_end(self, report)
         return report
 
+    def log_extras(self, step: int) -> dict:
+        """Values a variant adds to the log record of `step` (already on the host: read them in a step closure of
+        its own, as GRPO does, never here). Called inside the log step's closure; none by default."""
+        return {}
+
     @staticmethod
     def _add_to_window(window: torch.Tensor, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> torch.Tensor:
         """Sum (loss, gradient norm) on the device in one tensor: one host transfer per log interval."""
@@ -332,7 +337,7 @@ class Trainer:
             self.on_divergence(problem)
         tok_s = steps * self.tokens_per_step / seconds
         norm = norm_sum / steps if self.config.grad_clip is not None else None
-        self.history.log_train(step, loss=loss, lr=lr, tokens_per_s=tok_s, grad_norm=norm)
+        self.history.log_train(step, loss=loss, lr=lr, tokens_per_s=tok_s, grad_norm=norm, **self.log_extras(step))
         for cb in self.callbacks:
             cb.on_log(self, self.history.train[-1])
         bar.set_postfix_str(f"loss {loss:.3f} | {tok_s:,.0f} tok/s", refresh=False)
