@@ -22,7 +22,7 @@ parts below it in mind:
     5. models                                              the GPT, Hugging Face loading and generation, LoRA
     6. training                                            the loop and what a run needs around it
     7. memory                                              estimates, the probe (of the trainer's step), the panel
-    8. recipes                                             whole jobs: GPT pretraining, fine-tuning, the XLA demo
+    8. recipes                                             whole jobs: GPT pretraining, fine-tuning, GRPO, the XLA demo
     9. launch                                              papermill runs, CLI, platform setup, multichip, doctor
 
 The names below load their module on first use (PEP 562), so `import tpu_helpers.hardware` or
@@ -53,6 +53,7 @@ _EXPORTS = {
     "Cadence": "tpu_helpers.training.cadence", "write_results": "tpu_helpers.training.results",
     "Pretrain": "tpu_helpers.recipes.pretrain", "train_gpt": "tpu_helpers.recipes.pretrain",
     "Finetune": "tpu_helpers.recipes.finetune", "FinetuneConfig": "tpu_helpers.recipes.finetune",
+    "GRPO": "tpu_helpers.recipes.grpo", "GRPOConfig": "tpu_helpers.recipes.grpo",
     "Callback": "tpu_helpers.callbacks",
     "Trainer": "tpu_helpers.training.trainer", "fit": "tpu_helpers.training.trainer",
 }
@@ -83,6 +84,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; never executed
     from tpu_helpers.hardware import CATALOG, HardwareSpec, format_bytes, lookup  # noqa: F401
     from tpu_helpers.models.gpt import GPT, PRESETS, GPTConfig, gpt_config, sample_text  # noqa: F401
     from tpu_helpers.recipes.finetune import Finetune, FinetuneConfig  # noqa: F401
+    from tpu_helpers.recipes.grpo import GRPO, GRPOConfig  # noqa: F401
     from tpu_helpers.recipes.pretrain import Pretrain, train_gpt  # noqa: F401
     from tpu_helpers.training.cadence import Cadence  # noqa: F401
     from tpu_helpers.training.history import History, RunReport  # noqa: F401

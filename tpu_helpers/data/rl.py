@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,9 +50,17 @@ def sum_records(n: int = 2000, *, seed: int = 0, split: str = "train", high: int
 
 
 def load_prompt_records(source: str, *, split: str = "train", max_records: int | None = None) -> list[dict]:
-    """Records from the generated sums task ("sums"), or anything `data.sft.load_records` reads."""
+    """Records from the generated sums task ("sums"), a hub data set with a configuration ("openai/gsm8k:main"),
+    or anything `data.sft.load_records` reads."""
     if source == SUMS:
         return sum_records(max_records or 2000, split=split)
+    name, _, subset = source.partition(":")
+    if subset and "/" in name and not Path(source).exists():
+        import datasets
+
+        ds = datasets.load_dataset(name, subset, split=split)
+        rows = ds.select(range(min(len(ds), max_records))) if max_records else ds
+        return [dict(r) for r in rows]
     return load_records(source, split=split, max_records=max_records)
 
 

@@ -2,9 +2,10 @@
 
     from tpu_helpers.recipes.pretrain import Pretrain, train_gpt        # the package GPT on text
     from tpu_helpers.recipes.finetune import Finetune, FinetuneConfig   # a Hugging Face causal LM: LoRA, full, distill
+    from tpu_helpers.recipes.grpo import GRPO, GRPOConfig               # the same model trained from rewards (GRPO)
 
 Modules: `base` (what every recipe shares), `pretrain` (the quickstart and platform notebooks, `multichip`, the
-CLI), `finetune` (notebooks/finetune_llm.ipynb), `xla_demo` (a deliberately bad loop next to the fixed one, for
-notebooks/xla_debugging.ipynb). Recipes sit above the trainer and the memory plans they combine, and below
+CLI), `finetune` (notebooks/finetune_llm.ipynb), `grpo` (notebooks/grpo_llm.ipynb), `xla_demo` (a deliberately bad
+loop next to the fixed one, for notebooks/xla_debugging.ipynb). Recipes sit above the trainer and the memory plans they combine, and below
 `launch`, which runs them.
 """

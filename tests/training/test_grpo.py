@@ -1,0 +1,184 @@
+"""GRPO (training/grpo.py, recipes/grpo.py): the loss against a hand computation, a strict XLA:CPU run (no
+recompilation after warm-up, host reads only for the rewards and at log and save steps, KL 0 at step 1 against the
+adapter-disabled model), kill and resume with the same sampling stream, and bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from tests.support import StopAt
+from tpu_helpers.callbacks import Callback
+from tpu_helpers.config import ConfigError, config_from_parameters
+from tpu_helpers.recipes.grpo import GRPO, GRPOConfig
+from tpu_helpers.training.grpo import completion_logps, group_advantages
+
+
+def _config(tmp_path, device="cpu", **overrides):
+    base = dict(device=device, start_from=None, steps=4, batch_size=2, num_generations=2, max_prompt_len=24,
+                max_new_tokens=3, lr=1e-2, warmup_steps=1, log_every=2, save_every=2, out_dir=str(tmp_path / "run"),
+                xla_checks="strict" if device == "xla" else "off", max_records=32, lora_r=4)
+    return GRPOConfig(**{**base, **overrides})
+
+
+def _job(tmp_path, device="cpu", *, backend=None, callbacks=None, **overrides):
+    return GRPO(_config(tmp_path, device, **overrides), backend=backend, progress=False, callbacks=callbacks)
+
+
+def test_the_loss_of_two_prompts_by_two_samples_matches_a_hand_computation(tmp_path):
+    eps, beta, temp = 0.2, 0.1, 0.7
+    job = _job(tmp_path, num_iterations=2, clip_eps=eps, kl_beta=beta, temperature=temp)
+    trainer, tok = job.trainer, job.tokenizer
+    prompts = job.train_data.input_ids[:2].repeat_interleave(2, 0)
+    pmask = job.train_data.attention_mask[:2].repeat_interleave(2, 0)
+    completion = torch.tensor([[5, 6, 7], [8, tok.eos_token_id, 0], [9, 10, 11], [12, 13, 14]])
+    cmask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 0, 0]])
+    ids, mask = torch.cat([prompts, completion], 1), torch.cat([pmask, cmask], 1)
+    model = job.model.eval()  # no dropout here anyway (LORA_DROPOUT 0)
+    with torch.no_grad():  # the policy's log-probabilities, from a plain forward pass
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    width = prompts.shape[1]
+    logp = [[torch.log_softmax(logits[i, width - 1 + t] / temp, -1)[completion[i, t]].item() for t in range(3)]
+            for i in range(4)]
+    ratios = [[1.5, 0.5, 1.1], [0.7, 1.3, 1.0], [1.0, 1.0, 1.0], [0.9, 1.0, 1.0]]
+    old = torch.tensor([[logp[i][t] - math.log(ratios[i][t]) for t in range(3)] for i in range(4)])
+    ref = torch.tensor([[logp[i][t] + 0.1 * (i - t) for t in range(3)] for i in range(4)])
+    rewards = [1.0, 0.0, 0.5, 0.5]
+    # Group-relative advantages: (r - mean) / (std + 1e-4), std with Bessel's correction.
+    adv = [0.5 / (math.sqrt(0.5) + 1e-4), -0.5 / (math.sqrt(0.5) + 1e-4), 0.0, 0.0]
+    torch.testing.assert_close(group_advantages(torch.tensor(rewards), 2), torch.tensor(adv))
+    total, count = 0.0, 0
+    for i in range(4):
+        for t in range(3):
+            if not cmask[i, t]:
+                continue
+            r = ratios[i][t]
+            pg = -min(r * adv[i], min(max(r, 1 - eps), 1 + eps) * adv[i])
+            d = ref[i, t].item() - logp[i][t]
+            total += pg + beta * (math.exp(d) - d - 1)
+            count += 1
+    rollout = {"ids": ids, "mask": mask, "completion_mask": cmask, "old_logp": old, "ref_logp": ref,
+               "advantages": torch.tensor(adv)}
+    loss, kl, clipped = trainer.policy_loss(rollout, slice(0, 4), cmask.sum().float())
+    assert clipped.item() == 2  # row 0 token 0 (ratio 1.5, A > 0) and row 1 token 0 (0.7, A < 0)
+    assert loss.item() == pytest.approx(total / count, rel=1e-5, abs=1e-6)
+    # The reference's log-probabilities are the model's with the adapter disabled: here (B = 0) the policy's own.
+    ref_now = trainer.reference_logps(ids, mask)
+    torch.testing.assert_close(ref_now, torch.tensor(logp), atol=1e-5, rtol=1e-5)
+
+
+def odd_first_character(prompts, completions):
+    """A reward by import path that varies even for an untrained model's answers (the built-ins give it 0)."""
+    return [float(bool(c) and ord(c[0]) % 2 == 1) for c in completions]
+
+
+class _Counters(Callback):
+    """Compilations and host transfers of each step (XLA counters, read on the host)."""
+
+    def on_fit_start(self, trainer):
+        self.last, self.steps = trainer.backend.metrics(), {}
+
+    def on_step_end(self, trainer):
+        now = trainer.backend.metrics()
+        self.steps[trainer.step] = {k: now[k] - self.last[k] for k in ("compilations", "device_to_host_transfers")}
+        self.last = now
+
+
+@pytest.mark.xla
+def test_strict_xla_grpo_with_checkpointing_reads_only_for_rewards_logs_and_saves(tmp_path):
+    from tests.support import XLA_BACKEND
+
+    counters = _Counters()
+    job = _job(tmp_path, "xla", backend=XLA_BACKEND, callbacks=[counters], steps=7, log_every=1, save_every=4,
+               num_iterations=2, gradient_checkpointing=True, grad_accum=2,
+               rewards="answer,tests.training.test_grpo:odd_first_character")
+    report = job.train()  # xla_checks="strict": a recompilation or an undeclared host read after warm-up raises
+    steps = counters.steps
+    assert all(s["compilations"] == 0 for k, s in steps.items() if k > 2), steps
+    for k, s in steps.items():
+        reads = s["device_to_host_transfers"]
+        rollout, saved_before = (k - 1) % 2 == 0, k == 5
+        # A log step reads the loss window and the GRPO metrics; a rollout step the sampled tokens (one
+        # batched transfer); the step after a save the checkpoint's tensors.
+        if not saved_before:
+            assert reads == 2 + rollout, (k, steps)
+    assert report.xla["problems"] == [] and report.xla["cpu_fallback_ops"] == {}
+    records = job.history.train
+    assert records[0]["kl"] == 0.0 and records[-1]["kl"] > 0  # policy == reference before the first update
+    assert {"reward", "reward/answer", "reward/tests.training.test_grpo:odd_first_character", "completion_tokens",
+            "clip_fraction", "generate_s"} <= set(records[0])
+    # The reference is the start model itself (the adapter disabled): its log-probabilities of the last rollout.
+    from transformers import AutoModelForCausalLM
+
+    rollout = {k: v.cpu() for k, v in job.trainer.rollout.items()}
+    base = AutoModelForCausalLM.from_pretrained(job.source, attn_implementation="eager").eval()
+    with torch.no_grad():
+        want = completion_logps(base, rollout["ids"], rollout["mask"], 3, 1.0)
+    torch.testing.assert_close(rollout["ref_logp"], want, atol=1e-4, rtol=1e-4)
+    print(f"GRPO strict on XLA:CPU: compilations {report.xla['compilations']} (steps 1-2: "
+          f"{[steps[k]['compilations'] for k in (1, 2)]}), transfers per step "
+          f"{[steps[k]['device_to_host_transfers'] for k in sorted(steps)]}")
+
+
+def test_kill_and_resume_continues_the_same_run_bit_for_bit(tmp_path):
+    opts = dict(steps=6, save_every=3, log_every=1, num_iterations=2)
+    whole = _job(tmp_path / "a", **opts)
+    whole.train()
+    first = _job(tmp_path / "b", callbacks=[StopAt(3)], **opts)
+    first.train()  # stopped after step 3, the first of a rollout's two updates: the rollout is saved with it
+    assert first.trainer.step == 3 and first.trainer.rollout is not None
+    resumed = _job(tmp_path / "b", **opts)
+    report = resumed.train()
+    assert report.resumed_from == 3
+    a = {n: p for n, p in whole.model.named_parameters() if p.requires_grad}
+    b = {n: p for n, p in resumed.model.named_parameters() if p.requires_grad}
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    # The same sampled answers after the resume: the rewards and completion lengths of every step agree.
+    keys = ("step", "reward", "completion_tokens", "loss", "kl")
+    assert [{k: r.get(k) for k in keys} for r in whole.history.train] == \
+           [{k: r.get(k) for k in keys} for r in resumed.history.train]
+
+
+def test_bad_grpo_input_names_the_value(tmp_path):
+    with pytest.raises(ConfigError, match=r"NUM_GENERATIONS=1 must be >= 2"):
+        config_from_parameters({"NUM_GENERATIONS": 1}, base=GRPOConfig())
+    with pytest.raises(ConfigError, match=r"REWARDS names 'exactness', which is no built-in reward \(answer, "):
+        config_from_parameters({"REWARDS": "answer,exactness"}, base=GRPOConfig())
+    with pytest.raises(ConfigError, match=r"REWARDS names 'no_such_module:fn', which cannot be imported"):
+        GRPOConfig(rewards="no_such_module:fn")
+    with pytest.raises(ConfigError, match=r"TEMPERATURE=0.0 must be > 0"):
+        config_from_parameters({"TEMPERATURE": 0}, base=GRPOConfig())
+    with pytest.raises(ConfigError, match=r"METHOD='distill' is not one of \('lora', 'full'\) for GRPO"):
+        GRPOConfig(method="distill", teacher="tiny")
+    with pytest.raises(ConfigError, match=r"START_FROM='/nowhere' is not 'sft', None, nor a directory"):
+        config_from_parameters({"START_FROM": "/nowhere"}, base=GRPOConfig())
+    job = _job(tmp_path, max_prompt_len=200, max_new_tokens=100)
+    with pytest.raises(ConfigError, match=r"MAX_PROMPT_LEN=200 \+ MAX_NEW_TOKENS=100 = 300 exceeds the model's "
+                                          r"context of 256 tokens"):
+        job.plan()
+    with pytest.raises(ConfigError, match=r"MAX_PROMPT_LEN=200 \+ MAX_NEW_TOKENS=100 = 300 exceeds"):
+        _ = job.model
+    data = tmp_path / "questions.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{a} + 1 =", "solution": str(a + 1)}) + "\n" for a in range(4)))
+    with pytest.raises(ConfigError, match=r"record 0 has no prompt field 'prompt' \(PROMPT_FIELD\); its fields are "
+                                          r"\['question', 'solution'\]"):
+        _ = _job(tmp_path, dataset=str(data)).train_data
+    assert len(_job(tmp_path, dataset=str(data), prompt_field="question", answer_field="solution").train_data) == 4
+
+
+@pytest.mark.parametrize("returns, message", [
+    (lambda n: [1.0] * (n - 1), r"reward 'bad' returned 3 values for 4 completions"),
+    (lambda n: [1.0, float("nan")] + [0.0] * (n - 2), r"reward 'bad' returned nan for completion 1"),
+])
+def test_a_reward_returning_the_wrong_values_is_an_error_naming_it(tmp_path, returns, message):
+    job = _job(tmp_path)
+
+    def bad(prompts, completions):
+        return returns(len(completions))
+
+    job.__dict__["rewards"] = {**job.rewards, "bad": bad}  # the configured ones and one that misbehaves
+    with pytest.raises(ConfigError, match=message):
+        job.train()

@@ -1,0 +1,79 @@
+"""Memory plan for GRPO on a Hugging Face causal LM, from its config alone: the generation and the optimizer step.
+
+    est = grpo_estimate(config, prompts=8, num_generations=8, max_prompt_len=256, max_new_tokens=512,
+                        method="lora", precision="bf16")
+    rep = memory_report(lambda b: grpo_estimate(config, b, ...), batch_size=8, hardware="v6e")
+
+Per chip, for B prompts x G samples = R rows of P prompt + N new tokens (L layers, h wide, V vocabulary):
+
+    policy       as for fine-tuning (`hf_plan.hf_finetune_estimate`): weights, the trainable parameters' gradients
+                 and AdamW state (LoRA: the adapters only)
+    reference    none under LoRA (the same model with the adapter disabled); a frozen bf16 copy (2 bytes per
+                 parameter) under full fine-tuning with KL_BETA > 0
+    KV cache     2 x L x R x (P + N) x kv_heads x head_dim x 2 bytes (4 in fp32), held while generating
+    generation   the decode step's logits and their softmax and top-k, 3 x R x V x 4 bytes, and its attention
+                 scores; the prefill's, one layer's worth at a time
+    the step     the fine-tuning step's activations at R / GRAD_ACCUM rows of P + N tokens, with the logits of the
+                 N + 1 completion positions only (the trainer asks for no more: `logits_to_keep`)
+
+The peak is the larger of the generation (weights, optimizer state, cache) and the optimizer step's (the start and
+the end of its backward, as in `hf_plan`); the cache is freed before the step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tpu_helpers.memory.hf_plan import hf_finetune_estimate, meta_model
+from tpu_helpers.memory.report import MemoryEstimate
+
+
+def kv_cache_bytes(config: Any, rows: int, length: int, *, bytes_per_value: int = 2) -> int:
+    """Keys and values of every layer for `rows` sequences of `length` slots."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * rows * length * kv_heads * head_dim * bytes_per_value
+
+
+def grpo_estimate(config: Any, prompts: int, *, num_generations: int, max_prompt_len: int, max_new_tokens: int,
+                  method: str = "lora", lora_r: int = 8,
+                  lora_targets: list[str] | str = ("q_proj", "k_proj", "v_proj", "o_proj"), precision: str = "bf16",
+                  gradient_checkpointing: bool = False, grad_accum: int = 1, kl_beta: float = 0.04,
+                  model: torch.nn.Module | None = None) -> MemoryEstimate:
+    """Per-chip peak bytes of GRPO with `prompts` prompts per chip (see the module docstring)."""
+    model = model if model is not None else meta_model(config)
+    rows = prompts * num_generations
+    micro = max(1, rows // grad_accum)
+    seq = max_prompt_len + max_new_tokens
+    step = hf_finetune_estimate(config, micro, seq, method=method, lora_r=lora_r, lora_targets=lora_targets,
+                                precision=precision, gradient_checkpointing=gradient_checkpointing,
+                                grad_accum=grad_accum, model=model)
+    params = sum(p.numel() for p in model.parameters())
+    V, h, heads = config.vocab_size, config.hidden_size, config.num_attention_heads
+    half = precision in ("bf16", "fp16")
+    width = 2 if half else 4
+    # hf_finetune_estimate counts 12 bytes of logits per token of every position; the step keeps N + 1 of them.
+    saved_logits = 12 * micro * V * (seq - (max_new_tokens + 1))
+    reference = params * 2 if method == "full" and kl_beta > 0 else 0
+    cache = kv_cache_bytes(config, rows, seq, bytes_per_value=width)
+    decode = 3 * rows * V * 4 + 2 * rows * heads * seq * 4
+    prefill = rows * max_prompt_len * (8 * h * width + heads * seq * 4)
+    phases = {}
+    for name, parts in step.phases.items():
+        parts = dict(parts)
+        parts["params"] += reference
+        if name == "the start of the backward":
+            parts["activations"] = max(0, parts["activations"] - saved_logits)
+        phases[name] = parts
+    held = step.phases["the start of the backward"]
+    phases["the generation"] = {"params": held["params"] + reference, "optimizer": held["optimizer"], "grads": 0,
+                                "activations": cache, "temporaries": max(decode, prefill)}
+    notes = [f"{prompts} prompts x {num_generations} samples = {rows} rows of {max_prompt_len} + {max_new_tokens} "
+             f"tokens per chip, {micro} rows per micro-batch",
+             f"KV cache {cache / 2**20:,.0f} MiB; reference "
+             + ("the adapter-disabled model (no copy)" if method != "full" else f"{reference / 2**20:,.0f} MiB"),
+             *[n for n in step.notes if not n.startswith("peak: ")]]
+    return MemoryEstimate.from_phases("plan", prompts, phases, notes=notes)

@@ -1,0 +1,351 @@
+"""The GRPO recipe behind notebooks/grpo_llm.ipynb: memory plan -> start model -> prompts -> samples -> GRPO -> export.
+
+    job = GRPO(config_from_parameters(globals(), base=GRPOConfig()))   # MODEL, START_FROM, DATASET, REWARDS, ...
+    print(job.plan().summary())          # policy, reference, KV cache for B x G sequences, logits: before loading
+    before = job.samples()               # held-out prompts: sampled completions and their rewards
+    report = job.train()                 # training.grpo.GRPOTrainer on the package Trainer
+    after = job.samples(); job.plot(); paths = job.export()   # reward, length, KL, loss; adapter + merged model
+
+A `Finetune` (`recipes.finetune`) in what it shares: MODEL, METHOD "lora" (a fresh adapter on the start model, whose
+adapter-disabled self is the KL reference) or "full" (every weight; the reference a frozen copy), LORA_*, the
+trainer settings, checkpoints, exports. What GRPO adds:
+
+- START_FROM, the model the policy starts from and the KL stays near: None (MODEL as it is), "sft" (the offline
+  default: MODEL briefly fine-tuned here on the generated instruction task, SFT_STEPS steps, in OUT_DIR/sft, once),
+  a PEFT adapter directory (merged into MODEL), a directory written by save_pretrained, or a fine-tuning run's
+  OUT_DIR (its merged/ export, else its adapter/). `job.source` is that model's directory.
+- DATASET of prompts with reference answers (`data.rl`: "sums", generated; a file or hub set with PROMPT_FIELD and
+  ANSWER_FIELD), REWARDS (`training.rewards`: built-in names or import paths), NUM_GENERATIONS, MAX_PROMPT_LEN,
+  MAX_NEW_TOKENS, TEMPERATURE/TOP_K/TOP_P, KL_BETA, CLIP_EPS, NUM_ITERATIONS. BATCH_SIZE counts prompts per chip
+  and step; each brings NUM_GENERATIONS rows (split over GRAD_ACCUM micro-batches).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tpu_helpers.config import ConfigError
+from tpu_helpers.data.rl import SUMS, build_prompt_dataset, load_prompt_records
+from tpu_helpers.memory.grpo_plan import grpo_estimate
+from tpu_helpers.memory.hf_plan import gathered_bytes_per_param, meta_model
+from tpu_helpers.memory.report import memory_report
+from tpu_helpers.memory.sharded import shard_estimate, sharding_plan
+from tpu_helpers.models import hf, lora
+from tpu_helpers.models.generation import Sampling, generate_ids
+from tpu_helpers.recipes.finetune import Finetune, FinetuneConfig
+from tpu_helpers.sharding import mesh_shape
+from tpu_helpers.training.grpo import GRPOTrainer, score_completions
+from tpu_helpers.training.rewards import DEFAULT_FORMAT, resolve_rewards
+
+SFT = "sft"
+
+
+@dataclass
+class GRPOConfig(FinetuneConfig):
+    """`FinetuneConfig` plus the GRPO settings, each a notebook parameter of the same UPPER_CASE name. BATCH_SIZE
+    is prompts per chip and step; TEMPERATURE is the sampling temperature; SEQ_LEN follows from MAX_PROMPT_LEN +
+    MAX_NEW_TOKENS."""
+
+    dataset: str = SUMS  # "sums" (generated, offline), a local .jsonl/.json/.csv/.parquet, or a hub name
+    start_from: str | None = SFT  # None | "sft" (brief SFT here first) | adapter dir | model dir | fine-tuning OUT_DIR
+    sft_steps: int = 150  # START_FROM "sft": steps of full fine-tuning on the generated instruction task
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    system_prompt: str | None = None
+    rewards: str = "answer"  # comma-separated built-in names (answer, format, number, length, overlong) or paths
+    format_pattern: str = DEFAULT_FORMAT  # the regex of the "format" reward
+    num_generations: int = 8
+    max_prompt_len: int = 32
+    max_new_tokens: int = 4
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    kl_beta: float = 0.04
+    clip_eps: float = 0.2
+    num_iterations: int = 1  # optimizer steps per generation batch (the old log-probabilities kept)
+    batch_size: int = 8
+    steps: int = 200
+    lr: float = 2e-3
+    warmup_steps: int = 10
+    log_every: int = 10
+    save_every: int = 100
+    out_dir: str = "runs/grpo"
+
+    def __post_init__(self) -> None:
+        self.seq_len = self.max_prompt_len + self.max_new_tokens if isinstance(self.max_prompt_len, int) and \
+            isinstance(self.max_new_tokens, int) else self.seq_len
+        super().__post_init__()
+        if self.method not in ("lora", "full"):
+            raise ConfigError(f"METHOD={self.method!r} is not one of ('lora', 'full') for GRPO")
+        if self.num_generations < 2:
+            raise ConfigError(f"NUM_GENERATIONS={self.num_generations!r} must be >= 2: advantages are relative to "
+                              "the other answers to the same prompt")
+        if not self.temperature > 0:
+            raise ConfigError(f"TEMPERATURE={self.temperature!r} must be > 0: GRPO samples several different "
+                              "answers per prompt (about 1.0)")
+        Sampling(self.temperature, self.top_k, self.top_p)  # checks TOP_K and TOP_P
+        for name in ("max_prompt_len", "num_iterations", "sft_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 1")
+        if not (math.isfinite(self.kl_beta) and self.kl_beta >= 0):
+            raise ConfigError(f"kl_beta={self.kl_beta!r} must be a finite number >= 0 (0: no reference model)")
+        if not 0 < self.clip_eps < 1:
+            raise ConfigError(f"clip_eps={self.clip_eps!r} must be between 0 and 1")
+        rows = self.batch_size * self.num_generations
+        if rows % self.grad_accum:
+            raise ConfigError(f"grad_accum={self.grad_accum} must divide batch_size x num_generations = {rows}")
+        if self.start_from not in (None, SFT) and not Path(self.start_from).expanduser().is_dir():
+            raise ConfigError(f"START_FROM={self.start_from!r} is not {SFT!r}, None, nor a directory (a PEFT adapter, "
+                              "a save_pretrained model, or a fine-tuning run's OUT_DIR)")
+        resolve_rewards(self.rewards, format_pattern=self.format_pattern)  # an unknown name fails here
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.temperature, self.top_k, self.top_p)
+
+
+def check_context(config: Any, max_prompt_len: int, max_new_tokens: int) -> None:
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and max_prompt_len + max_new_tokens > limit:
+        raise ConfigError(f"MAX_PROMPT_LEN={max_prompt_len} + MAX_NEW_TOKENS={max_new_tokens} = "
+                          f"{max_prompt_len + max_new_tokens} exceeds the model's context of {limit} tokens "
+                          "(config.max_position_embeddings)")
+
+
+class GRPO(Finetune):
+    """One GRPO job; its parts load on first use (see the module docstring)."""
+
+    config_class = GRPOConfig
+    config: GRPOConfig
+
+    # `source` is the model GRPO starts from (and exports merge into): MODEL, or what START_FROM makes of it.
+    @property
+    def source(self) -> str:
+        return self.start_source
+
+    @source.setter
+    def source(self, value: str) -> None:
+        self.model_source = value  # MODEL, resolved (Finetune.__init__ sets it)
+
+    # ---- 1. memory plan -------------------------------------------------------------------------------------------
+    def _estimate_inputs(self) -> tuple[Any, dict]:
+        from transformers import AutoConfig
+
+        cfg = self.config
+        config = AutoConfig.from_pretrained(self.model_source)
+        check_context(config, cfg.max_prompt_len, cfg.max_new_tokens)
+        return config, dict(num_generations=cfg.num_generations, max_prompt_len=cfg.max_prompt_len,
+                            max_new_tokens=cfg.max_new_tokens, method=cfg.method, lora_r=cfg.lora_r,
+                            lora_targets=cfg.lora_targets if cfg.lora_targets == "all-linear"
+                            else cfg.lora_targets.split(","), precision=self.backend.precision,
+                            gradient_checkpointing=cfg.gradient_checkpointing, grad_accum=cfg.grad_accum,
+                            kl_beta=cfg.kl_beta)
+
+    def plan(self, hardware: Any = None, *, chips: int | None = None):
+        """One chip's memory for generating B x G answers and the optimizer step over them, under SHARDING."""
+        config, kwargs = self._estimate_inputs()
+        model = meta_model(config)
+        fsdp = mesh_shape(self.config.sharding, chips or self.chips)[1]
+        from tpu_helpers.backend.units import block_params
+
+        block, width = block_params(model), gathered_bytes_per_param(self.config.method, self.backend.precision)
+
+        def estimate(prompts: int):
+            return shard_estimate(grpo_estimate(config, prompts, model=model, **kwargs), fsdp, block_params=block,
+                                  bytes_per_param=width)
+
+        return memory_report(estimate, self.config.batch_size, hardware or self.backend.hardware)
+
+    def sharding_plan(self, hardware: Any = None, *, chips: int | None = None):
+        config, kwargs = self._estimate_inputs()
+        model = meta_model(config)
+        from tpu_helpers.backend.units import block_params
+
+        return sharding_plan(lambda b: grpo_estimate(config, b, model=model, **kwargs), self.config.batch_size,
+                             chips=chips or self.chips, hardware=hardware or self.backend.hardware,
+                             block_params=block_params(model), params=sum(p.numel() for p in model.parameters()),
+                             bytes_per_param=gathered_bytes_per_param(self.config.method, self.backend.precision),
+                             what="GRPO")
+
+    # ---- 2. the start model and the policy ------------------------------------------------------------------------
+    @cached_property
+    def start_source(self) -> str:
+        """The directory (or hub name) of the model GRPO starts from, made on first use (see START_FROM)."""
+        cfg = self.config
+        if cfg.start_from is None:
+            return self.model_source
+        if cfg.start_from == SFT:
+            return self._warm_start()
+        path = Path(cfg.start_from).expanduser()
+        for candidate in (path / "merged", path):
+            if (candidate / "config.json").is_file():
+                return str(candidate)
+        adapter = path / "adapter" if (path / "adapter" / "adapter_config.json").is_file() else path
+        if not (adapter / "adapter_config.json").is_file():
+            raise ConfigError(f"START_FROM={cfg.start_from!r} holds no config.json (a model), no adapter_config.json "
+                              "(a PEFT adapter) and no merged/ or adapter/ export of a fine-tuning run")
+        return self._merge_adapter(adapter)
+
+    def _merge_adapter(self, adapter: Path) -> str:
+        """MODEL with the adapter merged in, saved once under OUT_DIR/start (the base of a fresh adapter)."""
+        from peft import PeftModel
+
+        target = Path(self.config.out_dir) / "start"
+        if not (target / "config.json").is_file():
+            base, tokenizer = hf.load_causal_lm(self.model_source, attn_implementation=self.config.attn_implementation)
+            merged = PeftModel.from_pretrained(base, adapter)
+            lora.export_merged(merged, tokenizer, target, base_source=self.model_source)
+        return str(target)
+
+    def _warm_start(self) -> str:
+        """START_FROM "sft": MODEL fine-tuned (every weight) on the generated instruction task for SFT_STEPS steps
+        in OUT_DIR/sft, its merged export reused when it exists."""
+        cfg = self.config
+        out = Path(cfg.out_dir) / SFT
+        if (out / "merged" / "config.json").is_file():
+            return str(out / "merged")
+        sft = FinetuneConfig(model=cfg.model, dataset="instructions", method="full", steps=cfg.sft_steps,
+                             batch_size=16, seq_len=48, lr=3e-3, warmup_steps=min(20, cfg.sft_steps // 5),
+                             eval_every=cfg.sft_steps, log_every=max(1, cfg.sft_steps // 10), save_every=cfg.sft_steps,
+                             out_dir=str(out), device=cfg.device, precision=cfg.precision, sharding=cfg.sharding,
+                             xla_checks=cfg.xla_checks, seed=cfg.seed, max_records=2000, export_merged=True)
+        job = Finetune(sft, backend=self.backend, progress=self.progress)
+        job.train()
+        return job.export()["merged"]
+
+    @cached_property
+    def _loaded(self) -> tuple[torch.nn.Module, Any]:
+        cfg = self.config
+        model, tokenizer = hf.load_causal_lm(self.source, dtype=self._dtype(), attn_implementation=cfg.attn_implementation)
+        check_context(model.config, cfg.max_prompt_len, cfg.max_new_tokens)
+        if cfg.uses_lora:
+            torch.manual_seed(cfg.seed)
+            model = lora.add_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                                  targets=cfg.lora_targets)
+        return model, tokenizer
+
+    @cached_property
+    def reference(self) -> torch.nn.Module | None:
+        """The frozen copy of the start model that full fine-tuning's KL term needs (None under LoRA)."""
+        cfg = self.config
+        if cfg.uses_lora or cfg.kl_beta == 0:
+            return None
+        ref, _ = hf.load_causal_lm(self.source, attn_implementation=cfg.attn_implementation,
+                                   dtype=torch.bfloat16 if self.backend.precision == "bf16" else None)
+        return ref
+
+    # ---- 3. prompts -----------------------------------------------------------------------------------------------
+    @cached_property
+    def _data(self) -> tuple[Any, Any, dict, list[dict]]:
+        cfg = self.config
+        records = load_prompt_records(cfg.dataset, max_records=cfg.max_records)
+        if not records:
+            raise ConfigError(f"DATASET={cfg.dataset!r} has no records")
+        data, stats = build_prompt_dataset(self.tokenizer, records, max_prompt_len=cfg.max_prompt_len,
+                                           prompt_field=cfg.prompt_field, answer_field=cfg.answer_field,
+                                           system_prompt=cfg.system_prompt)
+        held = load_prompt_records(SUMS, split="test") if cfg.dataset == SUMS else records[:64]
+        return data, records, stats, held
+
+    @property
+    def records(self) -> list[dict]:
+        return self._data[1]
+
+    @property
+    def val_data(self) -> None:
+        return None
+
+    @cached_property
+    def rewards(self) -> dict:
+        return resolve_rewards(self.config.rewards, format_pattern=self.config.format_pattern)
+
+    # ---- 4. samples -----------------------------------------------------------------------------------------------
+    def samples(self, n: int | None = None) -> dict:
+        """Held-out prompts answered with the run's sampling (a fixed stream) in the training step's shapes (on XLA
+        the generation graphs training compiled): mean reward, each reward's mean, rows, graphs compiled."""
+        cfg, b = self.config, self.backend
+        records = self.held_out if n is None else self.held_out[:n]
+        held, _ = build_prompt_dataset(self.tokenizer, records, max_prompt_len=cfg.max_prompt_len,
+                                       prompt_field=cfg.prompt_field, answer_field=cfg.answer_field,
+                                       system_prompt=cfg.system_prompt)
+        rows = cfg.batch_size * cfg.num_generations * max(1, self.backend.num_replicas // self.backend.world_size)
+        model = self._model_on_device()
+        before = b.metrics().get("compilations", 0)
+        tokens: list[list[int]] = []
+        for start in range(0, len(held), rows):
+            real = list(range(start, min(start + rows, len(held))))
+            idx = real + [real[-1]] * (rows - len(real))  # a fixed batch: a short last one would be new graphs
+            key = torch.tensor([cfg.seed, -1 - start], dtype=torch.long).to(b.device)
+            with b.autocast():
+                gen = generate_ids(model, held.input_ids[idx].to(b.device), held.attention_mask[idx].to(b.device),
+                                   max_new_tokens=cfg.max_new_tokens, eos_token_id=hf.eos_ids(self.tokenizer),
+                                   pad_token_id=self.tokenizer.pad_token_id, sampling=cfg.sampling, seed=key,
+                                   sync=b.sync)
+            tokens += b.to_cpu(gen.ids).tolist()[:len(real)]
+        kept = [records[i] for i in held.index.tolist()]
+        scored = score_completions(self.tokenizer, self.rewards, kept, tokens, max_new_tokens=cfg.max_new_tokens,
+                                   prompt_field=cfg.prompt_field, answer_field=cfg.answer_field)
+        total = scored["total"]
+        table = [{"prompt": p if isinstance(p, str) else p[-1]["content"], "answer": r.get(cfg.answer_field),
+                  "completion": c, "reward": t}
+                 for p, r, c, t in zip(scored["prompts"], kept, scored["completions"], total, strict=True)]
+        return {"reward": sum(total) / len(total),
+                "rewards": {k: sum(v) / len(v) for k, v in scored["rewards"].items()}, "rows": table,
+                "compilations": b.metrics().get("compilations", 0) - before}
+
+    @staticmethod
+    def compare(before: dict, after: dict, n: int | None = None) -> list[dict]:
+        """The same held-out prompts' completions and rewards before and after training, side by side."""
+        rows = [{"prompt": b["prompt"], "answer": b["answer"], "before": b["completion"], "after": a["completion"],
+                 "reward": f"{b['reward']:g} -> {a['reward']:g}"}
+                for b, a in zip(before["rows"], after["rows"], strict=True)]
+        return rows if n is None else rows[:n]
+
+    # ---- 5. training ----------------------------------------------------------------------------------------------
+    def run_identity(self) -> dict:
+        cfg = self.config
+        return {**super().run_identity(), "start_from": str(cfg.start_from), "rewards": cfg.rewards,
+                "num_generations": cfg.num_generations, "max_prompt_len": cfg.max_prompt_len,
+                "max_new_tokens": cfg.max_new_tokens}
+
+    def make_trainer(self) -> GRPOTrainer:
+        cfg = self.config
+        return GRPOTrainer(self.model, self.train_data, tokenizer=self.tokenizer, records=self.records,
+                           rewards=self.rewards, num_generations=cfg.num_generations,
+                           max_new_tokens=cfg.max_new_tokens, sampling=cfg.sampling, kl_beta=cfg.kl_beta,
+                           clip_eps=cfg.clip_eps, num_iterations=cfg.num_iterations, ref_model=self.reference,
+                           prompt_field=cfg.prompt_field, answer_field=cfg.answer_field,
+                           run_identity=self.run_identity(), save_trainable_only=cfg.uses_lora,
+                           **self.trainer_options())
+
+    # ---- 6. results -----------------------------------------------------------------------------------------------
+    def curves(self) -> dict[str, list]:
+        """Per log step: step, reward, completion length, KL and loss (from the run's history)."""
+        rows = self.history.train
+        keys = ("step", "reward", "completion_tokens", "kl", "loss")
+        return {k: [r.get(k) for r in rows] for k in keys}
+
+    def plot(self):
+        """Reward, completion length, KL and loss against step (a pyplot figure, shown in a notebook)."""
+        import matplotlib.pyplot as plt
+
+        c = self.curves()
+        fig, axes = plt.subplots(1, 4, figsize=(14, 3.2))
+        for ax, key, title in zip(axes, ("reward", "completion_tokens", "kl", "loss"),
+                                  ("mean reward", "completion tokens", "KL to the reference", "loss"), strict=True):
+            ax.plot(c["step"], c[key], ".-")
+            ax.set(xlabel="step", title=title)
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        return fig
+
+    def results(self, *, before: dict | None = None, after: dict | None = None, **extra: Any) -> dict:
+        reward = {"before": before["reward"] if before else None, "after": after["reward"] if after else None}
+        return super().results(before=before, after=after, reward=reward, curves=self.curves(),
+                               generation_seconds=sum(self.trainer.rollout_seconds), **extra)

@@ -1,0 +1,267 @@
+"""GRPO (group relative policy optimization) on the package's Trainer: sample G answers per prompt, reward them in
+Python, and push the policy towards the answers that beat their group.
+
+    trainer = GRPOTrainer(model, prompts, config=cfg, tokenizer=tok, records=records,
+                          rewards=resolve_rewards("answer,format"), num_generations=8, max_new_tokens=128,
+                          sampling=Sampling(temperature=1.0), kl_beta=0.04)
+    report = trainer.fit()          # resume, signals, the run lock, the XLA detector and MFU as for SFT
+
+Each generation step (the first of every `num_iterations` optimizer steps) takes B prompts from the loader
+(`data.rl.PromptDataset`: left-padded to MAX_PROMPT_LEN) and:
+1. generates G completions of each with the KV cache (`models.generation`: one prefill and one decode graph, a
+   sampling stream keyed on (seed, generation index), so a resumed run samples the same answers);
+2. reads the completions and the rows' record indices to the host in one transfer (the step's only read,
+   declared through `Cadence.read_every`, so the XLA detector expects it), decodes them and calls the rewards
+   (`training.rewards`) with each record's fields;
+3. normalises the summed reward within each group, A = (r - mean) / (std + 1e-4) (std with Bessel's correction,
+   as TRL), and, with `kl_beta` > 0, computes the reference's log-probabilities of the completions: under LoRA the
+   same model with the adapter disabled (no second copy of the weights), otherwise `ref_model`, a frozen copy (bf16
+   where the step computes in bf16); then syncs, so the optimizer step is the same graph at every step.
+
+Every optimizer step then minimises, over the completion tokens of all B x G rows (split into `grad_accum`
+micro-batches; the sum is divided by the step's completion-token count, so every token weighs the same, as DAPO
+and the package's SFT loss do):
+
+    ratio = exp(logp - logp_old)
+    loss  = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) + beta * (exp(ref - logp) - (ref - logp) - 1)
+
+logp under softmax(logits / temperature), as sampled. With `num_iterations` 1, logp_old is logp itself (detached:
+the ratio is exactly 1 and the update on-policy); with more, the generation's own log-probabilities are kept for
+the `num_iterations` updates over the same completions, as in the GRPO paper. Logged per log step: the loss, the
+mean reward (and each reward's), its spread within groups, the completion length, the KL to the reference, the
+share of clipped tokens, and the seconds spent generating and rewarding.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from tpu_helpers.config import ConfigError
+from tpu_helpers.models import lora
+from tpu_helpers.models.generation import Sampling, generate_ids
+from tpu_helpers.models.hf import completion_texts, eos_ids
+from tpu_helpers.training.cadence import Cadence
+from tpu_helpers.training.rewards import Reward, score
+from tpu_helpers.training.trainer import Trainer
+
+_RESERVED = ("prompts", "completions", "completion_tokens", "max_new_tokens")
+
+
+def group_advantages(rewards: torch.Tensor, group: int, eps: float = 1e-4) -> torch.Tensor:
+    """(r - group mean) / (group std + eps) for rewards laid out group by group (G consecutive rows each)."""
+    r = rewards.float().reshape(-1, group)
+    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).reshape(-1)
+
+
+def grpo_terms(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor | None,
+               advantages: torch.Tensor, mask: torch.Tensor, *, clip_eps: float,
+               kl_beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sums over the masked tokens of (rows, N) inputs: (clipped policy loss + beta * KL, KL, clipped tokens)."""
+    ratio = torch.exp(logp - old_logp)
+    adv = advantages.unsqueeze(-1)
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * adv)
+    clipped = ((ratio < 1.0 - clip_eps) & (adv < 0)) | ((ratio > 1.0 + clip_eps) & (adv > 0))
+    m = mask.float()
+    if ref_logp is None:
+        kl = torch.zeros_like(logp)
+    else:
+        diff = ref_logp - logp
+        kl = torch.exp(diff) - diff - 1.0
+        per_token = per_token + kl_beta * kl
+    return (per_token * m).sum(), (kl * m).sum(), (clipped.float() * m).sum()
+
+
+def completion_logps(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, completion: int,
+                     temperature: float) -> torch.Tensor:
+    """Log-probabilities (rows, completion) of the last `completion` tokens of `ids` under softmax(logits / T);
+    only those positions' logits are computed (`logits_to_keep`), and no full log-softmax is kept."""
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                   logits_to_keep=completion + 1).logits[:, :-1].float() / temperature
+    tokens = ids[:, -completion:].unsqueeze(-1)
+    return logits.gather(-1, tokens).squeeze(-1) - logits.logsumexp(-1)
+
+
+def score_completions(tokenizer: Any, rewards: dict[str, Reward], records: Sequence[dict], rows: list[list[int]],
+                      *, max_new_tokens: int, prompt_field: str = "prompt", answer_field: str = "answer") -> dict:
+    """Decode completion token rows (one per record) and score them with every reward: {"total", "rewards"
+    ({name: values}), "prompts", "completions", "completion_tokens"}; each record's fields go to the rewards."""
+    from tpu_helpers.data.rl import prompt_and_answer
+
+    texts = completion_texts(tokenizer, rows)
+    stop = set(eos_ids(tokenizer))
+    lengths = [next((i + 1 for i, t in enumerate(row) if t in stop), len(row)) for row in rows]
+    pairs = [prompt_and_answer(r, prompt_field=prompt_field, answer_field=answer_field) for r in records]
+    fields: dict[str, Any] = {k: [r.get(k) for r in records] for k in sorted({k for r in records for k in r})
+                              if k not in _RESERVED}
+    fields.update(answer=[a for _, a in pairs], completion_tokens=lengths, max_new_tokens=max_new_tokens)
+    prompts = [p for p, _ in pairs]
+    scores = score(rewards, prompts, texts, fields)
+    total = [sum(values) for values in zip(*scores.values(), strict=True)]
+    return {"total": total, "rewards": scores, "prompts": prompts, "completions": texts, "completion_tokens": lengths}
+
+
+class GRPOTrainer(Trainer):
+    """GRPO over `prompts` (a `data.rl.PromptDataset`); see the module docstring."""
+
+    def __init__(self, model: torch.nn.Module, prompts: Any, *, tokenizer: Any, records: Sequence[dict],
+                 rewards: dict[str, Reward], num_generations: int, max_new_tokens: int, sampling: Sampling,
+                 kl_beta: float = 0.04, clip_eps: float = 0.2, num_iterations: int = 1,
+                 ref_model: torch.nn.Module | None = None, answer_field: str = "answer",
+                 prompt_field: str = "prompt", **kwargs: Any) -> None:
+        if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < 2:
+            raise ConfigError(f"NUM_GENERATIONS={num_generations!r} must be an integer >= 2: advantages are "
+                              "relative to the other answers to the same prompt")
+        if sampling.greedy:
+            raise ConfigError("TEMPERATURE=0 samples greedily: every answer in a group would be the same; GRPO needs "
+                              "TEMPERATURE > 0 (about 1.0)")
+        if not rewards:
+            raise ConfigError("REWARDS is empty: GRPO needs at least one reward function")
+        super().__init__(model, prompts, None, **kwargs)
+        cfg = self.config
+        rows = cfg.batch_size * num_generations
+        if rows % cfg.grad_accum:
+            raise ConfigError(f"GRAD_ACCUM={cfg.grad_accum} must divide BATCH_SIZE x NUM_GENERATIONS = {rows} "
+                              "(the rows of one step's micro-batches)")
+        self.tokenizer, self.records, self.rewards = tokenizer, list(records), dict(rewards)
+        self.num_generations, self.max_new_tokens, self.sampling = num_generations, max_new_tokens, sampling
+        self.kl_beta, self.clip_eps, self.num_iterations = float(kl_beta), float(clip_eps), num_iterations
+        self.prompt_field, self.answer_field = prompt_field, answer_field
+        # The first of every num_iterations steps reads the sampled tokens: declared, so the detector expects it.
+        self.cadence = Cadence.from_config(cfg, read_every=num_iterations)
+        self.ref_model = None
+        if kl_beta > 0 and not lora.is_peft(model):
+            if ref_model is None:
+                raise ConfigError("kl_beta > 0 without LoRA needs ref_model, a frozen copy of the starting model")
+            ref_model.requires_grad_(False).eval()
+            if self.backend.precision == "bf16":
+                ref_model = ref_model.to(torch.bfloat16)
+            self.ref_model = self.backend.move_model(ref_model)  # not a submodule: no optimizer, no checkpoint
+        self.rollout: dict | None = None
+        self._host_log: list[dict] = []  # per generation step, since the last log
+        self._device_log: list[float] = []
+        self._metrics = self._zero_metrics()
+        self.rollout_seconds: list[float] = []
+        self.last_samples: list[dict] = []  # one completion per prompt of the latest generation step
+
+    @property
+    def tokens_per_step(self) -> int:
+        seq = self.train_loader.dataset.input_ids.shape[1] + self.max_new_tokens if self.train_loader else 0
+        return self.config.batch_size * self.num_generations * self.backend.num_replicas * seq
+
+    # ---- generation and rewards ---------------------------------------------------------------------------------
+    def make_rollout(self, batch: dict) -> dict:
+        """Generate, read, reward and score one batch of prompts (see the module docstring); ends with a sync."""
+        b, g, n = self.backend, self.num_generations, self.max_new_tokens
+        t0 = time.perf_counter()
+        ids = batch["input_ids"].repeat_interleave(g, 0)
+        mask = batch["attention_mask"].repeat_interleave(g, 0)
+        # The sampling stream: a function of the seed and the generation index, sent as data (no recompile).
+        key = torch.tensor([self.config.seed, self.step // self.num_iterations], dtype=torch.long).to(b.device)
+        with b.autocast():
+            gen = generate_ids(self.model, ids, mask, max_new_tokens=n, eos_token_id=eos_ids(self.tokenizer),
+                               pad_token_id=self.tokenizer.pad_token_id, sampling=self.sampling, seed=key,
+                               sync=b.sync)
+        host = b.to_cpu({"ids": gen.ids, "index": batch["index"]})  # the step's one read
+        rewards, stats = self.score(host["ids"].tolist(), host["index"].tolist())
+        rollout = {"ids": torch.cat([ids, gen.ids], 1), "mask": torch.cat([mask, gen.mask], 1),
+                   "completion_mask": gen.mask, "old_logp": gen.logprobs,
+                   "advantages": group_advantages(torch.tensor(rewards), g).to(b.device)}
+        if self.kl_beta > 0:
+            with torch.no_grad(), b.autocast():
+                rollout["ref_logp"] = self.reference_logps(rollout["ids"], rollout["mask"])
+        b.sync()  # the reference's forward in a graph of its own: the optimizer step's graph never changes
+        self.rollout_seconds.append(time.perf_counter() - t0)
+        self._host_log.append({**stats, "generate_s": self.rollout_seconds[-1]})
+        return rollout
+
+    def score(self, rows: list[list[int]], indices: list[int]) -> tuple[list[float], dict]:
+        """The summed reward of each completion (token rows) of the records at `indices`, and what is logged."""
+        g = self.num_generations
+        records = [self.records[i] for i in indices for _ in range(g)]
+        scored = score_completions(self.tokenizer, self.rewards, records, rows, max_new_tokens=self.max_new_tokens,
+                                   prompt_field=self.prompt_field, answer_field=self.answer_field)
+        total, lengths = scored["total"], scored["completion_tokens"]
+        groups = torch.tensor(total).reshape(-1, g)
+        stats = {"reward": sum(total) / len(total), "reward_std": float(groups.std(1).mean()),
+                 "completion_tokens": sum(lengths) / len(lengths),
+                 **{f"reward/{k}": sum(v) / len(v) for k, v in scored["rewards"].items()}}
+        self.last_samples = [{"prompt": p, "completion": c, "reward": r} for p, c, r in
+                             zip(scored["prompts"][::g], scored["completions"][::g], total[::g], strict=True)]
+        return total, stats
+
+    @torch.no_grad()
+    def reference_logps(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The reference's log-probabilities of the completions: the adapter-disabled model under LoRA."""
+        n, t = self.max_new_tokens, self.sampling.temperature
+        if self.ref_model is not None:
+            return completion_logps(self.ref_model, ids, mask, n, t)
+        with self.raw_model.disable_adapter():
+            return completion_logps(self.model, ids, mask, n, t)
+
+    # ---- the optimizer step ---------------------------------------------------------------------------------------
+    def policy_loss(self, rollout: dict, rows: slice, count: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(loss, KL sum, clipped-token sum) of the rows `rows` of `rollout`, the loss over `count` tokens."""
+        n = self.max_new_tokens
+        logp = completion_logps(self.model, rollout["ids"][rows], rollout["mask"][rows], n, self.sampling.temperature)
+        old = logp.detach() if self.num_iterations == 1 else rollout["old_logp"][rows]
+        ref = rollout["ref_logp"][rows] if "ref_logp" in rollout else None
+        loss_sum, kl_sum, clipped = grpo_terms(logp, old, ref, rollout["advantages"][rows],
+                                               rollout["completion_mask"][rows], clip_eps=self.clip_eps,
+                                               kl_beta=self.kl_beta)
+        return loss_sum / count, kl_sum, clipped
+
+    def train_step(self, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        b, accum = self.backend, self.config.grad_accum
+        if self.step % self.num_iterations == 0 or self.rollout is None:
+            self.rollout = self.make_rollout(next(batches))
+        r = self.rollout
+        rows = r["ids"].shape[0] // accum
+        count = r["completion_mask"].sum().clamp(min=1).float()
+        total, kl, clipped = None, 0.0, 0.0
+        for k in range(accum):
+            with b.autocast():
+                loss, kl_k, clipped_k = self.policy_loss(r, slice(k * rows, (k + 1) * rows), count)
+            b.backward(loss)
+            total = loss.detach() if total is None else total + loss.detach()
+            kl, clipped = kl + kl_k.detach(), clipped + clipped_k.detach()
+        one = torch.ones_like(count)
+        self._metrics = self._metrics + torch.stack([kl / count, clipped / count, one])
+        if self.cadence.is_log_step(self.step + 1):
+            b.add_step_closure(self._read_metrics, self.step + 1, self._metrics)
+            self._metrics = self._zero_metrics()
+        return total, self.apply_gradients()
+
+    # ---- logging and checkpoints ----------------------------------------------------------------------------------
+    def _zero_metrics(self) -> torch.Tensor:
+        # (KL, clipped share, steps) summed over a log window; copied in as data, like the trainer's loss window.
+        return torch.zeros(3).to(self.backend.device)
+
+    def _read_metrics(self, step: int, metrics: torch.Tensor) -> None:
+        self._device_log = [step, *metrics.tolist()]
+
+    def log_extras(self, step: int) -> dict:
+        out: dict[str, float] = {}
+        if self._device_log and self._device_log[0] == step:
+            _, kl, clipped, steps = self._device_log
+            out["kl"], out["clip_fraction"] = kl / max(steps, 1), clipped / max(steps, 1)
+        for key in sorted({k for rec in self._host_log for k in rec}):
+            values = [rec[key] for rec in self._host_log if key in rec]
+            out[key] = sum(values) / len(values)
+        self._host_log = []
+        return out
+
+    def progress_state(self) -> dict:
+        # Mid-way through num_iterations the next steps reuse this rollout: it is part of the run's state.
+        keep = self.rollout if self.step % self.num_iterations else None
+        return {**super().progress_state(), "grpo_rollout": keep, "grpo_log": list(self._host_log)}
+
+    def load_progress_state(self, state: dict) -> None:
+        super().load_progress_state(state)
+        saved = state.get("grpo_rollout")
+        self.rollout = None if saved is None else self.backend.to_device(saved)
+        self._host_log = list(state.get("grpo_log", []))
