@@ -53,6 +53,25 @@ _FT = {
     "tpuvm-v5e-8": {**_FT_QWEN, "METHOD": "full", "BATCH_SIZE": 8, "GRADIENT_CHECKPOINTING": True},
 }
 
+# The GRPO notebook: the offline tiny model (a brief SFT, then generated sums) on CPU and XLA:CPU; on a TPU chip or
+# GPU Qwen2.5-0.5B-Instruct with LoRA on GSM8K (answers in <answer> tags), 8 answers per prompt, bf16, checkpointing.
+_GRPO_CPU = {"MODEL": "tiny", "START_FROM": "sft", "DATASET": "sums", "REWARDS": "answer", "STEPS": 200,
+             "BATCH_SIZE": 8, "NUM_GENERATIONS": 8, "MAX_PROMPT_LEN": 32, "MAX_NEW_TOKENS": 4, "LR": 5e-3,
+             "WARMUP_STEPS": 10}
+_GRPO_QWEN = {"MODEL": "Qwen/Qwen2.5-0.5B-Instruct", "START_FROM": None, "DATASET": "openai/gsm8k:main",
+              "PROMPT_FIELD": "question", "ANSWER_FIELD": "answer", "REWARDS": "answer,format",
+              "SYSTEM_PROMPT": "Think step by step, then give the final number inside <answer> </answer>.",
+              "NUM_GENERATIONS": 8, "MAX_PROMPT_LEN": 256, "MAX_NEW_TOKENS": 256, "LR": 5e-5, "WARMUP_STEPS": 10,
+              "STEPS": 500, "METHOD": "lora", "GRADIENT_CHECKPOINTING": True}
+_GRPO = {
+    "cpu": _GRPO_CPU, "xla-cpu": _GRPO_CPU, "xla-cpu-8": _GRPO_CPU,
+    "gpu": {**_GRPO_QWEN, "BATCH_SIZE": 8},
+    "colab-v5e-1": {**_GRPO_QWEN, "BATCH_SIZE": 4},
+    "colab-v6e-1": {**_GRPO_QWEN, "BATCH_SIZE": 8, "MAX_NEW_TOKENS": 512},
+    "tpuvm-v5e-8": {**_GRPO_QWEN, "BATCH_SIZE": 4},
+    "kaggle-v5e-8": {**_GRPO_QWEN, "BATCH_SIZE": 4, "OUT_DIR": "/kaggle/working/runs/grpo"},
+}
+
 TARGETS: dict[str, Target] = {
     "local": Target("the notebook's own defaults, on whatever device it detects"),
     "cpu": Target("CPU: a tiny GPT that trains in a few minutes", {"DEVICE": "cpu", **_CPU_DEMO}),
@@ -73,4 +92,5 @@ TARGETS: dict[str, Target] = {
 }
 for _name, _params in _FT.items():
     TARGETS[_name].notebooks["finetune_llm"] = _params
-
+for _name, _params in _GRPO.items():
+    TARGETS[_name].notebooks["grpo_llm"] = _params
