@@ -1,0 +1,156 @@
+"""Greedy generation speed: the package's KV-cache generation vs its uncached loop vs Hugging Face `generate`.
+
+    PYTHONPATH=. python benchmarks/generation.py --tokens 16,128,512 --devices cpu,xla
+
+The model is a randomly initialised Qwen2 (4 layers, width 256, 4 heads, 2 KV heads, the tiny model's BPE
+vocabulary, eager attention as `models.hf.load_causal_lm` loads it); a batch of 8 random prompts of 8 to 32 tokens,
+left-padded to 32. For each number of new tokens and each side:
+- `cached`: `models.generation.generate_ids` with the cache slots bucketed as `hf.generate` does (`cache_bucket`);
+- `uncached`: `models.generation.generate_ids_uncached`, the loop `hf.generate` ran before the cache (every token
+  runs the whole (B, P + N) buffer through the model again);
+- `hf`: `model.generate(do_sample=False, min_new_tokens=N)` with transformers' default (dynamic) cache; on XLA every
+  token has a new shape, so it compiles about one graph per token (`--hf-xla-tokens` limits which lengths it runs;
+  `--uncached-tokens` likewise the uncached loop, whose time grows with the square of the new tokens).
+Each device runs in its own process (PJRT_DEVICE=CPU for XLA:CPU, so the XLA metrics are the side's own). Printed
+per case: tokens/s of the first call (compilation included) and the best of `--repeats` identical calls after it
+(the best, as the machine may be shared; the uncached loop past 16 tokens: one call on the CPU, two on XLA), the graphs compiled by the first call and by any later one (XLA only),
+and whether the other sides' tokens equal the cached ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ARCH = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=2048)
+
+
+def _setup(args, device):
+    import torch
+
+    from tpu_helpers.models import hf_tiny
+    from tpu_helpers.models.generation import left_pad
+    from tpu_helpers.models.hf import DEFAULT_ATTN, load_causal_lm
+
+    _, tok = load_causal_lm("tiny")
+    model = hf_tiny.build_tiny_model(tok, seed=0, **ARCH)
+    model.config._attn_implementation = DEFAULT_ATTN
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(8, args.prompt + 1, (args.batch,), generator=g).tolist()
+    lengths[0] = args.prompt
+    prompts = [torch.randint(3, len(tok), (n,), generator=g).tolist() for n in lengths]
+    batch = left_pad(prompts, args.prompt, tok.pad_token_id)
+    return model.eval().to(device), tok, batch.ids.to(device), batch.mask.to(device)
+
+
+def child(args) -> None:
+    import torch
+
+    from tpu_helpers.backend import get_backend
+    from tpu_helpers.models.generation import generate_ids, generate_ids_uncached
+    from tpu_helpers.models.hf import cache_bucket
+
+    backend = get_backend(args.child, precision="fp32", spmd=False, compile_cache_dir=None)
+    torch.set_num_threads(args.threads)
+    model, tok, ids, mask = _setup(args, backend.device)
+    xla = backend.compiles_graphs
+
+    def cached(n):
+        return generate_ids(model, ids, mask, max_new_tokens=n, eos_token_id=None, pad_token_id=tok.pad_token_id,
+                            sync=backend.sync, cache_len=cache_bucket(args.prompt + n)).ids
+
+    def uncached(n):
+        return generate_ids_uncached(model, ids, mask, max_new_tokens=n, sync=backend.sync)
+
+    def hf(n):
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, pad_token_id=tok.pad_token_id)[:, args.prompt:]
+
+    sides = {"cached": cached, "uncached": uncached, "hf": hf}
+    for n in args.tokens:
+        outputs = {}
+        for side in args.sides:
+            why = "one graph per token on XLA" if side == "hf" and xla and n > args.hf_xla_tokens else \
+                "each token costs the whole buffer" if side == "uncached" and n > args.uncached_tokens else None
+            if why:
+                print(json.dumps({"device": args.child, "tokens": n, "side": side, "skipped": why}), flush=True)
+                continue
+            row = {"device": args.child, "tokens": n, "side": side}
+            times, graphs = [], []
+            # The uncached loop beyond 16 tokens is slow (minutes): one call on the CPU, where the first call
+            # compiles nothing, and the compiling call plus one on XLA.
+            calls = 1 + args.repeats if side != "uncached" or n <= 16 else 2 if xla else 1
+            for _ in range(calls):
+                before = backend.metrics().get("compilations", 0)
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    out = backend.to_cpu(sides[side](n))[:, :n]
+                times.append(time.perf_counter() - t0)
+                graphs.append(backend.metrics().get("compilations", 0) - before if xla else None)
+            later = times[1:] or times  # on the CPU a single call is a steady one (nothing to compile)
+            row.update(first_tok_s=args.batch * n / times[0], first_graphs=graphs[0],
+                       second_tok_s=args.batch * n / min(later), second_graphs=max(graphs[1:]) if graphs[1:] and xla
+                       else None)
+            outputs[side] = out
+            if side != "cached" and "cached" in outputs:
+                row["same_tokens_as_cached"] = bool(torch.equal(outputs["cached"], out))
+            print(json.dumps(row), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="16,128,512")
+    parser.add_argument("--sides", default="cached,uncached,hf")
+    parser.add_argument("--devices", default="cpu,xla")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1, help="calls after the first; the fastest is reported")
+    parser.add_argument("--hf-xla-tokens", type=int, default=16,
+                        help="on XLA, run HF generate only up to this many new tokens (a graph per token)")
+    parser.add_argument("--uncached-tokens", type=int, default=128,
+                        help="run the uncached loop only up to this many new tokens (its cost grows as N squared)")
+    parser.add_argument("--child", choices=["cpu", "xla"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.tokens = [int(t) for t in str(args.tokens).split(",")]
+    args.sides = args.sides.split(",")
+    if args.child:
+        return child(args)
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; batch {args.batch}, prompt "
+          f"{args.prompt}, Qwen2 {ARCH['num_hidden_layers']} layers x {ARCH['hidden_size']}", flush=True)
+    print(f"{'device':8}{'new':>5}  {'side':9}{'tok/s 1st':>10}{'tok/s best':>11}{'graphs 1st':>11}"
+          f"{'graphs then':>12}  same as cached", flush=True)
+    for device in args.devices.split(","):
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        if device == "xla":
+            env.setdefault("PJRT_DEVICE", "CPU")
+        cmd = [sys.executable, __file__, "--child", device, "--tokens", ",".join(map(str, args.tokens)),
+               "--sides", ",".join(args.sides), "--batch", str(args.batch), "--prompt", str(args.prompt),
+               "--threads", str(args.threads), "--repeats", str(args.repeats), "--hf-xla-tokens", str(args.hf_xla_tokens),
+               "--uncached-tokens", str(args.uncached_tokens)]
+        with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True) as proc:
+            for line in proc.stdout:
+                if not line.startswith("{"):
+                    continue
+                r = json.loads(line)
+                name = "XLA:CPU" if device == "xla" else "CPU"
+                if r.get("skipped"):
+                    print(f"{name:8}{r['tokens']:>5}  {r['side']:9}  skipped ({r['skipped']})", flush=True)
+                    continue
+                graphs = [str(r[k]) if r[k] is not None else "-" for k in ("first_graphs", "second_graphs")]
+                same = r.get("same_tokens_as_cached", "")
+                print(f"{name:8}{r['tokens']:>5}  {r['side']:9}{r['first_tok_s']:>10.0f}{r['second_tok_s']:>11.0f}"
+                      f"{graphs[0]:>11}{graphs[1]:>12}  {same}", flush=True)
+        if proc.returncode:
+            sys.exit(f"the {device} run failed (exit {proc.returncode})")
+
+
+if __name__ == "__main__":
+    main()
