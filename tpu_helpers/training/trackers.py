@@ -94,8 +94,8 @@ class Tracker:
     def log_table(self, key: str, rows: list[dict], step: int) -> None:
         raise NotImplementedError
 
-    def summary(self, values: dict[str, Any]) -> None:
-        """The run's final figures."""
+    def summary(self, values: dict[str, Any], step: int) -> None:
+        """The run's final figures (`step`: the last step, where a tracker without summaries shows them)."""
 
     def flush(self) -> None: ...
 
@@ -104,6 +104,12 @@ class Tracker:
 
 def open_tracker(name: str, run: TrackedRun) -> Tracker:
     return {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "trackio": TrackioTracker}[name](run)
+
+
+def _cell(value: Any) -> str:
+    """A value as one markdown table cell: newlines and tabs written as escapes (a generated answer may be only
+    whitespace), "|" escaped."""
+    return json.dumps(str(value), ensure_ascii=False)[1:-1].replace("|", "\\|")
 
 
 def _columns(rows: list[dict]) -> list[str]:
@@ -126,8 +132,11 @@ class TensorBoardTracker(Tracker):
     name = "tensorboard"
 
     def __init__(self, run: TrackedRun) -> None:
+        from tensorboard.compat.proto.summary_pb2 import Summary
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
+
+        self.Summary, self.Value = Summary, Summary.Value
 
         self.log_dir = Path(run.out_dir) / "tensorboard" / run.id
         earlier = self.log_dir.is_dir() and any(self.log_dir.glob("events.out.tfevents.*"))
@@ -145,19 +154,18 @@ class TensorBoardTracker(Tracker):
         return self.earlier_through  # what earlier processes logged from the start step on is purged
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        for key, value in metrics.items():
-            self.writer.add_scalar(key, value, step)
+        # One event for all of a step's values (add_scalar would make one each: ten times the host time).
+        values = [self.Value(tag=k, simple_value=float(v)) for k, v in metrics.items()]
+        self.writer.file_writer.add_summary(self.Summary(value=values), step)
 
     def log_table(self, key: str, rows: list[dict], step: int) -> None:
         columns = _columns(rows)
         lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-        lines += ["| " + " | ".join(str(r.get(c, "")).replace("|", "\\|").replace("\n", " ") for c in columns) + " |"
-                  for r in rows]
+        lines += ["| " + " | ".join(_cell(r.get(c, "")) for c in columns) + " |" for r in rows]
         self.writer.add_text(key, "\n".join(lines), step)
 
-    def summary(self, values: dict[str, Any]) -> None:
-        text = "\n".join(f"    {k}: {v}" for k, v in values.items())
-        self.writer.add_text("summary", text, int(values.get("steps", 0)))
+    def summary(self, values: dict[str, Any], step: int) -> None:
+        self.writer.add_text("summary", "\n".join(f"    {k}: {v}" for k, v in values.items()), step)
 
     def flush(self) -> None:
         self.writer.flush()
@@ -196,7 +204,7 @@ class WandbTracker(Tracker):
         table = self.wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])
         self.run.log({key: table}, step=step)
 
-    def summary(self, values: dict[str, Any]) -> None:
+    def summary(self, values: dict[str, Any], step: int) -> None:
         self.run.summary.update(values)
 
     def close(self) -> None:
@@ -222,6 +230,10 @@ class TrackioTracker(Tracker):
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
+
+    def summary(self, values: dict[str, Any], step: int) -> None:
+        # trackio has no run summary: the numbers go in as one more row at the last step.
+        self.run.log({f"summary/{k}": v for k, v in values.items() if isinstance(v, (int, float))}, step=step)
 
     def log_table(self, key: str, rows: list[dict], step: int) -> None:
         columns = _columns(rows)

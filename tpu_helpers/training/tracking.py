@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from tpu_helpers.callbacks import Callback
 from tpu_helpers.config import TrainConfig
+from tpu_helpers.diagnostics.detector import detector_for
 from tpu_helpers.training.step_timing import mfu_inputs
 from tpu_helpers.training.trackers import TrackedRun, Tracker, check_ready, open_tracker
 
@@ -109,14 +110,17 @@ class Tracking(Callback):
             fpt, peak, chips = self._flops
             if fpt and peak and window["step"] > 0:
                 values["train/mfu"] = trainer.tokens_per_step * fpt / (window["step"] / 1e3) / (peak * 1e12 * chips)
-        if trainer.backend.compiles_graphs:
-            counters = trainer.backend.metrics()
-            values.update({"xla/compilations": counters.get("compilations", 0),
-                           "xla/host_transfers": counters.get("device_to_host_transfers", 0),
-                           "xla/executions": counters.get("executions", 0)})
         self._add(record["step"], values)
 
     def on_step_end(self, trainer: Trainer) -> None:
+        if self._pending_step == trainer.step and trainer.backend.compiles_graphs:
+            # The counters after this log step; the XLA detector already read them (reading them costs about a
+            # millisecond once a run has made many counters).
+            detector = detector_for(trainer)
+            counters = (detector.counters if detector is not None else None) or trainer.backend.metrics()
+            self._pending.update({"xla/compilations": counters.get("compilations", 0),
+                                  "xla/host_transfers": counters.get("device_to_host_transfers", 0),
+                                  "xla/executions": counters.get("executions", 0)})
         self._add_eval(trainer)
         self._flush()
 
@@ -127,7 +131,7 @@ class Tracking(Callback):
                    "steady_step_ms": report.timing.get("steady_step_ms"), "mfu": report.mfu,
                    "stop_reason": report.stop_reason}
         figures.update({f"xla/{k}": v for k, v in report.xla.items() if isinstance(v, (int, float))})
-        self._each("summary", {k: v for k, v in figures.items() if v is not None})
+        self._each("summary", {k: v for k, v in figures.items() if v is not None}, report.steps)
         self._each("flush")
         if not self.hold_open:
             self.close()
@@ -140,7 +144,7 @@ class Tracking(Callback):
             if rows:
                 self._each("log_table", key, rows, step)
         if values:
-            self._each("summary", values)
+            self._each("summary", values, step)
 
     def close(self) -> None:
         """Finish the tracked run (a later `fit` of the same trainer opens it again and continues it)."""
