@@ -39,8 +39,9 @@ class Recipe:
                                f"config_from_parameters(globals(), base={self.config_class.__name__}())"
                                if isinstance(config, TrainConfig) else ""))
         self.config = config
-        check_ready(tracker_names(config))  # a tracker's missing package or login: now, before any model loads
         self.backend = backend or backend_for(config)
+        if self.backend.is_main:  # the trackers log from the main process only (the Trainer checks the same)
+            check_ready(tracker_names(config))  # a missing package or W&B login: now, before any model loads
         self.progress = progress
         self.callbacks = list(callbacks or [])
         self.report: RunReport | None = None
