@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from tests.support import tensorboard_run, tensorboard_scalars, tensorboard_texts
 from tpu_helpers.config import config_from_parameters
 from tpu_helpers.launch.runner import declared_parameters, run_notebook
 from tpu_helpers.recipes.grpo import GRPOConfig
@@ -51,10 +52,22 @@ def _check(results, out_dir):
     return report
 
 
-def test_grpo_notebook_on_cpu(notebooks, tmp_path):
-    results, out_dir, _ = _run(notebooks, tmp_path, "cpu")
+def test_grpo_notebook_on_cpu_watched_in_tensorboard(notebooks, tmp_path):
+    results, out_dir, _ = _run(notebooks, tmp_path, "cpu", TRACKERS="tensorboard")
     report = _check(results, out_dir)
     assert report["device"].startswith("CPU")
+    # TRACKERS: the reward and KL curves, and the held-out completions before and after as tables.
+    log_dir = tensorboard_run(out_dir)
+    scalars = tensorboard_scalars(log_dir)
+    curves = results["curves"]
+    assert scalars["train/reward"] == [(s, pytest.approx(r, rel=1e-6)) for s, r in zip(curves["step"],
+                                                                                     curves["reward"], strict=True)]
+    assert [s for s, _ in scalars["train/kl"]] == curves["step"]
+    texts = tensorboard_texts(log_dir)
+    for when in ("before", "after"):
+        (step, table), = texts[f"samples/{when}"]
+        assert step == 6 and table.startswith("| prompt | answer | completion | reward |")
+    assert f"samples/reward_after: {results['reward']['after']}" in texts["summary"][-1][1]
 
 
 @pytest.mark.xla

@@ -345,6 +345,14 @@ class GRPO(Finetune):
         fig.tight_layout()
         return fig
 
+    def tracked_results(self, results: dict) -> dict:
+        """The held-out completions before and after as tables, and their mean rewards, for the trackers."""
+        tracked = super().tracked_results(results)
+        for when, value in (results.get("reward") or {}).items():
+            if value is not None:
+                tracked["values"][f"samples/reward_{when}"] = value
+        return tracked
+
     def results(self, *, before: dict | None = None, after: dict | None = None, **extra: Any) -> dict:
         reward = {"before": before["reward"] if before else None, "after": after["reward"] if after else None}
         return super().results(before=before, after=after, reward=reward, curves=self.curves(),

@@ -7,7 +7,8 @@ The trainer adds a `Tracking` callback when `config.trackers` names any tracker,
 of a pod, rank 0 under torchrun). It logs what the loop already read, so tracking adds no device read or graph:
 
 - at each log step (from the record the step closure read, written once per step with everything of that step):
-  train/loss, train/learning_rate, train/grad_norm, train/tokens_per_s; time/data_wait_ms, time/host_ms,
+  train/loss, train/learning_rate, train/grad_norm, train/tokens_per_s, and train/<name> for each number a trainer
+  adds to its records (GRPO's reward, kl, completion_tokens...); time/data_wait_ms, time/host_ms,
   time/sync_ms, time/other_ms (the median step-time split since the last log) and time/step_ms; train/mfu on a
   TPU or GPU; on XLA the compile and transfer counters (xla/compilations, xla/host_transfers, xla/executions);
 - at each evaluation: eval/loss (the initial evaluation at step 0 included);
@@ -212,9 +213,15 @@ class Tracking(Callback):
                           TrackingWarning, stacklevel=2)
 
 
+_RECORD_KEYS = ("step", "loss", "lr", "tokens_per_s", "grad_norm")
+
+
 def _train_values(record: dict) -> dict[str, float]:
     values = {"train/loss": record["loss"], "train/learning_rate": record["lr"],
               "train/tokens_per_s": record["tokens_per_s"]}
     if record.get("grad_norm") is not None:
         values["train/grad_norm"] = record["grad_norm"]
+    # What a trainer adds to its records (`Trainer.log_extras`: GRPO's reward, KL, completion length...).
+    values.update({f"train/{k}": v for k, v in record.items() if k not in _RECORD_KEYS
+                   and isinstance(v, (int, float)) and not isinstance(v, bool)})
     return values
