@@ -19,7 +19,9 @@ Printed per side: seconds per step after the first (mean), the share of it spent
 `generate_ids`, TRL's `model.generate`), the mean reward over the first and the last 10 steps, and on XLA the graphs
 compiled. `--device xla` runs both sides on XLA:CPU (PJRT_DEVICE=CPU); TRL then goes through accelerate's XLA
 support and `model.generate` with a dynamic cache, whose shapes grow with every token (a graph per token and
-per prompt length): `--trl-timeout` bounds it and the report says how far it got.
+per prompt length): `--trl-timeout` bounds it and the report says how far it got. With TRL 1.16 and accelerate
+1.15 it gets no further than its first step: after generating and scoring it gathers the prompts for its logs
+with `accelerate.utils.gather_object`, which raises "gather objects in TPU is not supported" on XLA.
 """
 
 from __future__ import annotations
