@@ -18,6 +18,11 @@ Usage (the trainer moves tensors to the CPU first; this module never touches tor
 Checkpoints are loaded with ``torch.load(weights_only=False)`` because states hold optimizer and RNG objects
 that the safe loader refuses. That unpickles arbitrary objects: only load checkpoints you wrote yourself.
 
+Best checkpoint: with ``best_metric`` (a validation metric the trainer records in each checkpoint's manifest under
+``meta["metrics"]``, e.g. ``"val_loss"``; ``"max:NAME"`` when higher is better), the valid checkpoint with the best
+value is kept whatever ``keep_last`` says, by pruning and by the "make room" deletions on a full disk alike, and
+``best()`` returns it. The manifests are the record, so a kill at any moment leaves it right.
+
 Sharded models are saved as torch.distributed.checkpoint directories ``ckpt-00001200.dcp/`` by `save_sharded`,
 with the same manifest, renames and checks (`sharded.py`); how each looks on disk is `layout.py`. The atomic file
 writing itself (temp file, fsync, rename) is `tpu_helpers.atomic_io`, which other modules use too.
@@ -41,6 +46,7 @@ import torch
 from tpu_helpers.atomic_io import DISK_FULL, atomic_write_text, fsync_dir, write_temp
 from tpu_helpers.checkpoint import layout, sharded
 from tpu_helpers.checkpoint.layout import CheckpointCorrupt, CheckpointError, CheckpointInfo
+from tpu_helpers.choices import best_metric_order
 
 __all__ = ["CheckpointCorrupt", "CheckpointError", "CheckpointInfo", "CheckpointManager"]
 
@@ -49,15 +55,21 @@ class CheckpointManager:
     """Saves, verifies, prunes and loads ``ckpt-{step:08d}.pt`` checkpoints in one directory.
 
     Every process may read; only the one with ``is_main=True`` writes or deletes, so all ranks of a
-    multi-process run can share the code path without racing on the files.
+    multi-process run can share the code path without racing on the files. With ``best_metric`` the best
+    checkpoint by that metric is kept too (see the module docstring).
     """
 
-    def __init__(self, directory: str | Path, keep_last: int = 3, *, is_main: bool = True) -> None:
+    def __init__(self, directory: str | Path, keep_last: int = 3, *, is_main: bool = True,
+                 best_metric: str | None = None) -> None:
         if not isinstance(keep_last, int) or keep_last < 1:
             raise ValueError(f"keep_last must be an int >= 1 (something to resume from), got {keep_last!r}")
         self.directory = Path(directory)
         self.keep_last = keep_last
         self.is_main = is_main
+        self.best_metric = best_metric
+        # (metric name, higher is better) of best_metric
+        self.best_order = best_metric_order(best_metric) if best_metric is not None else None
+        self._verified: tuple | None = None  # (step, manifest and data stamps) of the best, hashed once
         self.run_info_path = self.directory / "run.json"
 
     def path_for(self, step: int) -> Path:
@@ -160,7 +172,8 @@ class CheckpointManager:
         if free >= needed * 1.1 + (1 << 20):
             return
         keep = max(1, self.keep_last - 1)
-        valid = [i.step for i in self.list() if i.valid and i.step < step]
+        best = self.best()
+        valid = [i.step for i in self.list() if i.valid and i.step < step and (best is None or i.step != best.step)]
         for old in sorted(valid, reverse=True)[keep:]:
             self._delete(old)
 
@@ -191,10 +204,13 @@ class CheckpointManager:
         # than the anchor are left for inspection; older damaged ones can never be resumed from.
         anchor = just_written
         kept = 0
+        best = self.best()
         for step in sorted(self._steps(), reverse=True):
             if step == just_written:
                 kept += 1
                 continue
+            if best is not None and step == best.step:
+                continue  # the best checkpoint stays, whatever keep_last says
             if anchor is not None and step < anchor and kept >= self.keep_last:
                 self._delete(step)  # beyond the quota either way: no need to hash it
                 continue
@@ -245,6 +261,27 @@ class CheckpointManager:
             info = layout.verify(self.path_for(step))
             if info.valid:
                 return info
+        return None
+
+    def best(self) -> CheckpointInfo | None:
+        """The valid checkpoint with the best `best_metric` value in its manifest (the earliest of equal ones), or
+        None (no best_metric, or no checkpoint recorded it). Its data is hashed once per manager, then trusted
+        while its files keep their size and time stamps."""
+        if self.best_order is None:
+            return None
+        name, higher = self.best_order
+        found = [(info.metric(name), info.step, info) for info in
+                 (layout.verify(self.path_for(s), deep=False) for s in self._steps())]
+        ranked = sorted(((-v if higher else v, step, info) for v, step, info in found if v is not None and info.valid),
+                        key=lambda x: x[:2])
+        for _, step, info in ranked:
+            stamp = (step, _stamp(info.path), _stamp(info.path.with_suffix(".json")))
+            if self._verified == stamp:
+                return info
+            deep = layout.verify(info.path)
+            if deep.valid:
+                self._verified = stamp
+                return deep
         return None
 
     def unverifiable(self, any_valid: bool | None = None) -> list[CheckpointInfo]:
@@ -355,6 +392,14 @@ class CheckpointManager:
                 "a run writes there, so it cannot tell which run these checkpoints belong to; restore it, or "
                 "move it away if the checkpoints are yours")
         return info
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
 
 
 def _check_step(step: Any) -> None:
