@@ -42,6 +42,7 @@ from tpu_helpers.models.hf import set_gradient_checkpointing
 from tpu_helpers.training import finite
 from tpu_helpers.training.batches import batch_loss
 from tpu_helpers.training.cadence import Cadence
+from tpu_helpers.training.divergence import SpikeRule
 from tpu_helpers.training.history import History, RunReport
 from tpu_helpers.training.optimizers import make_optimizer, make_scheduler
 from tpu_helpers.training.run_state import RunState
@@ -91,7 +92,11 @@ class Trainer:
             self.callbacks.append(XlaDetector(strict=cfg.xla_checks == "strict"))
         self.timer = StepTimer()
         self.stop_reason: str | None = None  # set (e.g. by a signal handler) to end after the current step
-        self.diverged: str | None = None  # what went nan/inf, if anything (training/finite.py)
+        self.diverged: str | None = None  # the divergence this run stops on (finite.py, divergence.py), if any
+        self._warned: set[str] = set()  # kinds of divergence warned about ("warn" warns once per kind)
+        # A finite loss spike (training/divergence.py), checked on the losses the loop reads anyway.
+        self.spike_rule = SpikeRule(cfg.divergence_factor) if cfg.on_divergence != "off" else None
+        self.eval_metrics: dict[str, float] = {}  # what eval callbacks add to an evaluation (on_eval_end)
         blocks = cfg.gradient_checkpointing and self.backend.checkpoints_blocks(cfg.sharding)
         if cfg.gradient_checkpointing and not blocks:
             # The package GPT's set_gradient_checkpointing(fn), or a Hugging Face model's own hook (models/hf.py).
@@ -234,17 +239,26 @@ class Trainer:
         self.scheduler = make_scheduler(self.optimizer, self.config, step=self.step)
         self.backend.set_rng_state(state["rng"])
 
-    def on_divergence(self, what: str) -> None:
-        """A non-finite loss or weights: stop after this step (on_nonfinite="stop", `fit` then raises) or warn once
-        and go on ("warn"; non-finite weights are never saved either way)."""
-        if self.diverged is not None:
+    def on_divergence(self, what: str, *, kind: str = "nonfinite") -> None:
+        """A divergence: `kind` "nonfinite" (a nan/inf loss or weights; policy `on_nonfinite`) or "spike" (a finite
+        loss far above its reference, training/divergence.py; policy `on_divergence`). "stop": end after this step,
+        save nothing more, and `fit` raises TrainingDiverged; "warn": warn once per kind and go on (non-finite
+        weights are never saved either way)."""
+        cfg = self.config
+        policy = cfg.on_nonfinite if kind == "nonfinite" else cfg.on_divergence
+        if self.diverged is not None or kind in self._warned or policy == "off":
             return
-        self.diverged = what
-        if self.config.on_nonfinite == "stop":
+        if policy == "stop":
+            self.diverged = what
             self.stop_reason = f"diverged: {what}"
-        else:
+            return
+        self._warned.add(kind)
+        if kind == "nonfinite":
             warnings.warn(f"{what}; training goes on (on_nonfinite='warn') but non-finite weights are never saved",
                           stacklevel=3)
+        else:
+            warnings.warn(f"{what}; training goes on (on_divergence='warn': said once) and the best checkpoint is "
+                          "kept", finite.DivergenceWarning, stacklevel=3)
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def fit(self) -> RunReport:
@@ -257,7 +271,7 @@ class Trainer:
                 report = self._fit()
             finally:
                 self.state.release_lock()  # one run per out_dir: held from resume_or_start to here
-        if self.diverged is not None and self.config.on_nonfinite == "stop":
+        if self.diverged is not None:
             raise finite.diverged_error(self, report)
         return report
 
@@ -266,7 +280,7 @@ class Trainer:
         self.state.resume_or_start()
         start_step, t_start = self.step, time.perf_counter()
         if self.step == 0 and self.val_loader is not None:
-            self.history.log_eval(0, self.evaluate())
+            self._evaluate_and_check()
         b.reset_metrics()
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not (self.progress and b.is_main),
                    desc="train", unit="step", dynamic_ncols=True)
@@ -291,8 +305,7 @@ class Trainer:
                 self.timer.sync(b.sync)
             bar.update(1)
             if self.cadence.is_eval_step(self.step):
-                val = self.evaluate()
-                self.history.log_eval(self.step, val)
+                val = self._evaluate_and_check()
                 if val is not None:
                     bar.set_postfix_str(f"val {val:.3f}", refresh=False)
             for cb in self.callbacks:
@@ -306,6 +319,21 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_fit_end(self, report)
         return report
+
+    def _evaluate_and_check(self) -> float | None:
+        """Evaluate, record the loss and the eval callbacks' metrics, and check the loss for a divergence."""
+        self.eval_metrics = {}
+        val = self.evaluate()
+        self.history.log_eval(self.step, val, **self.eval_metrics)
+        if val is not None:
+            problem = finite.nonfinite_loss(self.step, val, validation=True)
+            if problem:
+                self.on_divergence(problem)
+            elif self.spike_rule is not None:
+                spike = self.spike_rule.check_val(self.history, self.step)
+                if spike:
+                    self.on_divergence(spike, kind="spike")
+        return val
 
     @staticmethod
     def _add_to_window(window: torch.Tensor, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> torch.Tensor:
@@ -327,12 +355,16 @@ class Trainer:
         seconds = max(time.perf_counter() - t0, 1e-9)
         loss_sum, norm_sum = window.tolist()
         loss = loss_sum / steps
-        problem = finite.nonfinite_loss(step, loss, first_step)
-        if problem:  # nan/inf: stop after this step, save nothing
-            self.on_divergence(problem)
         tok_s = steps * self.tokens_per_step / seconds
         norm = norm_sum / steps if self.config.grad_clip is not None else None
         self.history.log_train(step, loss=loss, lr=lr, tokens_per_s=tok_s, grad_norm=norm)
+        problem = finite.nonfinite_loss(step, loss, first_step=first_step)
+        if problem:  # nan/inf: stop after this step, save nothing
+            self.on_divergence(problem)
+        elif self.spike_rule is not None and "spike" not in self._warned:
+            spike = self.spike_rule.check_train(self.history, step)
+            if spike:
+                self.on_divergence(spike, kind="spike")
         for cb in self.callbacks:
             cb.on_log(self, self.history.train[-1])
         bar.set_postfix_str(f"loss {loss:.3f} | {tok_s:,.0f} tok/s", refresh=False)
