@@ -31,6 +31,8 @@ def _check(results, out_dir):
     assert report["steps"] == 40 and report["final_val_loss"] < report["first_val_loss"] - 0.5, report
     assert results["plan"]["fits"] and results["parameters"]["trainable_share"] < 0.1
     assert results["samples_before"]["exact_match"] is not None and len(results["samples_after"]["rows"]) > 40
+    # EXPORT="best": the checkpoint with the lowest validation loss, here the only one (SAVE_EVERY 100 > STEPS).
+    assert results["export_weights"]["weights"] == "best" and results["export_weights"]["step"] == 40
     merged = AutoModelForCausalLM.from_pretrained(results["exports"]["merged"]).eval()
     base = AutoModelForCausalLM.from_pretrained(results["config"]["model"] if results["config"]["model"] != "tiny"
                                                 else json.loads((out_dir / "merged" / "tpu_helpers.json")

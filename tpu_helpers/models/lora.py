@@ -67,8 +67,9 @@ def is_peft(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
-def adapter_state_dict(model: torch.nn.Module, adapter_name: str = "default") -> dict:
-    """The PEFT (LoRA) adapter weights of `model` with peft's own key names, also when FSDP wrapped its layers.
+def adapter_state_dict(model: torch.nn.Module, adapter_name: str = "default", *, weights: dict | None = None) -> dict:
+    """The PEFT (LoRA) adapter weights of `model` with peft's own key names, also when FSDP wrapped its layers;
+    with `weights` (state-dict entries under the plain names, e.g. a checkpoint's adapters) those values instead.
 
     peft finds the adapter by the tuner layers' module names; the FSDP wrappers add a level to those names while
     the state dict keeps the plain ones (so checkpoints load under any sharding), and peft then silently returns
@@ -78,6 +79,10 @@ def adapter_state_dict(model: torch.nn.Module, adapter_name: str = "default") ->
     from peft import get_peft_model_state_dict
 
     plain = model.state_dict()
+    unknown = sorted(set(weights or {}) - set(plain))
+    if unknown:
+        raise ConfigError(f"the weights {unknown[:5]} are not {type(model).__name__}'s: another model's checkpoint?")
+    plain.update(weights or {})
     wrapped = {}
     for name in [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]:
         key = plain_name(name)
@@ -118,12 +123,16 @@ def _atomic_dir(target: str | os.PathLike, write: Callable[[Path], None]) -> Pat
     return target
 
 
-def export_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def export_state(model: torch.nn.Module, weights: dict | None = None) -> dict[str, torch.Tensor]:
     """The weights an export writes, copied to the CPU one tensor at a time: the LoRA adapter's (peft's key names,
     also under FSDP) or, without LoRA, the whole model's. Under SPMD on a pod slice reading a sharded tensor to
-    the host runs a program on every host, so every process calls this; only the main one writes."""
+    the host runs a program on every host, so every process calls this; only the main one writes. `weights`: the
+    model's weights to take instead of its live ones (a checkpoint's: the adapters under LoRA, else the whole
+    model, under the plain names)."""
+    if weights is not None and not is_peft(model):
+        return {k: v.detach().cpu().float() for k, v in weights.items()}
     if is_peft(model):
-        state = {k: v.detach().cpu().contiguous() for k, v in adapter_state_dict(model).items()}
+        state = {k: v.detach().cpu().contiguous() for k, v in adapter_state_dict(model, weights=weights).items()}
         if not state:
             raise ConfigError(f"{type(model).__name__} has no weights for its LoRA adapter 'default': nothing to "
                               "export")

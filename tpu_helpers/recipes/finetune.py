@@ -7,6 +7,7 @@
     before = job.samples()                            # held-out prompts, exact match
     report = job.train()                              # the package Trainer (XLA hygiene, resume, signals)
     after = job.samples(); paths = job.export()       # adapter dir (LoRA) and merged safetensors model
+    job.exported                                      # which weights: the best checkpoint's (EXPORT="best") or the last
 
 METHOD "lora" trains peft adapters on a frozen base (bf16 on TPU); "full" trains every weight (fp32 master weights,
 bf16 autocast on TPU); "distill" trains LoRA adapters (or the full model with LORA_R=0) against a frozen TEACHER of
@@ -29,7 +30,7 @@ import torch
 
 from tpu_helpers.atomic_io import atomic_write_text
 from tpu_helpers.backend.units import block_params
-from tpu_helpers.choices import FINETUNE_METHODS, check_choice
+from tpu_helpers.choices import EXPORT_WEIGHTS, FINETUNE_METHODS, check_choice
 from tpu_helpers.config import ConfigError, TrainConfig
 from tpu_helpers.data.sft import (
     DEFAULT_DATASET,
@@ -75,6 +76,7 @@ class FinetuneConfig(TrainConfig):
     pack: bool = False  # several examples per row (positions restart per example) instead of one padded row each
     attn_implementation: str = hf.DEFAULT_ATTN  # sdpa | eager (see models/hf.py for the measured figures)
     export_merged: bool = True
+    export: str = "best"  # best: the best checkpoint's weights (lowest validation loss) when training evaluated | last
     num_samples: int = 8  # held-out prompts shown before and after training
     max_new_tokens: int = 4
 
@@ -83,6 +85,7 @@ class FinetuneConfig(TrainConfig):
         self.tokenizer = self.model if isinstance(self.model, str) else self.tokenizer
         super().__post_init__()
         check_choice("method", self.method, FINETUNE_METHODS)
+        check_choice("export", self.export, EXPORT_WEIGHTS)
         if self.method == "distill" and not self.teacher:
             raise ConfigError("method='distill' needs a teacher: teacher=None; give a model that shares the "
                               "student's tokenizer (e.g. a larger model of the same family)")
@@ -110,6 +113,7 @@ class Finetune(Recipe):
     def __init__(self, config: FinetuneConfig, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
         self.source = hf.resolve_model_source(config.model)
+        self.exported: dict | None = None  # which weights the last export() took (the best checkpoint's or the last)
 
     @property
     def chips(self) -> int:
@@ -278,14 +282,20 @@ class Finetune(Recipe):
         return CausalLMTrainer(self.model, self.train_data, self.val_data, **common)
 
     # ---- 6. export ---------------------------------------------------------------------------------------------
-    def export(self, out_dir: str | Path | None = None, *, merged: bool | None = None) -> dict[str, str]:
-        """The PEFT adapter directory (LoRA) and a merged safetensors model, each written atomically."""
+    def export(self, out_dir: str | Path | None = None, *, merged: bool | None = None,
+               weights: str | None = None) -> dict[str, str]:
+        """The PEFT adapter directory (LoRA) and a merged safetensors model, each written atomically.
+
+        `weights` (default EXPORT): "best" exports the best checkpoint's weights (TrainConfig.best_metric, the
+        lowest validation loss by default) when training evaluated and saved one, else the last ones; "last" the
+        weights training ended with. The live model is not changed; `self.exported` says which were taken."""
         out = Path(out_dir or self.config.out_dir)
         model = self.trainer.model if "trainer" in self.__dict__ else self.model
         merged = self.config.export_merged if merged is None else merged
+        taken, self.exported = self._export_weights(weights or self.config.export)
         # Every process reads the weights to the host (on a pod a sharded tensor's read runs on all hosts); the
         # main one writes.
-        state = lora.export_state(model) if merged or lora.is_peft(model) else {}
+        state = lora.export_state(model, weights=taken) if merged or lora.is_peft(model) else {}
         self.backend.barrier()
         paths: dict[str, str] = {}
         if not self.backend.is_main:
@@ -296,9 +306,26 @@ class Finetune(Recipe):
         if merged:
             paths["merged"] = str(lora.export_merged(model, self.tokenizer, out / "merged", base_source=self.source,
                                                      state=state))
-        atomic_write_text(out / "finetune.json", json.dumps({**self.config.to_dict(), "paths": paths}, indent=1,
-                                                            default=str))
+        atomic_write_text(out / "finetune.json", json.dumps({**self.config.to_dict(), "paths": paths,
+                                                             "weights": self.exported}, indent=1, default=str))
         return paths
+
+    def _export_weights(self, choice: str) -> tuple[dict | None, dict]:
+        """(checkpoint weights to export, or None for the live model's; what was taken, for finetune.json)."""
+        check_choice("export", choice, EXPORT_WEIGHTS)
+        trainer = self.__dict__.get("trainer")
+        step = trainer.step if trainer is not None else 0
+        if choice == "best":
+            best = trainer.state.best() if trainer is not None else None
+            if best is not None:
+                # The best is the last step: the live weights are the same, and need no read from disk.
+                taken = trainer.state.checkpoint_weights(best["step"]) if best["step"] != step else None
+                return taken, {"weights": "best", **best}
+            metric = self.config.best_metric
+            why = ("no training ran in this job" if trainer is None else "best_metric=None" if metric is None else
+                   f"no checkpoint recorded {metric} (no evaluation at a save step)")
+            return None, {"weights": "last", "step": step, "asked": "best", "why": why}
+        return None, {"weights": "last", "step": step}
 
     # ---- 7. results --------------------------------------------------------------------------------------------
     def results(self, *, before: dict | None = None, after: dict | None = None, paths: dict | None = None,
@@ -309,5 +336,5 @@ class Finetune(Recipe):
             parameters=self.parameter_summary(), data=self.data_stats,
             plan=plan.to_dict() if plan is not None else None,
             sharding={"sharding": self.config.sharding, "chips": self.chips, "mesh": list(self.backend.mesh_shape)},
-            **extra)
+            export_weights=self.exported, **extra)
 
