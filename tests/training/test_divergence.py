@@ -184,11 +184,13 @@ def test_the_spike_rule_needs_a_reference_persists_and_ignores_noise_near_zero()
     assert rule.check_train(history, 5) is None  # one interval: it may come back (and 4 records is warm-up)
     history.log_train(6, loss=3.1)
     assert rule.check_train(history, 6) is None  # it did
-    history.log_train(7, loss=10.0)
+    history.log_train(7, loss=3.0)
     history.log_train(8, loss=12.0)
-    spike = rule.check_train(history, 8)
-    assert spike and "stayed at 10, 12 in the last 2 log intervals up to step 8" in spike
-    assert "median of the 6 log intervals before step 7 (3.05" in spike
+    assert rule.check_train(history, 8) is None  # one interval above the limit so far
+    history.log_train(9, loss=13.0)
+    spike = rule.check_train(history, 9)
+    assert spike and "stayed at 12, 13 in the last 2 log intervals up to step 9, at least 3.9 x" in spike
+    assert "the median of the 7 log intervals before step 8 (3.1;" in spike
 
     history.log_eval(0, 5.5)
     history.log_eval(10, 0.02)

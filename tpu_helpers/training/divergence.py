@@ -27,8 +27,12 @@ losses of the runs that diverged, are in the README's reliability section.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from statistics import median
+from typing import Any
+
+from tpu_helpers.training import finite
 
 RECENT = 10  # training intervals the median is taken over
 MIN_RECORDS = 3  # training intervals logged before the rule compares
@@ -115,3 +119,35 @@ def _floored(value: float, basis: str, first: float) -> tuple[float, str]:
     if value >= floor:
         return value, basis
     return floor, f"a tenth of the first value ({basis} is {value:.4g}, lower)"
+
+
+# ---- the trainer's side: what it calls after reading a loss, and the policies ------------------------------------
+def check_loss(trainer: Any, step: int, loss: float, *, first_step: int | None = None,
+               validation: bool = False) -> None:
+    """After the trainer recorded a loss in its history (the mean training loss of steps first_step+1..step at a
+    log step, or the validation loss): a nan/inf, else a spike, goes to `trainer.on_divergence`."""
+    problem = finite.nonfinite_loss(step, loss, first_step=first_step, validation=validation)
+    if problem:  # nan/inf: stop after this step, save nothing
+        trainer.on_divergence(problem)
+        return
+    rule = trainer.spike_rule
+    if rule is None or "spike" in trainer.divergence_warned or trainer.diverged is not None:
+        return
+    spike = rule.check_val(trainer.history, step) if validation else rule.check_train(trainer.history, step)
+    if spike:
+        trainer.on_divergence(spike, kind="spike")
+
+
+def policy(config: Any, kind: str) -> str:
+    """The setting that decides what a divergence of `kind` does: on_nonfinite (nan/inf) or on_divergence."""
+    return config.on_nonfinite if kind == "nonfinite" else config.on_divergence
+
+
+def warn(what: str, kind: str) -> None:
+    """The one warning of a "warn" policy."""
+    if kind == "nonfinite":
+        warnings.warn(f"{what}; training goes on (on_nonfinite='warn') but non-finite weights are never saved",
+                      stacklevel=4)
+    else:
+        warnings.warn(f"{what}; training goes on (on_divergence='warn': said once) and the best checkpoint is kept",
+                      finite.DivergenceWarning, stacklevel=4)

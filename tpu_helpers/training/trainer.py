@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import itertools
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -39,10 +38,9 @@ from tpu_helpers.config import ConfigError, TrainConfig
 from tpu_helpers.data import make_loader
 from tpu_helpers.diagnostics import XlaDetector
 from tpu_helpers.models.hf import set_gradient_checkpointing
-from tpu_helpers.training import finite
+from tpu_helpers.training import divergence, finite
 from tpu_helpers.training.batches import batch_loss
 from tpu_helpers.training.cadence import Cadence
-from tpu_helpers.training.divergence import SpikeRule
 from tpu_helpers.training.history import History, RunReport
 from tpu_helpers.training.optimizers import make_optimizer, make_scheduler
 from tpu_helpers.training.run_state import RunState
@@ -93,9 +91,9 @@ class Trainer:
         self.timer = StepTimer()
         self.stop_reason: str | None = None  # set (e.g. by a signal handler) to end after the current step
         self.diverged: str | None = None  # the divergence this run stops on (finite.py, divergence.py), if any
-        self._warned: set[str] = set()  # kinds of divergence warned about ("warn" warns once per kind)
+        self.divergence_warned: set[str] = set()  # kinds of divergence warned about ("warn" warns once per kind)
         # A finite loss spike (training/divergence.py), checked on the losses the loop reads anyway.
-        self.spike_rule = SpikeRule(cfg.divergence_factor) if cfg.on_divergence != "off" else None
+        self.spike_rule = divergence.SpikeRule(cfg.divergence_factor) if cfg.on_divergence != "off" else None
         self.eval_metrics: dict[str, float] = {}  # what eval callbacks add to an evaluation (on_eval_end)
         blocks = cfg.gradient_checkpointing and self.backend.checkpoints_blocks(cfg.sharding)
         if cfg.gradient_checkpointing and not blocks:
@@ -244,21 +242,15 @@ class Trainer:
         loss far above its reference, training/divergence.py; policy `on_divergence`). "stop": end after this step,
         save nothing more, and `fit` raises TrainingDiverged; "warn": warn once per kind and go on (non-finite
         weights are never saved either way)."""
-        cfg = self.config
-        policy = cfg.on_nonfinite if kind == "nonfinite" else cfg.on_divergence
-        if self.diverged is not None or kind in self._warned or policy == "off":
+        policy = divergence.policy(self.config, kind)
+        if self.diverged is not None or kind in self.divergence_warned or policy == "off":
             return
         if policy == "stop":
             self.diverged = what
             self.stop_reason = f"diverged: {what}"
             return
-        self._warned.add(kind)
-        if kind == "nonfinite":
-            warnings.warn(f"{what}; training goes on (on_nonfinite='warn') but non-finite weights are never saved",
-                          stacklevel=3)
-        else:
-            warnings.warn(f"{what}; training goes on (on_divergence='warn': said once) and the best checkpoint is "
-                          "kept", finite.DivergenceWarning, stacklevel=3)
+        self.divergence_warned.add(kind)
+        divergence.warn(what, kind)
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def fit(self) -> RunReport:
@@ -326,13 +318,7 @@ class Trainer:
         val = self.evaluate()
         self.history.log_eval(self.step, val, **self.eval_metrics)
         if val is not None:
-            problem = finite.nonfinite_loss(self.step, val, validation=True)
-            if problem:
-                self.on_divergence(problem)
-            elif self.spike_rule is not None:
-                spike = self.spike_rule.check_val(self.history, self.step)
-                if spike:
-                    self.on_divergence(spike, kind="spike")
+            divergence.check_loss(self, self.step, val, validation=True)
         return val
 
     @staticmethod
@@ -358,13 +344,7 @@ class Trainer:
         tok_s = steps * self.tokens_per_step / seconds
         norm = norm_sum / steps if self.config.grad_clip is not None else None
         self.history.log_train(step, loss=loss, lr=lr, tokens_per_s=tok_s, grad_norm=norm)
-        problem = finite.nonfinite_loss(step, loss, first_step=first_step)
-        if problem:  # nan/inf: stop after this step, save nothing
-            self.on_divergence(problem)
-        elif self.spike_rule is not None and "spike" not in self._warned:
-            spike = self.spike_rule.check_train(self.history, step)
-            if spike:
-                self.on_divergence(spike, kind="spike")
+        divergence.check_loss(self, step, loss, first_step=first_step)  # nan/inf or a spike: on_divergence
         for cb in self.callbacks:
             cb.on_log(self, self.history.train[-1])
         bar.set_postfix_str(f"loss {loss:.3f} | {tok_s:,.0f} tok/s", refresh=False)
