@@ -69,7 +69,8 @@ class CheckpointManager:
         self.best_metric = best_metric
         # (metric name, higher is better) of best_metric
         self.best_order = best_metric_order(best_metric) if best_metric is not None else None
-        self._verified: tuple | None = None  # (step, manifest and data stamps) of the best, hashed once
+        # step -> (data, manifest) size and time stamps of checkpoints known good: hashed once, or just written
+        self._trusted: dict[int, tuple] = {}
         self.run_info_path = self.directory / "run.json"
 
     def path_for(self, step: int) -> Path:
@@ -102,6 +103,7 @@ class CheckpointManager:
         return path
 
     def _after_save(self, step: int, path: Path, started: float) -> None:
+        self._trusted[step] = _stamps(path)  # hashed as it was written: no need to read it again
         try:
             self._prune(just_written=step, temps_before=started)
         except OSError as e:  # the new checkpoint is safe; a failed cleanup must not look like a failed save
@@ -265,8 +267,8 @@ class CheckpointManager:
 
     def best(self) -> CheckpointInfo | None:
         """The valid checkpoint with the best `best_metric` value in its manifest (the earliest of equal ones), or
-        None (no best_metric, or no checkpoint recorded it). Its data is hashed once per manager, then trusted
-        while its files keep their size and time stamps."""
+        None (no best_metric, or no checkpoint recorded it). Its data is hashed once per manager (not at all when
+        this manager wrote it), then trusted while its files keep their size and time stamps."""
         if self.best_order is None:
             return None
         name, higher = self.best_order
@@ -275,12 +277,12 @@ class CheckpointManager:
         ranked = sorted(((-v if higher else v, step, info) for v, step, info in found if v is not None and info.valid),
                         key=lambda x: x[:2])
         for _, step, info in ranked:
-            stamp = (step, _stamp(info.path), _stamp(info.path.with_suffix(".json")))
-            if self._verified == stamp:
+            stamps = _stamps(info.path)
+            if self._trusted.get(step) == stamps:
                 return info
             deep = layout.verify(info.path)
             if deep.valid:
-                self._verified = stamp
+                self._trusted[step] = stamps
                 return deep
         return None
 
@@ -323,14 +325,16 @@ class CheckpointManager:
         fsync_dir(self.directory)
         return target
 
-    def _torch_load(self, path: Path, map_location: Any) -> dict:
+    def _torch_load(self, path: Path, map_location: Any, mmap: bool = False) -> dict:
         if path.is_dir():  # sharded: the small state now, the tensors when the trainer asks (state["sharded"])
             return sharded.read_state(path)
         # weights_only=False: optimizer and RNG states are arbitrary objects; these are our own trusted files.
-        return torch.load(path, map_location=map_location, weights_only=False)
+        return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
 
-    def load(self, step_or_path: int | str | Path, map_location: Any = "cpu") -> dict:
-        """Verify then load one checkpoint; raises CheckpointCorrupt naming the file and what is wrong."""
+    def load(self, step_or_path: int | str | Path, map_location: Any = "cpu", *, mmap: bool = False) -> dict:
+        """Verify then load one checkpoint; raises CheckpointCorrupt naming the file and what is wrong. `mmap`:
+        the tensors of a .pt stay in the file until used (reading the model of a checkpoint that also holds the
+        optimizer's state)."""
         path = self.path_for(step_or_path) if isinstance(step_or_path, int) else Path(step_or_path)
         if not path.exists() and not path.with_suffix(".json").exists():
             raise FileNotFoundError(f"no checkpoint {path}")
@@ -338,7 +342,7 @@ class CheckpointManager:
         if not info.valid:
             raise CheckpointCorrupt(f"checkpoint {path} is damaged: {info.reason}")
         try:
-            return self._torch_load(path, map_location)
+            return self._torch_load(path, map_location, mmap)
         except Exception as e:
             raise CheckpointCorrupt(
                 f"checkpoint {path} matches its manifest but torch.load failed: {e}"
@@ -394,12 +398,16 @@ class CheckpointManager:
         return info
 
 
-def _stamp(path: Path) -> tuple[int, int] | None:
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return st.st_mtime_ns, st.st_size
+def _stamps(path: Path) -> tuple:
+    """Size and modification time of a checkpoint's data and manifest (None for a file that is not there)."""
+    out = []
+    for p in (path, path.with_suffix(".json")):
+        try:
+            st = p.stat()
+            out.append((st.st_mtime_ns, st.st_size))
+        except OSError:
+            out.append(None)
+    return tuple(out)
 
 
 def _check_step(step: Any) -> None:

@@ -236,12 +236,13 @@ class RunState:
         return {**(self._identity or self.manager.read_run_info() or {}), "best": self._recorded_best}
 
     def _record_best(self) -> None:
-        """run.json's "best" follows the manifests (written after the save, before anything reads it)."""
+        """run.json's "best" follows the manifests (rewritten after a save that changed it; main process only)."""
+        if not self.trainer.backend.is_main:
+            return
         best = self.best()
         if best != self._recorded_best:
             self._recorded_best = best
-            if self.trainer.backend.is_main:
-                self.manager.write_run_info(self._run_info())
+            self.manager.write_run_info(self._run_info())
 
     def _metrics_at(self, step: int) -> dict:
         """The validation metrics recorded at `step` (the loss and what eval callbacks added), for the manifest."""
@@ -251,7 +252,7 @@ class RunState:
     def checkpoint_weights(self, step: int) -> dict:
         """The model weights checkpoint `step` holds, whole on the CPU (the trainable ones under LoRA), under the
         plain model's names: what an export of that step writes. Reads no optimizer state from a sharded one."""
-        state = self.manager.load(step)
+        state = self.manager.load(step, mmap=True)  # a .pt's optimizer state stays on disk
         handle = state.get("sharded")
         return handle.read_whole(parts=("model",))["model"] if handle is not None else state["model"]
 
