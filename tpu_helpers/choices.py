@@ -30,6 +30,9 @@ ON_DIVERGENCE = ("stop", "warn", "off")
 # Which weights the fine-tuning exports take: the best checkpoint's (by `best_metric`) or the last step's.
 EXPORT_WEIGHTS = ("best", "last")
 RESUME = (True, False, "force_new")
+# Experiment trackers a run can log to (TrainConfig.trackers, comma separated; none by default), each an optional
+# extra of the package: pip install "tpu_helpers[tracking]" for all of them, or "tpu_helpers[wandb]" for one.
+TRACKERS = ("tensorboard", "wandb", "trackio")
 
 
 class ConfigError(ValueError):
@@ -55,6 +58,22 @@ def best_metric_order(spec: str) -> tuple[str, bool]:
         raise ConfigError(f"best_metric={spec!r}: write the metric's name ('val_loss'), optionally after 'min:' or "
                           "'max:' (which way is better), e.g. 'max:exact_match'")
     return name.strip(), order == "max" or (not order and not name.strip().endswith("loss"))
+
+
+def check_trackers(value: str) -> str:
+    """The canonical form of a TRACKERS value ("TensorBoard, wandb" -> "tensorboard,wandb"; "" or "none": none), or a
+    ConfigError naming each unknown tracker and the known ones."""
+    if not isinstance(value, str):
+        raise ConfigError(f"trackers={value!r} must be a string of tracker names, comma separated, e.g. "
+                          f"'tensorboard,wandb' (known: {', '.join(TRACKERS)})")
+    names = [n.strip().lower() for n in value.split(",") if n.strip()]
+    if names == ["none"]:
+        return ""
+    unknown = [n for n in names if n not in TRACKERS]
+    if unknown:
+        raise ConfigError(f"trackers={value!r}: unknown tracker(s) {', '.join(repr(n) for n in unknown)}; known: "
+                          f"{', '.join(TRACKERS)} (comma separated, or '' for none)")
+    return ",".join(dict.fromkeys(names))
 
 
 def check_positive(name: str, value: Any) -> None:

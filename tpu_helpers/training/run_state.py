@@ -24,6 +24,7 @@ moves every checkpoint into a dated `set-aside-*` folder (nothing is deleted) an
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -47,6 +48,8 @@ if TYPE_CHECKING:
     from tpu_helpers.training.trainer import Trainer
 
 __all__ = ["IDENTITY_FIELDS", "RunState"]
+
+TRACKED_RUN = "tracked_run"  # run.json's entry naming the trackers' run (not part of the identity)
 
 
 def _say(message: str) -> None:
@@ -137,6 +140,7 @@ class RunState:
         self._identity = identity
         self._recorded_best = self.best()
         if t.backend.is_main:
+            # What the run's trackers logged to (training/tracking.py) stays with the run it belongs to.
             self.manager.write_run_info(self._run_info())
         loaded = self.manager.load_latest() if latest is not None and cfg.resume is True else None
         self._check_same_start(loaded[0] if loaded else None)
@@ -179,6 +183,15 @@ class RunState:
                 "probably copied in from another run. Choose another out_dir, or pass resume='force_new' to move "
                 "the checkpoints into a dated set-aside folder and start over"
             ) from err
+
+    def tracked_run(self, make: Callable[[], dict]) -> dict:
+        """The tracked run this run logs to (its id and name, kept in run.json so a resumed run continues it):
+        the stored one, or `make()` stored now. Main process only, after `resume_or_start`."""
+        info = self.manager.read_run_info() or {}
+        if not isinstance(info.get(TRACKED_RUN), dict):
+            info[TRACKED_RUN] = make()
+            self.manager.write_run_info(info)
+        return info[TRACKED_RUN]
 
     def release_lock(self) -> None:
         self.lock.release()
@@ -233,7 +246,10 @@ class RunState:
         return {"step": info.step, "path": str(info.path), "metric": name, "value": info.metric(name)}
 
     def _run_info(self) -> dict:
-        return {**(self._identity or self.manager.read_run_info() or {}), "best": self._recorded_best}
+        """run.json: the run's identity, its best checkpoint, and the trackers' run as stored (tracked_run)."""
+        stored = self.manager.read_run_info() or {}
+        kept = {k: stored[k] for k in (TRACKED_RUN,) if k in stored}
+        return {**(self._identity or stored), **kept, "best": self._recorded_best}
 
     def _record_best(self) -> None:
         """run.json's "best" follows the manifests (rewritten after a save that changed it; main process only)."""
