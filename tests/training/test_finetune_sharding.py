@@ -30,15 +30,18 @@ def test_finetuning_under_fsdp_checkpoints_resumes_on_one_device_and_exports(tmp
 
     steps, shared, export, export_full = 4, tmp_path / "shared", tmp_path / "export", tmp_path / "export_full"
     best_dir, export_best = tmp_path / "best", tmp_path / "export_best"
+    # A LoRA adapter cannot reliably make the tiny random model's validation loss worse (it stays near log(vocab),
+    # measured: lr 10..1000 after step 2 gave lower and higher losses alike), while it falls steadily: ranked by the
+    # highest validation loss ("max:"), the oldest checkpoint is the best, and the newer ones must not prune it.
     every2 = {"sharding": "fsdp", "batch_size": 2, "eval_every": 2, "save_every": 2, "keep_last": 1,
-              "out_dir": str(best_dir)}
+              "best_metric": "max:val_loss", "out_dir": str(best_dir)}
     full8, half8, fsdp8, method_full8, _, worse8 = _finetune({"spmd": True, "runs": [
         {"sharding": "fsdp", "batch_size": 2, "steps": steps, "out_dir": str(tmp_path / "full"), "export": str(export)},
         {"sharding": "fsdp", "batch_size": 2, "steps": steps, "stop_at": 2, "out_dir": str(shared)},
         {"sharding": "fsdp", "batch_size": 2, "steps": steps, "copy_from": str(shared), "out_dir": str(tmp_path / "on8")},
         {"method": "full", "sharding": "fsdp", "batch_size": 2, "steps": 2, "out_dir": str(tmp_path / "method_full"),
          "export": str(export_full)},
-        # Healthy to step 2, then an lr the validation loss does not survive: the best stays step 2's .dcp.
+        # To step 2, then on to step 6 (a checkpoint every 2 steps, keep_last=1): the best stays step 2's .dcp.
         {**every2, "steps": 2},
         {**every2, "steps": 6, "lr": 1.0, "on_divergence": "off", "export": str(export_best)},
     ]}, 8)
@@ -96,8 +99,9 @@ def test_finetuning_under_fsdp_checkpoints_resumes_on_one_device_and_exports(tmp
     from tpu_helpers.checkpoint import CheckpointManager
 
     evals = {int(step): loss for step, loss in worse8["evals"].items()}  # JSON made the keys strings
-    assert evals[2] < min(evals[4], evals[6]), evals
-    assert worse8["best"]["step"] == 2 and worse8["best"]["path"].endswith("ckpt-00000002.dcp"), worse8["best"]
+    assert evals[2] > max(evals[4], evals[6]), evals
+    best = worse8["best"]
+    assert best["step"] == 2 and best["metric"] == "val_loss" and best["path"].endswith("ckpt-00000002.dcp"), best
     assert worse8["exported"] == {"weights": "best", **worse8["best"]}
     mgr = CheckpointManager(best_dir / "checkpoints")
     assert [(i.step, i.path.suffix) for i in mgr.list()] == [(2, ".dcp"), (6, ".dcp")]

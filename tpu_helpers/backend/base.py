@@ -267,8 +267,9 @@ class Backend(TorchSharding):
         return {}
 
     def step_metrics(self) -> dict:
-        """The counters read after every step (by the XLA detector): "compilations", "device_to_host_transfers" and
-        "cpu_fallback_ops", and nothing that costs more to read; {} where there are none."""
+        """The counters read after every step (by the XLA detector, whose reading the trackers log): "compilations",
+        "device_to_host_transfers", "executions" and "cpu_fallback_ops", and nothing that costs more to read; {}
+        where there are none."""
         return {}
 
     def run_metrics(self) -> dict:

@@ -197,7 +197,7 @@ class XlaDetector(Callback):
 
     @property
     def counters(self) -> dict | None:
-        """The XLA counters as read after the latest step (`backend.metrics()`), None before the first one: what
+        """The XLA counters as read after the latest step (`backend.step_metrics()`), None before the first one: what
         else reports them per step (experiment trackers) reads them here instead of again."""
         return getattr(self, "_last", None) if self.active else None
 
