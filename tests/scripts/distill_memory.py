@@ -1,6 +1,7 @@
 """Distil the same student twice on XLA (live teacher, then from a teacher cache) in this process, whose XLA dumps
 go to the JSON argument's "dump" directory, and print per run the compiled memory of its largest program (the
-training step), the steady step time, the final losses and, for the cached run, the cache's bytes per token.
+training step), the steady step time, the final losses (with "held_out_ce": true also the student's own
+held-out next-token loss, the same figure for both runs) and, for the cached run, the cache's bytes per token.
 For tests/training/test_finetune_cache_qat.py and benchmarks/distill_cache.py (run with runtime_env.dump_env).
 
     python tests/scripts/distill_memory.py '{"dump": "/tmp/d", "steps": 3, "top_k": 32, "out": "/tmp/runs"}'
@@ -21,6 +22,7 @@ from tpu_helpers.recipes.finetune import Finetune, FinetuneConfig
 
 def main() -> None:
     args = script_args()
+    args_all = {"held_out_ce": args.pop("held_out_ce", False)}
     dump, steps = args.pop("dump"), args.pop("steps", 3)
     top_k = args.pop("top_k", 32)
     out = Path(args.pop("out", None) or tempfile.mkdtemp())
@@ -41,6 +43,12 @@ def main() -> None:
                         "steady_step_ms": report.timing.get("steady_step_ms"),
                         "final_train_loss": report.final_train_loss, "final_val_loss": report.final_val_loss,
                         "first_val_loss": report.first_val_loss}
+        if args_all.get("held_out_ce"):
+            # One figure for both runs: the student's own next-token loss on the held-out rows (the live run's
+            # validation loss is its distillation mix; alpha = 1 leaves the hard-label part alone). After the
+            # memory reports are read: this evaluation is a program of its own.
+            job.trainer.alpha = 1.0
+            result[name]["held_out_ce"] = job.trainer.evaluate()
         if job.teacher_cache is not None:
             cache = job.teacher_cache
             result[name]["cache_bytes"] = cache.bytes
