@@ -23,6 +23,9 @@ OPTIMIZERS = ("adamw", "sgd", "adafactor")
 PRESET_NAMES = ("tiny", "mini", "small", "medium")
 # Fine-tuning (recipes.finetune): LoRA adapters on a frozen base | every weight | distillation from a teacher.
 FINETUNE_METHODS = ("lora", "full", "distill")
+# Quantization-aware training (models/qat.py): the base model's linear weights fake-quantized in the forward pass,
+# symmetric per group of input columns, to 4 or 8 bits.
+QAT_SCHEMES = ("int4", "int8")
 XLA_CHECKS = ("warn", "strict", "off")
 ON_NONFINITE = ("stop", "warn")
 # A loss that spikes but stays finite (training/divergence.py): stop the run | warn once and go on | do not check.

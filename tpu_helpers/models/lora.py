@@ -108,7 +108,8 @@ def base_fingerprint(model: torch.nn.Module, name_or_path: str) -> dict[str, Any
     return {"base_model": str(name_or_path), "base_parameters": count, "base_hash": h.hexdigest()[:16]}
 
 
-def _atomic_dir(target: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+def atomic_dir(target: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """Run `write(tmp)` on a temporary directory next to `target`, then rename it to `target` (replacing it)."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp", dir=target.parent))
@@ -157,13 +158,14 @@ def export_adapter(model: torch.nn.Module, out_dir: str | os.PathLike, *, state:
         model.save_pretrained(tmp, state_dict={}, safe_serialization=True)  # config and card; weights next
         save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
 
-    return _atomic_dir(out_dir, write)
+    return atomic_dir(out_dir, write)
 
 
 def export_merged(model: torch.nn.Module, tokenizer: Any, out_dir: str | os.PathLike, *, base_source: str,
-                  dtype: torch.dtype = torch.float32, state: dict | None = None) -> Path:
+                  dtype: torch.dtype = torch.float32, state: dict | None = None, base_state: dict | None = None) -> Path:
     """A standalone model in safetensors: LoRA merged into a fresh CPU copy of the base (the live model is
-    untouched). `state`: the model's `export_state`, when already taken."""
+    untouched). `state`: the model's `export_state`, when already taken; `base_state`: the base's weights to merge
+    into instead of `base_source`'s own (e.g. the fake-quantized values a QAT run trained its adapters on)."""
     from transformers import AutoModelForCausalLM
 
     state = export_state(model) if state is None else state
@@ -176,6 +178,8 @@ def export_merged(model: torch.nn.Module, tokenizer: Any, out_dir: str | os.Path
             try:
                 export_adapter(model, adapter / "a", state=state)
                 base = AutoModelForCausalLM.from_pretrained(base_source, dtype=torch.float32)
+                if base_state is not None:
+                    base.load_state_dict({k: v.float() for k, v in base_state.items()})
                 merged = PeftModel.from_pretrained(base, adapter / "a").merge_and_unload()
             finally:
                 shutil.rmtree(adapter, ignore_errors=True)
@@ -188,4 +192,4 @@ def export_merged(model: torch.nn.Module, tokenizer: Any, out_dir: str | os.Path
             tokenizer.save_pretrained(tmp)
         (tmp / "tpu_helpers.json").write_text(json.dumps({"base_model": base_source}, indent=1))
 
-    return _atomic_dir(out_dir, write)
+    return atomic_dir(out_dir, write)
