@@ -103,7 +103,8 @@ class FinetuneConfig(TrainConfig):
         if self.teacher_cache is not None and (self.method != "distill" or not str(self.teacher_cache).strip()):
             raise ConfigError(f"teacher_cache={self.teacher_cache!r} is a directory for method='distill' (the "
                               f"teacher's top-k per position); method={self.method!r}")
-        if isinstance(self.top_k, bool) or self.top_k < 1:
+        # top_k counts a teacher cache's tokens (distillation); GRPOConfig reuses the name for sampling (0: off).
+        if self.method == "distill" and (isinstance(self.top_k, bool) or self.top_k < 1):
             raise ConfigError(f"top_k={self.top_k!r} must be an integer >= 1 (at most the vocabulary size)")
         if self.qat is not None:
             check_choice("qat", self.qat, QAT_SCHEMES)

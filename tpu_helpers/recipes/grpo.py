@@ -80,9 +80,9 @@ class GRPOConfig(FinetuneConfig):
     def __post_init__(self) -> None:
         self.seq_len = self.max_prompt_len + self.max_new_tokens if isinstance(self.max_prompt_len, int) and \
             isinstance(self.max_new_tokens, int) else self.seq_len
-        super().__post_init__()
-        if self.method not in ("lora", "full"):
+        if self.method not in ("lora", "full"):  # before the fine-tuning checks: no distillation settings apply
             raise ConfigError(f"METHOD={self.method!r} is not one of ('lora', 'full') for GRPO")
+        super().__post_init__()
         if self.num_generations < 2:
             raise ConfigError(f"NUM_GENERATIONS={self.num_generations!r} must be >= 2: advantages are relative to "
                               "the other answers to the same prompt")
