@@ -38,12 +38,17 @@ from tpu_helpers.data.sft import (
     prompts_and_answers,
     record_form,
 )
+from tpu_helpers.extras import require_extra
 from tpu_helpers.hardware import format_bytes
 from tpu_helpers.launch.params import config_from_parameters
 from tpu_helpers.models import hf, lora
 from tpu_helpers.training.callbacks import as_callback
 from tpu_helpers.training.causal_lm import CausalLMTrainer, DistillTrainer
 from tpu_helpers.training.sharding import is_sharded, mesh_shape
+
+# Here, not at the first from_pretrained: without transformers/peft the notebook stops at its first cell, saying what
+# to install, instead of after the memory plan with a bare ImportError.
+require_extra("hf", "fine-tuning (tpu_helpers.training.finetune)")
 
 METHODS = ("lora", "full", "distill")
 
