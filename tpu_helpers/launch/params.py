@@ -17,6 +17,9 @@ from typing import Any
 from tpu_helpers.config import ConfigError, TrainConfig
 
 _UPPER = re.compile(r"^[A-Z][A-Z0-9_]*$")
+# The setup cell's parameters, which every notebook that opens on Colab or Kaggle has (platform.setup_notebook):
+# known to every notebook without being declared, stored in config.extra like any notebook-only parameter.
+SETUP_PARAMETERS: dict[str, type] = {"INSTALL": bool, "REPO_URL": str}
 
 
 def notebook_parameters(namespace: dict) -> dict[str, Any]:
@@ -38,7 +41,7 @@ def config_from_parameters(
     if base is not None and not isinstance(base, TrainConfig):
         raise TypeError(f"base must be a TrainConfig or None, got {type(base).__name__}")
     base = base or TrainConfig()
-    extra = extra or {}
+    extra = {**SETUP_PARAMETERS, **(extra or {})}
     for name, expected in extra.items():
         kinds = expected if isinstance(expected, tuple) else (expected,)
         if not _UPPER.match(name) or not all(isinstance(k, type) for k in kinds):
