@@ -34,7 +34,7 @@ def main() -> None:
     print(f"{'':8}{'compiles':>10}{'ms/step (runs)':>22}{'compiled MiB':>14}")
     for attn, rs in runs.items():
         factory = f"{M}:tiny_causal_lm" + ("_sdpa" if attn == "sdpa" else "")
-        est = compiled_estimate(factory, 8, batch_fn=f"{M}:tiny_lm_batch", loss_fn=f"{M}:causal_lm_loss")
+        est = compiled_estimate(factory, 8, batch_fn=f"{M}:tiny_lm_batch")
         ms = " / ".join(f"{r['step_ms']:.1f}" for r in rs)
         print(f"{attn:8}{rs[0]['compilations']:>10}{ms:>22}{est.peak_bytes / 2**20:>14.1f}")
 

@@ -21,13 +21,12 @@ from pathlib import Path
 
 CHILD = """
 import json
-from tpu_helpers.training.recipes import build_gpt_run
+from tpu_helpers.recipes.pretrain import Pretrain
 from tpu_helpers.config import TrainConfig
 cfg = TrainConfig(device="xla", preset={preset!r}, steps=3, batch_size=8, seq_len={seq_len}, warmup_steps=1,
                   log_every=3, eval_every=10**6, save_every=10**6, out_dir={out!r}, compile_cache_dir={cache!r},
                   max_chars=100_000)
-run = build_gpt_run(cfg, progress=False)
-report = run.trainer.fit()
+report = Pretrain(cfg, progress=False).train()
 print("RESULT " + json.dumps(report.xla))
 """
 

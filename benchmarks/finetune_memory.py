@@ -22,7 +22,7 @@ import time
 import torch
 
 from tpu_helpers.memory.compiled import compiled_estimate
-from tpu_helpers.memory.example_models import TINY_LM_SEQ, TINY_LM_VOCAB, causal_lm_loss, lm_batch
+from tpu_helpers.memory.example_models import TINY_LM_SEQ, TINY_LM_VOCAB, lm_batch
 from tpu_helpers.memory.hf_plan import hf_finetune_estimate
 from tpu_helpers.memory.traced import traced_estimate
 
@@ -77,12 +77,11 @@ def tiny(args) -> None:
             plan = hf_finetune_estimate(config, b, s, method=method, lora_r=8, lora_targets=TARGETS,
                                         precision="fp32", gradient_checkpointing=ckpt)
             traced = traced_estimate(_model_fn(config, method, False), lm_batch(s, TINY_LM_VOCAB), b,
-                                     loss_fn=causal_lm_loss, gradient_checkpointing=ckpt)
+                                     gradient_checkpointing=ckpt)
             compiled = None
             if not args.no_xla:
                 factory = f"{M}:tiny_causal_lm" + ("_lora" if method == "lora" else "")
-                compiled = compiled_estimate(factory, b, batch_fn=f"{M}:tiny_lm_batch", loss_fn=f"{M}:causal_lm_loss",
-                                             gradient_checkpointing=ckpt)
+                compiled = compiled_estimate(factory, b, batch_fn=f"{M}:tiny_lm_batch", gradient_checkpointing=ckpt)
             _row(f"{method}{' + checkpointing' if ckpt else ''} ({time.perf_counter() - t:.0f} s)", plan, traced,
                  compiled)
 
@@ -102,7 +101,7 @@ def qwen(args) -> None:
             plan = hf_finetune_estimate(config, b, s, method=method, lora_r=8, lora_targets=TARGETS,
                                         precision="bf16", gradient_checkpointing=ckpt)
             traced = traced_estimate(_model_fn(config, method, True), lm_batch(s, config.vocab_size), b,
-                                     precision="bf16", loss_fn=causal_lm_loss, gradient_checkpointing=ckpt)
+                                     precision="bf16", gradient_checkpointing=ckpt)
             _row(f"{method}{' + checkpointing' if ckpt else ''} ({time.perf_counter() - t:.0f} s)", plan, traced)
             tr = traced.breakdown
             print(f"{'':34}breakdown plan {[f'{k} {v / 2**20:.0f}' for k, v in plan.breakdown.items() if v]}\n"

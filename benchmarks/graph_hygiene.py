@@ -22,10 +22,11 @@ from tpu_helpers.backend import backend_for, runtime_env
 # XLA:CPU unless the caller chose (before anything starts the XLA runtime).
 os.environ.update({**runtime_env.xla_cpu_env(devices=1), **runtime_env.runtime_vars()})
 
+from tpu_helpers.callbacks import Callback  # noqa: E402
 from tpu_helpers.config import TrainConfig  # noqa: E402
 from tpu_helpers.data import build_datasets  # noqa: E402
 from tpu_helpers.models.gpt import GPT, gpt_config  # noqa: E402
-from tpu_helpers.training.trainer import Callback, Trainer  # noqa: E402
+from tpu_helpers.training.trainer import Trainer  # noqa: E402
 
 
 class Probe(Trainer):
@@ -74,7 +75,7 @@ def main() -> None:
     last_compile = max((s for s, c in compiles_by_step if c), default=0)
     quiet = []
     for (s, m), (_, p) in zip(samples[1:], samples, strict=False):
-        sched = cfg.schedule
+        sched = trainer.cadence
         expected = sched.is_log_step(s) or sched.is_eval_step(s) or (s > 1 and sched.is_save_step(s - 1))
         if not expected:
             quiet.append(m["device_to_host_transfers"] - p["device_to_host_transfers"])

@@ -22,7 +22,9 @@ from tpu_helpers.backend import backend_for
 from tpu_helpers.config import TrainConfig
 from tpu_helpers.data import build_datasets, make_loader
 from tpu_helpers.models.gpt import GPT, gpt_config
-from tpu_helpers.training.trainer import Trainer, warmup_cosine
+from tpu_helpers.training.cadence import Cadence
+from tpu_helpers.training.optimizers import warmup_cosine
+from tpu_helpers.training.trainer import Trainer
 
 
 def package_loop(cfg, backend, train, vocab) -> float:
@@ -45,7 +47,8 @@ def hand_loop(cfg, backend, train, vocab) -> float:
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: warmup_cosine(s, warmup=cfg.warmup_steps, total=cfg.steps, min_ratio=cfg.min_lr_ratio))
-    loader = make_loader(train, cfg.batch_size, backend_kind=backend.loader_kind, shuffle=True, seed=cfg.seed)
+    loader = make_loader(train, cfg.batch_size, shuffle=True, seed=cfg.seed, **backend.loader_options)
+    cadence = Cadence.from_config(cfg)
     logged = []
     t0 = time.perf_counter()
     batches = iter(backend.wrap_loader(loader))
@@ -57,9 +60,9 @@ def hand_loop(cfg, backend, train, vocab) -> float:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         sched.step()
-        opt.zero_grad(set_to_none=not backend.is_xla)
+        opt.zero_grad(set_to_none=True)
         running = running + loss.detach()
-        if cfg.schedule.is_log_step(step):
+        if cadence.is_log_step(step):
             backend.add_step_closure(lambda r: logged.append(r.item()), running)
             backend.sync()
             running = torch.zeros((), device=backend.device)

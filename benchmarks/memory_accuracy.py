@@ -16,47 +16,54 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import time
 
 import torch
 
+from tpu_helpers.backend import get_backend
 from tpu_helpers.hardware import format_bytes
 from tpu_helpers.memory import (
     LiveBytes,
     analytic_estimate,
     compiled_estimate,
     gpt_batch,
-    make_optimizer,
+    step_trainer,
     traced_estimate,
-    training_step,
 )
 from tpu_helpers.memory.example_models import SmallCNN, cnn_batch
 from tpu_helpers.models.gpt import GPT, gpt_config
 
 
+def _trainer(model, device: str, **kw):
+    """The trainer's own step over `model` (what the estimates measure): its optimizer, clipping, zero_grad."""
+    precision = kw.pop("precision", "fp32")
+    if kw.pop("pure_bf16", False):
+        model = model.to(torch.bfloat16)
+    return step_trainer(model, get_backend(device, precision=precision), precision=precision, **kw)
+
+
 def measure_cpu(make_model, batch, **kw) -> int:
-    model = make_model()
-    opt = make_optimizer(kw.pop("optimizer", "adamw"), model.parameters())
-    training_step(model, opt, batch, **kw)
-    with LiveBytes(model, opt, batch) as live:
-        training_step(model, opt, batch, **kw)
+    trainer = _trainer(make_model(), "cpu", **kw)
+    trainer.train_step(itertools.repeat(batch))
+    with LiveBytes(trainer.model, trainer.optimizer, batch) as live:
+        trainer.train_step(itertools.repeat(batch))
     peak = live.peak_bytes
-    del model, opt
+    del trainer
     gc.collect()
     return peak
 
 
 def measure_cuda(make_model, batch, **kw) -> int:
-    model = make_model().cuda()
-    opt = make_optimizer(kw.pop("optimizer", "adamw"), model.parameters())
+    trainer = _trainer(make_model(), "cuda", **kw)
     batch = tuple(t.cuda() for t in batch)
-    training_step(model, opt, batch, **kw)
+    trainer.train_step(itertools.repeat(batch))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    training_step(model, opt, batch, **kw)
+    trainer.train_step(itertools.repeat(batch))
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
-    del model, opt
+    del trainer
     torch.cuda.empty_cache()
     return peak
 
@@ -68,7 +75,8 @@ def main() -> None:
     args = ap.parse_args()
     cases = [("tiny", 16, 64, {}), ("tiny", 16, 64, {"precision": "bf16"}), ("mini", 8, 256, {}),
              ("mini", 8, 256, {"gradient_checkpointing": True}), ("mini", 8, 256, {"precision": "bf16"}),
-             ("mini", 8, 256, {"optimizer": "sgd"}), ("mini", 8, 256, {"optimizer": "adafactor"})]
+             ("mini", 8, 256, {"optimizer": "sgd"}), ("mini", 8, 256, {"optimizer": "adafactor"}),
+             ("mini", 8, 256, {"grad_accum": 2}), ("mini", 1, 16, {})]
     if args.small:
         cases.append(("small", 2, 512, {}))
     rows = []
@@ -76,18 +84,7 @@ def main() -> None:
         cfg = gpt_config(preset)
         batch = gpt_batch(s, cfg.vocab_size)(b)
         t0 = time.perf_counter()
-        ck = kw.get("gradient_checkpointing", False)
-        step_kw = {k: v for k, v in kw.items() if k != "gradient_checkpointing"}
-
-        def make(cfg=cfg, ck=ck):
-            model = GPT(cfg)
-            if ck:
-                from tpu_helpers.models.gpt import default_checkpoint_fn
-
-                model.set_gradient_checkpointing(default_checkpoint_fn())
-            return model
-
-        real = measure_cpu(make, batch, **step_kw)
+        real = measure_cpu(lambda cfg=cfg: GPT(cfg), batch, **kw)
         traced = traced_estimate(lambda cfg=cfg: GPT(cfg), gpt_batch(s, cfg.vocab_size), b, **kw).peak_bytes
         analytic = analytic_estimate(cfg, b, s, **kw).peak_bytes
         compiled = None
@@ -95,11 +92,12 @@ def main() -> None:
             compiled = compiled_estimate(cfg, b, s, **kw).peak_bytes
         label = f"GPT {preset} b={b} s={s} " + " ".join(f"{k}={v}" for k, v in kw.items())
         rows.append((label, real, traced, analytic, compiled, time.perf_counter() - t0))
-    real = measure_cpu(SmallCNN, cnn_batch(64))
-    traced = traced_estimate(SmallCNN, cnn_batch, 64).peak_bytes
+    ce = torch.nn.functional.cross_entropy  # the trainer's loss_fn(output, targets)
+    real = measure_cpu(SmallCNN, cnn_batch(64), loss_fn=ce)
+    traced = traced_estimate(SmallCNN, cnn_batch, 64, loss_fn=ce).peak_bytes
     compiled = None if args.no_xla else compiled_estimate("tpu_helpers.memory.example_models:SmallCNN", 64,
-                                                          batch_fn="tpu_helpers.memory.example_models:cnn_batch"
-                                                          ).peak_bytes
+                                                          batch_fn="tpu_helpers.memory.example_models:cnn_batch",
+                                                          loss_fn="torch.nn.functional:cross_entropy").peak_bytes
     rows.append(("SmallCNN b=64 (32x32 RGB)", real, traced, None, compiled, 0.0))
 
     def pct(x, ref):

@@ -67,7 +67,8 @@ import torch
 from tpu_helpers.backend import get_backend
 from tpu_helpers.config import TrainConfig
 from tpu_helpers.models.gpt import GPT, GPTConfig
-from tpu_helpers.training.trainer import Callback, Trainer
+from tpu_helpers.callbacks import Callback
+from tpu_helpers.training.trainer import Trainer
 
 args = json.loads(sys.argv[1])
 class Times(Callback):

@@ -21,17 +21,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
 import json, sys, time, tempfile
-from tpu_helpers import TrainConfig, backend_for, build_gpt_run
+from tpu_helpers import Pretrain, TrainConfig, backend_for
 device, steps, batch, seq = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 cfg = TrainConfig(device=device, preset="tiny", steps=steps, batch_size=batch, seq_len=seq, log_every=10,
                   eval_every=10**6, save_every=10**6, warmup_steps=5, max_chars=300_000,
                   out_dir=tempfile.mkdtemp())
 backend = backend_for(cfg, spmd=False)
-run = build_gpt_run(cfg, backend=backend, progress=False)
+job = Pretrain(cfg, backend=backend, progress=False)
 t0 = time.perf_counter()
-report = run.trainer.fit()
+report = job.train()
 # Steady state: time the last 10 log window's throughput, which excludes the first compiles.
-last = run.history.train[-1]
+last = job.history.train[-1]
 print(json.dumps({"device": report.device, "steps_per_s_overall": report.steps_per_s,
                   "steps_per_s_steady": last["tokens_per_s"] / report.tokens_per_step,
                   "tokens_per_s_steady": last["tokens_per_s"], "xla": report.xla}))

@@ -1,4 +1,5 @@
-"""Shared fixtures. Shared helpers live in `tests.support` (imported first: it selects XLA:CPU and starts it)."""
+"""Shared fixtures. Shared helpers live in `tests.support` (imported first: it selects XLA:CPU, which this file then
+starts before any test module is imported)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import support
 from tests.support import NOTEBOOKS
 from tpu_helpers.data import build_datasets
+
+support.start_xla()
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """Helpers the tests share (imported as `tests.support`; conftest.py only holds fixtures).
 
 XLA tests run on XLA:CPU: PJRT_DEVICE=CPU must be set before torch_xla is first imported, so this module sets it
-before it imports the package.
+before it imports the package. Code that must run in a fresh interpreter (XLA fixes SPMD and the device count per
+process) lives in files under tests/scripts/, run with `run_script`, and may import this module too.
 """
 
 from __future__ import annotations
@@ -11,22 +12,32 @@ import os
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import json  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+from collections.abc import Iterable  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from tpu_helpers.backend import BackendUnavailable, get_backend  # noqa: E402
+from tpu_helpers.callbacks import Callback  # noqa: E402
 from tpu_helpers.config import TrainConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "tests" / "scripts"
 
-# torch's autograd engine sizes its per-device queues at the first backward pass: the XLA device must exist
-# before any CPU test runs backward, or later XLA backward passes fail an internal assert. So the session's
-# single-device XLA:CPU backend is made first (SPMD tests run in subprocesses: SPMD is fixed per process).
-try:
-    XLA_BACKEND = get_backend("xla", spmd=False)
-except BackendUnavailable:
-    XLA_BACKEND = None
+XLA_BACKEND = None  # the test session's single-device XLA:CPU backend (conftest.py calls start_xla first)
+
+
+def start_xla() -> None:
+    """Make the session's XLA:CPU backend before any test runs. torch's autograd engine sizes its per-device queues
+    at the first backward pass: the XLA device must exist before any CPU test runs backward, or later XLA backward
+    passes fail an internal assert. (SPMD tests run scripts in their own processes: SPMD is fixed per process, so
+    the scripts import this module without starting anything.)"""
+    global XLA_BACKEND
+    try:
+        XLA_BACKEND = get_backend("xla", spmd=False)
+    except BackendUnavailable:
+        XLA_BACKEND = None
 
 # Short names for the notebooks the tests execute (microsoft/recommenders style).
 NOTEBOOKS = {name: ROOT / "notebooks" / f"{name}.ipynb" for name in (
@@ -42,11 +53,42 @@ def tiny_config(tmp_path: Path, **overrides) -> TrainConfig:
     return TrainConfig(**base)
 
 
-def run_python(code: str, *, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run code in a fresh interpreter (XLA SPMD and device counts are fixed per process)."""
+def run_script(name: str, *args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run tests/scripts/<name>.py with `args` in a fresh interpreter (XLA SPMD and device counts are fixed per
+    process); an AssertionError with its output if it fails."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    proc = subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+    proc = subprocess.run([sys.executable, str(SCRIPTS / f"{name}.py"), *args], env=full_env, capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
     if proc.returncode != 0:
-        raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise AssertionError(f"{name}.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
+
+
+def script_result(name: str, args: dict | None = None, **kwargs) -> object:
+    """Run tests/scripts/<name>.py with `args` as JSON and read back the JSON it prints on its last
+    "RESULT ..." line (`print_result` in the script)."""
+    proc = run_script(name, *([json.dumps(args)] if args is not None else []), **kwargs)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+def script_args() -> dict:
+    """In a script: the JSON arguments `script_result` passed."""
+    return json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+
+
+def print_result(value: object) -> None:
+    """In a script: the value `script_result` reads back."""
+    print("RESULT " + json.dumps(value), flush=True)
+
+
+class StopAt(Callback):
+    """An interruption, as a SIGTERM would make: the trainer finishes the step, saves and returns after each of
+    `steps` (one step or several)."""
+
+    def __init__(self, steps: int | Iterable[int]) -> None:
+        self.steps = {steps} if isinstance(steps, int) else set(steps)
+
+    def on_step_end(self, trainer) -> None:
+        if trainer.step in self.steps:
+            trainer.stop_reason = f"interrupted by the test at step {trainer.step}"

@@ -14,14 +14,14 @@ import torch
 from torch.utils.data import TensorDataset
 
 from tpu_helpers.backend import BackendUnavailable, get_backend
+from tpu_helpers.callbacks import Callback
 from tpu_helpers.checkpoint import CheckpointManager
-from tpu_helpers.config import ConfigError, TrainConfig
+from tpu_helpers.config import ConfigError, TrainConfig, config_from_parameters
 from tpu_helpers.data import build_datasets, load_text, make_loader
 from tpu_helpers.data.tokenizer import get_tokenizer
-from tpu_helpers.launch.params import config_from_parameters
 from tpu_helpers.models.gpt import GPTConfig, gpt_config
-from tpu_helpers.training.recipes import build_gpt_run
-from tpu_helpers.training.trainer import Callback, Trainer, fit
+from tpu_helpers.recipes.pretrain import Pretrain
+from tpu_helpers.training.trainer import Trainer, fit
 
 
 def _data(n: int = 16) -> TensorDataset:
@@ -144,7 +144,7 @@ CASES = [
     ("model heads", lambda t: GPTConfig(n_embd=30, n_head=4), ValueError, r"n_embd \(30\) must be divisible"),
     ("model layers", lambda t: GPTConfig(n_layer=0), ValueError, r"GPTConfig\.n_layer must be an integer >= 1"),
     ("model dropout", lambda t: GPTConfig(dropout=1.0), ValueError, r"dropout must be in \[0, 1\), got 1\.0"),
-    ("seq_len > context", lambda t: build_gpt_run(TrainConfig(device="cpu", preset="tiny", seq_len=4096)),
+    ("seq_len > context", lambda t: Pretrain(TrainConfig(device="cpu", preset="tiny", seq_len=4096)),
      ConfigError, r"seq_len=4096 exceeds the context of preset 'tiny' \(block_size 64\)"),
     # ---- checkpoint manager ----
     ("ckpt keep_last", lambda t: CheckpointManager(t, keep_last=0), ValueError, r"keep_last must be an int >= 1"),
@@ -172,6 +172,11 @@ CASES = [
     ("callbacks not list", lambda t: _trainer(t, callbacks=Callback()), TypeError,
      r"callbacks must be a list of Callback objects, got Callback"),
     ("run_identity", lambda t: _trainer(t, run_identity="v1"), TypeError, r"run_identity must be a dict"),
+    ("save_trainable_only", lambda t: _trainer(t, save_trainable_only="yes"), TypeError,
+     r"save_trainable_only must be True or False, got 'yes'"),
+    ("fit without data", lambda t: Trainer(torch.nn.Linear(4, 4), None, config=_cfg(t), progress=False).fit(),
+     ConfigError,
+     r"this Trainer was made without train_data \(for its step alone\): pass a Dataset"),
     ("grad ckpt", lambda t: _trainer(t, config=_cfg(t, gradient_checkpointing=True)), ConfigError,
      r"gradient_checkpointing=True but Linear has no set_gradient_checkpointing"),
     ("fit unknown arg", lambda t: fit(torch.nn.Linear(4, 4), _data(), confg=_cfg(t)), TypeError,

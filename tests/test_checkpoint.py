@@ -308,22 +308,12 @@ def test_atomic_write_keeps_old_content_on_failure(tmp_path: Path, disk_full) ->
 
 
 def test_importing_never_touches_the_umask_and_files_follow_it(tmp_path: Path) -> None:
-    from tests.support import run_python
+    import json
 
-    code = f"""
-import os
-calls = []
-real = os.umask
-os.umask = lambda mask: calls.append(mask) or real(mask)   # record every change, at import and per write
-real(0o027)
-import tpu_helpers.checkpoint
-from tpu_helpers.atomic_io import atomic_write_text
-atomic_write_text({str(tmp_path / "r.json")!r}, "{{}}")
-print("umask calls:", calls, "| umask now:", oct(real(0o027)), "| file mode:",
-      oct(os.stat({str(tmp_path / "r.json")!r}).st_mode & 0o777))
-"""
-    out = run_python(code).stdout.strip().splitlines()[-1]
-    assert out == "umask calls: [] | umask now: 0o27 | file mode: 0o640"
+    from tests.support import run_script
+
+    out = run_script("umask_on_import", str(tmp_path / "r.json")).stdout.strip().splitlines()[-1]
+    assert json.loads(out.removeprefix("RESULT ")) == {"calls": [], "umask": "0o27", "mode": "0o640"}
 
 
 def test_second_signal_during_a_save_stops_as_itself_not_as_a_checkpoint_error(tmp_path: Path, monkeypatch) -> None:

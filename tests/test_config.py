@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tpu_helpers.config import ConfigError, TrainConfig
-from tpu_helpers.launch.params import config_from_parameters
+from tpu_helpers.config import ConfigError, TrainConfig, config_from_parameters
 
 
 def test_defaults_are_full_size_and_valid():

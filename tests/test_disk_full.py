@@ -19,30 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-CODE = r"""
-import sys, torch
-from tpu_helpers.checkpoint import CheckpointError, CheckpointManager
-from tpu_helpers.config import TrainConfig
-from tpu_helpers.data import build_datasets
-from tpu_helpers.models.gpt import GPT, gpt_config
-from tpu_helpers.training.trainer import Trainer
-
-out = sys.argv[1]
-cfg = TrainConfig(device="cpu", preset="tiny", steps=4, batch_size=4, seq_len=32, eval_every=100, log_every=1,
-                  save_every=1, keep_last=1, out_dir=out, max_chars=20_000)
-train, val, tok = build_datasets("embedded", "byte", block_size=32, max_chars=20_000)
-torch.manual_seed(0)
-model = GPT(gpt_config("tiny", vocab_size=tok.vocab_size, block_size=32))
-trainer = Trainer(model, train, val, config=cfg, progress=False)
-try:
-    trainer.fit()
-except CheckpointError as err:
-    print("ERROR", err)
-mgr = CheckpointManager(out + "/checkpoints")
-print("CHECKPOINTS", [(i.step, i.valid) for i in mgr.list()])
-print("LOADS", mgr.load(mgr.latest().step)["step"])
-print("FILES", sorted(p.name for p in mgr.directory.iterdir()))
-"""
+SCRIPT = ROOT / "tests" / "scripts" / "full_disk_run.py"
 
 
 def _namespaces_work() -> bool:
@@ -57,9 +34,7 @@ def _namespaces_work() -> bool:
 def test_full_disk_during_training_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     mount = tmp_path / "small_disk"
     mount.mkdir()
-    script = tmp_path / "run.py"
-    script.write_text(CODE)
-    shell = f"mount -t tmpfs -o size=2m tmpfs {mount} && exec {sys.executable} {script} {mount}/run"
+    shell = f"mount -t tmpfs -o size=2m tmpfs {mount} && exec {sys.executable} {SCRIPT} {mount}/run save"
     proc = subprocess.run(["unshare", "-rm", "sh", "-c", shell], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -72,37 +47,6 @@ def test_full_disk_during_training_fails_clearly_and_keeps_the_previous_checkpoi
     assert not [n for n in ast.literal_eval(out["FILES"]) if n.endswith(".tmp")]  # no half-written temp left
 
 
-CODE_KEEP_LAST = r"""
-import sys, torch
-from tpu_helpers.checkpoint import CheckpointError, CheckpointManager
-from tpu_helpers.config import TrainConfig
-from tpu_helpers.data import build_datasets
-from tpu_helpers.models.gpt import GPT, gpt_config
-from tpu_helpers.training.trainer import Trainer
-
-out, mode = sys.argv[1], sys.argv[2]
-train, val, tok = build_datasets("embedded", "byte", block_size=32, max_chars=20_000)
-if mode == "fill":  # a fresh out_dir on a disk with no space left at all
-    try:
-        with open(out.rsplit("/", 1)[0] + "/filler", "wb") as f:
-            while True:
-                f.write(b"x" * 65536)
-    except OSError:
-        pass
-for keep_last in ((1,) if mode == "fill" else (3, 2)):
-    cfg = TrainConfig(device="cpu", preset="tiny", steps=4, batch_size=4, seq_len=32, eval_every=100, log_every=1,
-                      save_every=1, keep_last=keep_last, out_dir=out, max_chars=20_000)
-    torch.manual_seed(0)
-    model = GPT(gpt_config("tiny", vocab_size=tok.vocab_size, block_size=32))
-    try:
-        print(f"KEEP{keep_last}", "steps", Trainer(model, train, val, config=cfg, progress=False).fit().steps)
-    except Exception as err:
-        print(f"KEEP{keep_last}", type(err).__name__, str(err).replace(chr(10), " "))
-if mode != "fill":
-    print("CHECKPOINTS", [(i.step, i.valid) for i in CheckpointManager(out + "/checkpoints").list()])
-"""
-
-
 @pytest.mark.skipif(not _namespaces_work(), reason="cannot mount a tmpfs in an unprivileged user namespace here")
 @pytest.mark.parametrize("mode", ["lower keep_last", "fill"])
 def test_full_disk_lowering_keep_last_helps_and_a_fresh_out_dir_fails_clearly(tmp_path: Path, mode: str) -> None:
@@ -111,11 +55,9 @@ def test_full_disk_lowering_keep_last_helps_and_a_fresh_out_dir_fails_clearly(tm
     full disk gives an error that says so, not a raw OSError."""
     mount = tmp_path / "small_disk"
     mount.mkdir()
-    script = tmp_path / "run.py"
-    script.write_text(CODE_KEEP_LAST)
     size = "1m" if mode == "fill" else "4m"  # 4 MiB: two checkpoints of about 1.4 MB fit, a third does not
     arg = "fill" if mode == "fill" else "keep"
-    shell = f"mount -t tmpfs -o size={size} tmpfs {mount} && exec {sys.executable} {script} {mount}/run {arg}"
+    shell = f"mount -t tmpfs -o size={size} tmpfs {mount} && exec {sys.executable} {SCRIPT} {mount}/run {arg}"
     proc = subprocess.run(["unshare", "-rm", "sh", "-c", shell], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]

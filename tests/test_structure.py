@@ -79,46 +79,108 @@ def test_only_backend_knows_torch_xla_and_the_xla_environment():
                            f"ask tpu_helpers.backend.runtime_env instead: {offenders}")
 
 
-def _top_level_imports(tree: ast.Module, module: str, is_package: bool) -> set[str]:
-    """tpu_helpers modules imported when `module` is imported (not those imported inside functions)."""
-    out: set[str] = set()
+# The layer order of the package's parts (tpu_helpers/__init__.py says what each is for). A part may import only
+# parts of lower layers, at module level or inside a function; parts of one layer do not import each other.
+LAYERS = (
+    ("atomic_io", "hardware", "choices", "sharding", "callbacks", "extras"),
+    ("config",),
+    ("backend",),
+    ("targets", "diagnostics", "data", "checkpoint"),
+    ("models",),
+    ("training",),
+    ("memory",),
+    ("recipes",),
+    ("launch",),
+    ("__main__", "train", "__init__"),  # entry points: `python -m tpu_helpers`, the CLI shim, the lazy names
+)
+LAYER_OF = {part: i for i, parts in enumerate(LAYERS) for part in parts}
+
+
+def part_of(module: str) -> str:
+    """The part a module belongs to: the first name under tpu_helpers ("training" for tpu_helpers.training.x)."""
+    parts = module.split(".")
+    return "__init__" if len(parts) == 1 else parts[1]
+
+
+def imports_of(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, tpu_helpers module) for every import in `source`: module level, inside functions and classes, and
+    `importlib.import_module("...")` with a constant name; those under `if TYPE_CHECKING:` are left out."""
+    tree = ast.parse(source)
     package = module if is_package else module.rpartition(".")[0]
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in
+                   ast.unparse(node.test) for n in ast.walk(node)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base]).strip(".")
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith(("import_module", "__import__")) \
+                and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            names = [node.args[0].value]
+        found += [(node.lineno, n) for n in names if n == "tpu_helpers" or n.startswith("tpu_helpers.")]
+    return found
 
-    def visit(body):
-        for node in body:
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-                continue
-            if isinstance(node, (ast.If, ast.Try)):
-                visit(node.body)
-                visit(getattr(node, "orelse", []))
-                for h in getattr(node, "handlers", []):
-                    visit(h.body)
-            elif isinstance(node, ast.Import):
-                out.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base]).strip(".")
-                out.add(base)
-                out.update(f"{base}.{a.name}" for a in node.names)
 
-    visit(tree.body)
+def layer_violations(source: str, module: str, is_package: bool = False) -> list[str]:
+    """Each import of `source` that goes to its own layer's other parts or to a higher layer."""
+    here = part_of(module)
+    out, seen = [], set()
+    for line, target in imports_of(source, module, is_package):
+        there = part_of(target)
+        if target == "tpu_helpers" or there == here or (line, there) in seen:
+            continue
+        seen.add((line, there))
+        if there not in LAYER_OF or here not in LAYER_OF:
+            out.append(f"{module}:{line} imports {target}: part {there if there not in LAYER_OF else here!r} is in "
+                       "no layer of LAYERS")
+        elif LAYER_OF[there] >= LAYER_OF[here]:
+            out.append(f"{module}:{line} imports {target} ({there!r} is not below {here!r})")
     return out
 
 
+def test_the_layer_checker_sees_what_it_must():
+    planted = (
+        "from tpu_helpers.training.trainer import Trainer\n"                  # upward at module level
+        "def f():\n    import tpu_helpers.launch.runner\n"                  # upward inside a function
+        "class C:\n    def g(self):\n        from ..recipes import base\n"  # upward, relative
+        "importlib.import_module('tpu_helpers.memory.panel')\n"             # upward, by name
+        "from tpu_helpers.data import corpus\n"                             # sideways: same layer
+    )
+    found = layer_violations(planted, "tpu_helpers.checkpoint.manager")
+    assert len(found) == 5 and all("checkpoint" in f for f in found), found
+    fine = ("from typing import TYPE_CHECKING\nfrom tpu_helpers.backend import units\n"
+            "from tpu_helpers.checkpoint import layout\nfrom . import layout as again\n"
+            "if TYPE_CHECKING:\n    from tpu_helpers.training.trainer import Trainer\n"
+            "def f():\n    from tpu_helpers.config import ConfigError\n")
+    assert layer_violations(fine, "tpu_helpers.checkpoint.manager") == []
+
+
+def test_every_part_is_in_a_layer_and_imports_only_lower_layers():
+    modules = _modules()
+    parts = {part_of(m) for m in modules}
+    assert parts <= set(LAYER_OF), f"parts missing from LAYERS: {sorted(parts - set(LAYER_OF))}"
+    found = []
+    for name, path in modules.items():
+        found += layer_violations(path.read_text(), name, path.name == "__init__.py")
+    assert not found, "imports against the layer order (tpu_helpers/__init__.py):\n" + "\n".join(found)
+
+
 def test_no_import_cycles():
+    # Implied by the layers between parts; within a part, modules must not import each other in a cycle either.
     modules = _modules()
     graph = {}
     for name, path in modules.items():
-        imported = _top_level_imports(ast.parse(path.read_text()), name, path.name == "__init__.py")
-        deps = set()
-        for target in imported:
-            if target in modules:
-                deps.add(target)
-        # Importing a.b.c runs a/__init__ and a/b/__init__ first.
-        for target in list(deps):
-            parts = target.split(".")
-            deps.update(".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in modules)
+        deps = {t for _, t in imports_of(path.read_text(), name, path.name == "__init__.py") if t in modules}
+        for target in list(deps):  # importing a.b.c runs a/__init__ and a/b/__init__ first
+            pieces = target.split(".")
+            deps.update(".".join(pieces[:i]) for i in range(1, len(pieces)) if ".".join(pieces[:i]) in modules)
         deps.discard(name)
         # A package's own __init__ runs before its submodules: that edge is no cycle.
         graph[name] = {d for d in deps if not name.startswith(d + ".")}
@@ -141,17 +203,56 @@ def test_no_import_cycles():
             dfs(node)
 
 
-LIGHT_PROBE = """
-import json, sys
-import {module}
-print(json.dumps(sorted(m for m in ("torch", "torch_xla", "tpu_helpers.training.trainer", "tpu_helpers.backend")
-                        if m in sys.modules)))
-"""
+def test_the_readme_shows_the_layer_order():
+    readme = (ROOT / "README.md").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith("| ") and "layer" in line.lower()]
+    shown = " ".join(rows)
+    for parts in LAYERS[:-1]:
+        for part in parts:
+            assert f"`{part}" in shown, f"the README's layout table does not place {part!r} in the layer order"
 
 
-@pytest.mark.parametrize("module", ["tpu_helpers.hardware", "tpu_helpers.config", "tpu_helpers.choices"])
+def backend_reads(source: str) -> set[str]:
+    """Attributes read off a backend object: `backend.x`, `self.backend.x`, `trainer.backend.x`, `b.x` (the
+    package's short name for a backend)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute):
+            owner = node.value
+            name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+            if name in ("backend", "b") and not node.attr.startswith("__"):
+                found.add(node.attr)
+    return found
+
+
+def test_the_backend_checker_sees_what_it_must():
+    assert backend_reads("x = self.backend.mesh_shape\nbackend.sync()\nb.is_main\nfoo.bar") == {
+        "mesh_shape", "sync", "is_main"}
+
+
+def test_callers_read_only_what_the_backend_interface_declares_and_never_branch_on_is_xla():
+    from tpu_helpers.backend import Backend
+
+    declared = Backend("fp32")  # the interface every backend implements (the CPU one: all of it is there)
+    undeclared, branching = {}, {}
+    for name, path in _modules().items():
+        if name.startswith("tpu_helpers.backend"):
+            continue
+        reads = backend_reads(path.read_text())
+        missing = sorted(a for a in reads if not hasattr(declared, a))
+        if missing:
+            undeclared[name] = missing
+        if "is_xla" in reads:
+            branching[name] = "is_xla"
+    assert not undeclared, f"attributes read off a backend that the Backend interface does not declare: {undeclared}"
+    assert not branching, f"ask the backend for the capability instead of branching on is_xla: {branching}"
+
+
+@pytest.mark.parametrize("module", ["tpu_helpers.hardware", "tpu_helpers.config", "tpu_helpers.choices",
+                                    "tpu_helpers.sharding", "tpu_helpers.callbacks", "tpu_helpers.atomic_io"])
 def test_light_modules_import_without_torch_xla_or_the_trainer(module):
-    proc = subprocess.run([sys.executable, "-c", LIGHT_PROBE.format(module=module)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "light_import.py"), module],
+                          capture_output=True, text=True,
                           cwd=ROOT, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}, timeout=120)
     assert proc.returncode == 0, proc.stderr
     loaded = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,12 +1,44 @@
-"""The values a user may type for the names that pick a device, a precision or a model size, as plain constants.
+"""The values a user may type for the settings that name a choice, one list each, and the error for a bad one.
 
-    from tpu_helpers.choices import DEVICES, PRECISIONS, PRESET_NAMES
+    from tpu_helpers.choices import DEVICES, PRECISIONS, OPTIMIZERS, ConfigError, check_choice
+    check_choice("precision", "bf16", PRECISIONS)     # ConfigError naming the value and the allowed ones otherwise
 
-They live here, apart from the modules that implement them (the backend, the GPT), so that `tpu_helpers.config`
-and the command lines can validate a setting without importing torch; the backend and the model import them from
-here, and a test checks that `tpu_helpers.models.gpt.PRESETS` has exactly these names.
+The one vocabulary of the package: `TrainConfig`, the memory estimates, the tuning panel, the fine-tuning recipe
+and the command lines all check against these lists (a test checks that `models.gpt.PRESETS` has exactly
+`PRESET_NAMES`). A leaf: it imports nothing, so the config and the command lines validate without torch.
 """
 
+from __future__ import annotations
+
+from typing import Any
+
 DEVICES = ("auto", "tpu", "cuda", "cpu", "xla")
+# What the step computes in: auto (bf16 on TPU, bf16/fp16 on CUDA, fp32 on CPU) | fp32 | bf16 autocast over fp32
+# weights | fp16 autocast with a GradScaler (CUDA only). Storing the weights themselves in bf16 is another setting
+# (`pure_bf16` in the memory estimates and the tuning panel).
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+# adamw: two fp32 moments per parameter; sgd: momentum; adafactor: a factored second moment (a row and a column
+# per matrix, training/optimizers.py), the optimizer that fits the largest model in the least memory.
+OPTIMIZERS = ("adamw", "sgd", "adafactor")
 PRESET_NAMES = ("tiny", "mini", "small", "medium")
+# Fine-tuning (recipes.finetune): LoRA adapters on a frozen base | every weight | distillation from a teacher.
+FINETUNE_METHODS = ("lora", "full", "distill")
+XLA_CHECKS = ("warn", "strict", "off")
+ON_NONFINITE = ("stop", "warn")
+RESUME = (True, False, "force_new")
+
+
+class ConfigError(ValueError):
+    """A configuration or notebook parameter value that cannot be used; the message names it and what is allowed."""
+
+
+def check_choice(name: str, value: Any, allowed: tuple) -> None:
+    """ConfigError unless `value` is one of `allowed` (compared with ==, so True and 1 are told apart by type)."""
+    if not any(value == a and type(value) is type(a) for a in allowed):
+        raise ConfigError(f"{name}={value!r} is not one of {allowed}")
+
+
+def check_positive(name: str, value: Any) -> None:
+    """ConfigError unless `value` is an int >= 1 (a bool is not an int here)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r} must be an integer >= 1")

@@ -1,33 +1,44 @@
-"""One configuration object for a training run: `TrainConfig`.
+"""One configuration object for a training run, `TrainConfig`, and notebook parameters turned into one.
 
 `TrainConfig` has full-size defaults (GPT-2 small on a TPU chip); tests and quick runs shrink it with
 `dataclasses.replace` or keyword overrides. Every field is checked when the object is built, so a wrong value
-fails before any compile or download, with a message that names the value and what is allowed.
+fails before any compile or download, with a message that names the value and what is allowed. A recipe with
+settings of its own declares them as fields of a subclass (`recipes.finetune.FinetuneConfig`), checked the same way.
 
-Notebook parameters (UPPER_CASE globals) become a TrainConfig through `tpu_helpers.launch.params`.
+Notebooks keep their parameters as UPPER_CASE globals in the cell tagged `parameters` (papermill overrides them):
+
+    config = th.config_from_parameters(globals())                       # each NAME -> the field `name`
+    config = th.config_from_parameters(globals(), extra={"MOUNT_DRIVE": bool})   # notebook-only values
+    config = th.config_from_parameters(globals(), base=FinetuneConfig())         # a recipe's config class
+
+A name that is no field (and not declared in `extra`) is an error listing the known ones, which catches a misspelt
+`-p` override that papermill would otherwise inject and ignore.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from tpu_helpers.choices import DEVICES, PRECISIONS, PRESET_NAMES
-from tpu_helpers.training.schedule import Schedule
-from tpu_helpers.training.sharding import ShardingError, check_sharding
+from tpu_helpers.choices import (
+    DEVICES,
+    ON_NONFINITE,
+    OPTIMIZERS,
+    PRECISIONS,
+    PRESET_NAMES,
+    RESUME,
+    XLA_CHECKS,
+    ConfigError,
+    check_choice,
+)
+from tpu_helpers.sharding import ShardingError, check_sharding
 
-OPTIMIZERS = ("adamw", "sgd")
-XLA_CHECKS = ("warn", "strict", "off")
-RESUME = (True, False, "force_new")
-ON_NONFINITE = ("stop", "warn")
-
-
-class ConfigError(ValueError):
-    """A configuration or notebook parameter value that cannot be used."""
+__all__ = ["ConfigError", "TrainConfig", "config_from_parameters", "notebook_parameters"]
 
 
 @dataclass
@@ -57,7 +68,7 @@ class TrainConfig:
     warmup_steps: int = 100
     weight_decay: float = 0.1
     grad_clip: float | None = 1.0
-    optimizer: str = "adamw"
+    optimizer: str = "adamw"  # adamw | sgd | adafactor (factored second moment: the least optimizer memory)
     # evaluation, logging, checkpoints
     eval_every: int = 200
     eval_batches: int = 20
@@ -75,11 +86,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check_types(self)
-        _choice("device", self.device, DEVICES)
-        _choice("precision", self.precision, PRECISIONS)
-        _choice("optimizer", self.optimizer, OPTIMIZERS)
-        _choice("xla_checks", self.xla_checks, XLA_CHECKS)
-        _choice("on_nonfinite", self.on_nonfinite, ON_NONFINITE)
+        check_choice("device", self.device, DEVICES)
+        check_choice("precision", self.precision, PRECISIONS)
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        check_choice("xla_checks", self.xla_checks, XLA_CHECKS)
+        check_choice("on_nonfinite", self.on_nonfinite, ON_NONFINITE)
         if self.resume not in RESUME:  # the type check above already refused 0 and 1
             raise ConfigError(f"resume={self.resume!r} must be True (continue out_dir's run), False (refuse if it "
                               "has checkpoints) or 'force_new' (move its checkpoints into a dated set-aside folder "
@@ -116,15 +127,15 @@ class TrainConfig:
             raise ConfigError("out_dir='' is empty: give a directory for checkpoints and results")
         if self.device == "cpu" and self.precision == "fp16":
             raise ConfigError("precision='fp16' needs a CUDA GPU; on device='cpu' use 'fp32' or 'bf16'")
-        # ---- added for issue 6 (bad input): choices the backend or model would only reject later ----
-        _choice("preset", self.preset, PRESET_NAMES)
+        # Choices the backend or the model would only reject later, after a download or a compile.
+        check_choice("preset", self.preset, PRESET_NAMES)
         if self.device in ("tpu", "xla") and self.precision == "fp16":
             raise ConfigError(f"precision='fp16' needs a CUDA GPU; on device={self.device!r} use 'bf16' (native "
                               "on TPUs) or 'fp32'")
         if self.spmd is True and self.device in ("cpu", "cuda"):
             raise ConfigError(f"spmd=True drives several XLA devices from one process; device={self.device!r} "
                               "is not XLA (use device='tpu' or 'xla', or spmd='auto')")
-        try:  # issue 11: sharding
+        try:
             self.sharding = check_sharding(self.sharding)
         except ShardingError as err:
             raise ConfigError(str(err)) from None
@@ -132,24 +143,15 @@ class TrainConfig:
             if not getattr(self, name).strip():
                 raise ConfigError(f"{name}={getattr(self, name)!r} is empty")
 
-    @property
-    def schedule(self) -> Schedule:
-        """When this run logs, evaluates and saves (`tpu_helpers.training.schedule`)."""
-        return Schedule.from_config(self)
-
     def replace(self, **changes: Any) -> TrainConfig:
         unknown = sorted(set(changes) - {f.name for f in fields(self)})
         if unknown:
-            raise ConfigError(f"unknown TrainConfig field(s) {unknown}; known: {sorted(f.name for f in fields(self))}")
+            raise ConfigError(f"unknown {type(self).__name__} field(s) {unknown}; known: "
+                              f"{sorted(f.name for f in fields(self))}")
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def _choice(name: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{name}={value!r} is not one of {allowed}")
 
 
 def _positive(name: str, value: int) -> None:
@@ -193,3 +195,59 @@ def _check_types(cfg: Any) -> None:
         # A float that holds an integer is fine where a float is expected; normalise it for the checks above.
         if hints[f.name] is float and isinstance(value, int):
             setattr(cfg, f.name, float(value))
+
+
+# ---- notebook parameters ----------------------------------------------------------------------------------------
+_UPPER = re.compile(r"^[A-Z][A-Z0-9_]*$")
+# The setup cell's parameters, which every notebook that opens on Colab or Kaggle has (launch.platform.setup_notebook):
+# known to every notebook without being declared, stored in config.extra like any notebook-only parameter.
+SETUP_PARAMETERS: dict[str, type] = {"INSTALL": bool, "REPO_URL": str}
+
+
+def notebook_parameters(namespace: dict) -> dict[str, Any]:
+    """The UPPER_CASE names of a notebook's namespace (its parameters cell and papermill's injected cell)."""
+    return {k: v for k, v in namespace.items() if _UPPER.match(k) and not isinstance(v, types.ModuleType)}
+
+
+def config_from_parameters(
+    namespace: dict, *, base: TrainConfig | None = None, extra: dict[str, type | tuple] | None = None
+) -> TrainConfig:
+    """A config of `base`'s class (TrainConfig by default) from a notebook's UPPER_CASE parameters.
+
+    `extra` declares notebook-only parameters (e.g. {"MOUNT_DRIVE": bool}); they are type-checked and stored in
+    `config.extra` under their lower-case names. Any other UPPER_CASE name that is no field is an error.
+    """
+    if not isinstance(namespace, dict):
+        raise TypeError(f"namespace must be a dict such as globals(), got {type(namespace).__name__}")
+    if base is not None and not isinstance(base, TrainConfig):
+        raise TypeError(f"base must be a TrainConfig or None, got {type(base).__name__}")
+    base = base or TrainConfig()
+    extra = {**SETUP_PARAMETERS, **(extra or {})}
+    for name, expected in extra.items():
+        kinds = expected if isinstance(expected, tuple) else (expected,)
+        if not _UPPER.match(name) or not all(isinstance(k, type) for k in kinds):
+            raise ConfigError(f"extra={{{name!r}: {expected!r}}}: keys must be UPPER_CASE parameter names and "
+                              "values a type or a tuple of types, e.g. {'MOUNT_DRIVE': bool}")
+    known = {f.name.upper() for f in fields(base) if f.name != "extra"}
+    params = notebook_parameters(namespace)
+    unknown = sorted(set(params) - known - set(extra))
+    if unknown:
+        allowed = ", ".join(sorted(known | set(extra)))
+        raise ConfigError(f"unknown notebook parameter(s) {unknown}; allowed: {allowed}")
+    changes: dict[str, Any] = {}
+    extras = dict(base.extra)
+    for name, value in params.items():
+        if name in extra:
+            expected = extra[name]
+            if not isinstance(value, expected) or (expected in (int, float) and isinstance(value, bool)):
+                raise ConfigError(f"{name}={value!r} has type {type(value).__name__}; expected {expected}")
+            extras[name.lower()] = value
+        else:
+            changes[name.lower()] = value
+    try:
+        return base.replace(extra=extras, **changes)
+    except ConfigError as err:
+        # Re-word field names as the notebook spells them, so the message matches what the user typed.
+        message = re.sub(r"\b([a-z][a-z0-9_]*)=", lambda m: f"{m.group(1).upper()}=" if m.group(1).upper()
+                         in known else m.group(0), str(err))
+        raise ConfigError(message) from None

@@ -2,12 +2,12 @@
 ImportError deep inside a call.
 
     from tpu_helpers.extras import require_extra
-    require_extra("hf", "fine-tuning (tpu_helpers.training.finetune)")   # raises MissingExtra naming the extra
+    require_extra("hf", "fine-tuning (tpu_helpers.recipes.finetune)")   # raises MissingExtra naming the extra
 
 `pip install tpu_helpers` brings the core (torch, numpy, tqdm, matplotlib, packaging): the GPT recipes, the doctor, the
 memory estimates. The extras (pyproject.toml's optional-dependencies; a test keeps these names equal to them):
 
-- `hf`: transformers, peft, tokenizers, safetensors: fine-tuning Hugging Face models (`training.finetune`,
+- `hf`: transformers, peft, tokenizers, safetensors: fine-tuning Hugging Face models (`recipes.finetune`,
   `models.lora`, `models.hf_tiny`, `models.hf.load_causal_lm`);
 - `notebooks`: papermill, ipywidgets, nbformat, ipykernel, datasets: headless notebook runs, the tuning panel's
   widgets, hub datasets.

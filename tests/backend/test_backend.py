@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from tests.support import XLA_BACKEND, run_python
+from tests.support import XLA_BACKEND, script_result
 from tpu_helpers.backend import BackendUnavailable, get_backend, tpu_chip_count
 from tpu_helpers.backend.base import Backend
 
@@ -104,44 +104,21 @@ def test_xla_step_closure_runs_after_the_step():
 @pytest.mark.xla
 @pytest.mark.slow
 def test_spmd_backend_drives_eight_virtual_devices_in_one_process():
-    out = run_python(
-        "from tpu_helpers.backend import get_backend\n"
-        "b = get_backend('xla')\n"
-        "print(b.status(), b.num_replicas, b.world_size, b.loader_rank_and_world)\n",
-        env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8"},
-    ).stdout
-    assert "XLA:CPU x8 (SPMD), fp32 8 1 (0, 1)" in out
+    out = script_result("backend_in_a_process", {"case": "spmd"}, env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8"})
+    assert out == {"status": "XLA:CPU x8 (SPMD), fp32", "replicas": 8, "world_size": 1, "loader": [0, 1]}
 
 
 @pytest.mark.slow
 def test_missing_torch_xla_gives_an_install_hint():
-    code = (
-        "import sys, importlib.metadata as md\n"
-        "real = md.version\n"
-        "def fake(name):\n"
-        "    if name == 'torch_xla': raise md.PackageNotFoundError(name)\n"
-        "    return real(name)\n"
-        "md.version = fake\n"
-        "from tpu_helpers.backend import get_backend, BackendUnavailable\n"
-        "try:\n    get_backend('xla')\nexcept BackendUnavailable as e:\n    print('ERR', e)\n"
-    )
-    out = run_python(code).stdout
-    assert "ERR torch_xla is not installed" in out and "torch_xla[tpu]==2.9.0" in out
+    err = script_result("backend_in_a_process", {"case": "no_torch_xla"})["error"]
+    assert err.startswith("torch_xla is not installed") and "torch_xla[tpu]==2.9.0" in err
 
 
 @pytest.mark.slow
 def test_mismatched_torch_and_torch_xla_are_reported_with_the_fix():
-    # Make torch claim another version and make the torch_xla import fail as a mismatched build does.
-    code = (
-        "import sys, torch\n"
-        "torch.__version__ = '2.8.0'\n"
-        "sys.modules['torch_xla'] = None\n"
-        "from tpu_helpers.backend import get_backend, BackendUnavailable\n"
-        "try:\n    get_backend('xla')\nexcept BackendUnavailable as e:\n    print('ERR', e)\n"
-    )
-    out = run_python(code).stdout
-    assert "ERR torch_xla 2.9.0 does not match torch 2.8.0" in out
-    assert "pip install 'torch==2.8.0' 'torch_xla[tpu]==2.8.0'" in out
+    err = script_result("backend_in_a_process", {"case": "mismatch"})["error"]
+    assert err.startswith("torch_xla 2.9.0 does not match torch 2.8.0")
+    assert "pip install 'torch==2.8.0' 'torch_xla[tpu]==2.8.0'" in err
 
 
 @pytest.mark.xla

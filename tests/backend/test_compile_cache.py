@@ -5,30 +5,13 @@ XLA runtime is already running (conftest)."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 
-from tests.support import XLA_BACKEND, run_python
+from tests.support import XLA_BACKEND, script_result
 from tpu_helpers.backend import DEFAULT_COMPILE_CACHE, resolve_compile_cache
 from tpu_helpers.config import ConfigError, TrainConfig
-
-TRAIN = """
-import json, torch
-from tpu_helpers.config import TrainConfig
-from tpu_helpers.data import build_datasets
-from tpu_helpers.training.trainer import Trainer
-cfg = TrainConfig(device="xla", preset="tiny", steps=3, batch_size=8, seq_len=32, warmup_steps=1, log_every=3,
-                  eval_every=100, save_every=100, compile_cache_dir={cache!r}, out_dir={out!r})
-train, val, tok = build_datasets("embedded", "byte", block_size=32, max_chars=50_000)
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Embedding(tok.vocab_size, 16), torch.nn.Linear(16, tok.vocab_size))
-loss = lambda logits, y: torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
-report = Trainer(model, train, None, config=cfg, loss_fn=loss, progress=False).fit()
-print(json.dumps(report.xla))
-print(json.dumps(str(report)))
-"""
 
 
 def test_default_cache_is_on_for_tpu_only_and_can_move_or_be_turned_off(monkeypatch, tmp_path):
@@ -49,9 +32,9 @@ def test_second_process_finds_the_first_ones_programs_in_the_cache(tmp_path):
     cache = str(tmp_path / "cache")
     runs = []
     for i in range(2):
-        code = TRAIN.format(cache=cache, out=str(tmp_path / f"run{i}"))
-        lines = run_python(code, env={"PJRT_DEVICE": "CPU"}).stdout.strip().splitlines()
-        runs.append((json.loads(lines[-2]), json.loads(lines[-1])))
+        got = script_result("compile_cache_runs", {"case": "train", "cache": cache, "out": str(tmp_path / f"run{i}")},
+                            env={"PJRT_DEVICE": "CPU"})
+        runs.append((got["xla"], got["text"]))
     (first, _), (second, text) = runs
     assert first["compile_cache_dir"] == second["compile_cache_dir"] == cache
     assert first["persistent_cache_misses"] >= 2 and first["persistent_cache_hits"] == 0
@@ -67,28 +50,11 @@ def test_second_process_finds_the_first_ones_programs_in_the_cache(tmp_path):
         assert "saved no compile time" in text
 
 
-NOTEBOOK_SEQUENCE = """
-import json, os, warnings
-os.environ.pop("TPU_HELPERS_XLA_CACHE", None)
-from tpu_helpers.backend import active_compile_cache, get_backend, resolve_compile_cache, xla_module
-from tpu_helpers.launch import platform
-platform.setup_pjrt("xla", compile_cache={cache!r})    # colab_tpu / tpuvm_v5e8: the cache goes to setup_pjrt first
-# ... then get_backend(...) with its default compile_cache_dir="default". On a TPU that resolves here:
-on_tpu = resolve_compile_cache("default", "TPU", active_compile_cache())
-xla_module().initialize_compile_cache(on_tpu)          # what get_backend does with it: "cannot move" if it differs
-with warnings.catch_warnings():
-    warnings.simplefilter("error")                     # no "compile_cache_dir is ignored" either
-    backend = get_backend("xla", spmd=False)
-print(json.dumps({{"on_tpu": on_tpu, "backend": backend.compile_cache_dir}}))
-"""
-
-
 @pytest.mark.xla
 @pytest.mark.skipif(XLA_BACKEND is None, reason="torch_xla is not installed")
 def test_cache_given_to_setup_pjrt_is_the_one_get_backend_uses_on_a_tpu(tmp_path):
     cache = str(tmp_path / "drive_cache")
-    out = run_python(NOTEBOOK_SEQUENCE.format(cache=cache), env={"PJRT_DEVICE": "CPU"}).stdout
-    got = json.loads(out.strip().splitlines()[-1])
+    got = script_result("compile_cache_runs", {"case": "notebook_sequence", "cache": cache}, env={"PJRT_DEVICE": "CPU"})
     assert got == {"on_tpu": cache, "backend": cache}
 
 

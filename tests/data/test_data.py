@@ -333,7 +333,7 @@ def _epoch(loader, epoch):
 def test_loader_with_workers_resumes_from_consumed_count():
     ds = _blocks(40)
     full = [x for x, _ in make_loader(ds, 4, seed=2)]
-    loader = make_loader(ds, 4, backend_kind="xla", num_workers=2, seed=2)
+    loader = make_loader(ds, 4, num_workers=2, seed=2)
     assert loader.num_workers == 2 and loader.persistent_workers
     got = []
     for x, _ in loader:
@@ -351,19 +351,22 @@ def test_loader_with_workers_resumes_from_consumed_count():
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
-def test_loader_settings_per_backend(monkeypatch):
+def test_loader_settings_come_from_the_backend(monkeypatch):
+    from tpu_helpers.backend import get_backend
+    from tpu_helpers.backend.cuda import CudaBackend
+    from tpu_helpers.backend.xla import XlaBackend
+
     monkeypatch.setattr("os.cpu_count", lambda: 8)
     ds = _blocks(20)
-    cpu = make_loader(ds, 4)
+    cpu = make_loader(ds, 4, **get_backend("cpu").loader_options)
     assert cpu.num_workers == 0 and not cpu.pin_memory and not cpu.persistent_workers and cpu.drop_last
-    cuda = make_loader(ds, 4, backend_kind="cuda")
+    # Asked of the backend classes themselves (no GPU or TPU here): CUDA pins and uses workers, XLA only workers.
+    cuda = make_loader(ds, 4, **CudaBackend.loader_options.fget(None))
     assert cuda.num_workers == 4 and cuda.pin_memory and cuda.persistent_workers
-    for kind in ("xla", "tpu"):
-        xla = make_loader(ds, 4, backend_kind=kind)
-        assert xla.num_workers == 4 and not xla.pin_memory and xla.persistent_workers
-    assert make_loader(ds, 4, backend_kind="xla", num_workers=0).num_workers == 0
+    xla = make_loader(ds, 4, **XlaBackend.loader_options.fget(None))
+    assert xla.num_workers == 4 and not xla.pin_memory and xla.persistent_workers
     monkeypatch.setattr("os.cpu_count", lambda: 2)
-    assert make_loader(ds, 4, backend_kind="cuda").num_workers == 2
+    assert CudaBackend.loader_options.fget(None)["num_workers"] == 2
 
 
 def test_loader_errors():
@@ -372,10 +375,10 @@ def test_loader_errors():
         make_loader(ds, 0)
     with pytest.raises(ValueError, match=r"20 samples over world_size=4 gives 5 per rank.*batch_size=8"):
         make_loader(ds, 8, world_size=4, rank=0)
-    with pytest.raises(ValueError, match=r"unknown backend_kind 'gpu'; allowed: cpu, cuda, xla, tpu"):
-        make_loader(ds, 4, backend_kind="gpu")
-    with pytest.raises(ValueError, match=r"num_workers must be >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"num_workers must be an int >= 0, got -1"):
         make_loader(ds, 4, num_workers=-1)
+    with pytest.raises(ValueError, match=r"num_workers must be an int >= 0, got 'xla'"):
+        make_loader(ds, 4, num_workers="xla")
 
 
 # ---------------------------------------------------------------- load_text and build_datasets

@@ -3,17 +3,16 @@ mode raises. Also the XLA-safe kl_div, the PT_XLA_DEBUG switch and the step-time
 
 from __future__ import annotations
 
-import json
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support import XLA_BACKEND, run_python, tiny_config
+from tests.support import XLA_BACKEND, script_result, tiny_config
 from tpu_helpers.diagnostics import XlaPerformanceError, XlaPerformanceWarning, xla_safe_kl_div
-from tpu_helpers.diagnostics.demos import run_loop
 from tpu_helpers.diagnostics.xla_debug import enable_xla_debug
+from tpu_helpers.recipes.xla_demo import run_loop
 from tpu_helpers.training.step_timing import StepTimer
 
 xla = pytest.mark.skipif(XLA_BACKEND is None, reason="torch_xla is not installed")
@@ -83,22 +82,10 @@ def test_xla_safe_kl_div_matches_torch(reduction, log_target):
 def test_debug_switch_refuses_once_the_runtime_runs_and_summarises_a_fresh_process(tmp_path):
     with pytest.raises(RuntimeError, match="already started"):
         enable_xla_debug(tmp_path / "late.txt")
-    log = tmp_path / "debug.txt"
-    code = f"""
-import json, torch
-from tpu_helpers.diagnostics.xla_debug import enable_xla_debug, summarize_xla_debug
-enable_xla_debug({str(log)!r})
-from tpu_helpers.backend import get_backend
-b = get_backend("xla", spmd=False, compile_cache_dir=None)
-x = torch.randn(4, 8, device=b.device)
-for n in (3, 4, 5, 5):      # three slice lengths: three graphs, the last one reused
-    y = x[:, :n].sum(); b.sync()
-print(json.dumps(summarize_xla_debug({str(log)!r}).to_dict()))
-"""
-    summary = json.loads(run_python(code, env={"PJRT_DEVICE": "CPU"}).stdout.strip().splitlines()[-1])
+    summary = script_result("xla_debug_run", {"log": str(tmp_path / "debug.txt")}, env={"PJRT_DEVICE": "CPU"})
     assert summary["graphs"] == summary["compilations"] >= 3
     assert summary["executions"] >= summary["compilations"] + 1
-    assert any(k.startswith("<string>") for k in summary["triggers"]), summary["triggers"]
+    assert any("xla_debug_run.py" in k for k in summary["triggers"]), summary["triggers"]
 
 
 def test_step_timer_splits_steps_and_computes_mfu_against_the_peak():

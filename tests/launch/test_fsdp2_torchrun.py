@@ -8,46 +8,16 @@ import json
 import subprocess
 import sys
 
-from tests.support import ROOT
-
-_SCRIPT = r"""
-import json, os, sys
-import torch
-from tpu_helpers.backend import get_backend
-from tpu_helpers.config import TrainConfig
-from tpu_helpers.data import build_datasets
-from tpu_helpers.models.gpt import GPT, gpt_config
-from tpu_helpers.training.trainer import Trainer
-
-sharding, batch, out_dir, steps = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-cfg = TrainConfig(device="cpu", preset="tiny", seq_len=32, lr=3e-3, warmup_steps=1, steps=steps, batch_size=batch,
-                  eval_every=2, eval_batches=2, log_every=1, save_every=4, max_chars=100_000, out_dir=out_dir,
-                  sharding=sharding)
-train, val, tok = build_datasets("embedded", "byte", block_size=32, max_chars=100_000)
-torch.manual_seed(0)
-model = GPT(gpt_config("tiny", vocab_size=tok.vocab_size, block_size=32))
-t = Trainer(model, train, val, config=cfg, progress=False)
-report = t.fit()
-b = t.backend
-params = list(t.model.parameters())
-result = {"val": [e["val_loss"] for e in t.history.eval], "world": b.world_size, "resumed_from": report.resumed_from,
-          "specs": sorted({b.sharding_spec(p) for p in params}),
-          "ratio": sum(b.device_bytes(p) for p in params) / sum(p.numel() * p.element_size() for p in params)}
-if b.is_main:
-    print("RESULT" + json.dumps(result))
-"""
+from tests.support import ROOT, SCRIPTS
 
 
 def _run(tmp_path, nproc: int, sharding: str, batch: int, name: str, steps: int) -> dict:
-    script = tmp_path / "fsdp2_run.py"
-    script.write_text(_SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", str(script), sharding,
-           str(batch), str(tmp_path / name), str(steps)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", str(SCRIPTS / "fsdp2_run.py"),
+           sharding, str(batch), str(tmp_path / name), str(steps)]
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
-    return json.loads(line[len("RESULT"):])
+    return json.loads((tmp_path / name / "result.json").read_text())
 
 
 def test_fsdp2_on_two_processes_matches_one_process_and_resumes(tmp_path):

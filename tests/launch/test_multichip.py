@@ -1,68 +1,21 @@
 """Data parallel over 8 chips is real: SPMD on 8 XLA:CPU devices shards the batch 8 ways and follows a 1-device run
 of the same global batch step for step; a checkpoint of the 8-device run resumes on 1 device at the same sample.
 
-Each device count needs its own process (XLA fixes SPMD and CPU_NUM_DEVICES per process), hence run_python.
+Each device count needs its own process (XLA fixes SPMD and CPU_NUM_DEVICES per process): tests/scripts/multichip_runs.py.
 """
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.support import run_python, tiny_config
+from tests.support import script_result, tiny_config
 from tpu_helpers.config import ConfigError
 from tpu_helpers.launch.multichip import plan_multichip, split_global_batch
 
 pytestmark = pytest.mark.xla
 
-# Trains the tiny GPT with the package's Trainer and prints, as JSON, the per-step losses, the first input batch's
-# sharding spec and the number of devices the batch was split over. Arguments arrive as JSON in ARGS.
-_TRAIN = r"""
-import json, os, sys
-from tpu_helpers.backend import get_backend
-from tpu_helpers.config import TrainConfig
-from tpu_helpers.data import build_datasets
-from tpu_helpers.models.gpt import GPT, gpt_config
-from tpu_helpers.training.trainer import Callback, Trainer
-import torch
-
-class StopAt(Callback):  # an interruption: the trainer saves and returns after this step
-    def __init__(self, step):
-        self.at = step
-    def on_step_end(self, trainer):
-        if trainer.step == self.at:
-            trainer.stop_reason = "interrupted by the test"
-
-class Probe(Trainer):
-    def compute_loss(self, batch):
-        if not hasattr(self, "spec"):
-            self.spec = self.backend.sharding_spec(batch[0])
-        return super().compute_loss(batch)
-
-out = []
-backend = get_backend("xla", spmd=ARGS["spmd"])
-train, val, tok = build_datasets("embedded", "byte", block_size=32, max_chars=200_000)
-for run in ARGS["runs"]:
-    stop = [StopAt(run.pop("stop_at"))] if "stop_at" in run else []
-    cfg = TrainConfig(device="xla", preset="tiny", seq_len=32, lr=3e-3, warmup_steps=2, eval_every=1000,
-                      eval_batches=2, log_every=1, max_chars=200_000, **run)
-    torch.manual_seed(cfg.seed)
-    model = GPT(gpt_config("tiny", vocab_size=tok.vocab_size, block_size=32))
-    t = Probe(model, train, val, config=cfg, backend=backend, progress=False, callbacks=stop)
-    report = t.fit()
-    out.append({"losses": [r["loss"] for r in t.history.train], "steps": [r["step"] for r in t.history.train],
-                "spec": getattr(t, "spec", None), "replicas": backend.num_replicas,
-                "resumed_from": report.resumed_from, "samples_in_epoch": t.samples_in_epoch})
-print("RESULT" + json.dumps(out))
-"""
-
-
 def _train(args: dict, env: dict) -> list[dict]:
-    code = f"ARGS = {json.dumps(args)!s}\n".replace("true", "True").replace("false", "False") + _TRAIN
-    proc = run_python(code, env={"PJRT_DEVICE": "CPU", **env}, timeout=300)
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
-    return json.loads(line[len("RESULT"):])
+    return script_result("multichip_runs", {"case": "train", **args}, env={"PJRT_DEVICE": "CPU", **env}, timeout=300)
 
 
 def test_eight_device_spmd_matches_one_device_and_resumes_there(tmp_path):
@@ -140,17 +93,8 @@ def test_spawn_refuses_once_the_runtime_runs_here_and_rejects_other_counts():
 
 def test_spawned_training_function_runs_from_the_package(tmp_path):
     # One process only: multi-process collectives on XLA:CPU can hang (see the torch_xla notes).
-    code = f"""
-from tpu_helpers.config import TrainConfig
-from tpu_helpers.launch.multichip import plan_multichip, train_spawn
-cfg = TrainConfig(device="xla", preset="tiny", steps=6, seq_len=32, lr=3e-3, warmup_steps=2, eval_every=3,
-                  eval_batches=2, log_every=3, save_every=3, max_chars=200_000, out_dir={str(tmp_path / "sp")!r})
-plan = plan_multichip(cfg, global_batch=8, mode="spawn", spawn_procs=1)
-results = train_spawn(plan)
-print("RESULT", results["report"]["steps"], results["mode"], results["world_size"], results["report"]["checkpoint"])
-"""
-    out = run_python(code, env={"PJRT_DEVICE": "CPU"}, timeout=300).stdout
-    line = [ln for ln in out.splitlines() if ln.startswith("RESULT")][-1].split()
-    assert line[1:4] == ["6", "spawn", "1"]
-    assert line[4].endswith("ckpt-00000006.pt")
+    got = script_result("multichip_runs", {"case": "spawn", "out_dir": str(tmp_path / "sp")},
+                        env={"PJRT_DEVICE": "CPU"}, timeout=300)
+    assert (got["steps"], got["mode"], got["world_size"]) == (6, "spawn", 1)
+    assert got["checkpoint"].endswith("ckpt-00000006.pt")
     assert (tmp_path / "sp" / "results.json").exists()

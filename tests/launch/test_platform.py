@@ -3,12 +3,11 @@ Drive outside Colab, Kaggle's paths, and the PJRT environment setup_pjrt leaves 
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 
-from tests.support import XLA_BACKEND, run_python
+from tests.support import XLA_BACKEND, script_result
 from tpu_helpers.backend import tpu_host
 from tpu_helpers.launch import platform
 from tpu_helpers.launch.platform import PlatformError, TorchXlaPair
@@ -97,15 +96,7 @@ def test_setup_pjrt_selects_the_tpu_on_a_tpu_host_and_nothing_elsewhere(monkeypa
 @pytest.mark.xla
 @pytest.mark.skipif(XLA_BACKEND is None, reason="torch_xla is not installed")
 def test_setup_pjrt_turns_the_compile_cache_on_before_the_runtime_starts(tmp_path):
-    code = f"""
-import json, os
-os.environ.pop("PJRT_DEVICE", None)
-from tpu_helpers.backend import active_compile_cache
-from tpu_helpers.launch import platform
-env = platform.setup_pjrt("xla", compile_cache={str(tmp_path / "cache")!r})
-print(json.dumps({{"device": env["PJRT_DEVICE"], "cache": active_compile_cache()}}))
-"""
-    got = json.loads(run_python(code).stdout.strip().splitlines()[-1])
+    got = script_result("compile_cache_runs", {"case": "setup_pjrt", "cache": str(tmp_path / "cache")})
     assert got == {"device": "CPU", "cache": str(tmp_path / "cache")}
     assert (tmp_path / "cache").is_dir()
 

@@ -87,11 +87,11 @@ def test_each_host_loads_its_share_and_only_host_0_writes(tmp_path):
     CheckpointManager(tmp_path / "ckpt", is_main=False).save(1, {"model": {}})
     assert not list((tmp_path / "ckpt").glob("ckpt-*"))
     # results.json too: the notebooks' save_results writes on host 0 only.
+    from tpu_helpers.recipes.pretrain import Pretrain
     from tpu_helpers.training.history import History
-    from tpu_helpers.training.recipes import GptRun, save_results
 
     for backend, name in ((host1, "host1"), (Backend("fp32"), "host0")):
-        run = GptRun(TrainConfig(out_dir=str(tmp_path / name)), backend, None, None, None, None,
-                     SimpleNamespace(history=History()), report=SimpleNamespace(to_dict=dict))
-        save_results(run)
+        job = Pretrain(TrainConfig(out_dir=str(tmp_path / name)), backend=backend)
+        job.trainer, job.report = SimpleNamespace(history=History()), SimpleNamespace(to_dict=dict)
+        job.save_results()
     assert not (tmp_path / "host1").exists() and (tmp_path / "host0" / "results.json").exists()

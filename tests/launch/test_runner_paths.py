@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tpu_helpers.__main__ import main
-from tpu_helpers.launch.runner import RunError, notebook_parameters, run_notebook
+from tpu_helpers.launch.runner import RunError, declared_parameters, run_notebook
 
 
 @pytest.mark.parametrize("kind", ["directory", "readme", "broken"])
@@ -22,7 +22,7 @@ def test_a_path_that_is_not_a_notebook_is_refused(tmp_path, kind, capsys) -> Non
     with pytest.raises(RunError, match=message):
         run_notebook(path, runs_dir=tmp_path / "runs")
     with pytest.raises(RunError, match=message):
-        notebook_parameters(path)
+        declared_parameters(path)
     assert not (tmp_path / "runs").exists()
     assert main(["run", str(path), "--runs-dir", str(tmp_path / "runs")]) == 2
     assert "error: notebook" in capsys.readouterr().err

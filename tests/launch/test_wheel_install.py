@@ -9,17 +9,7 @@ import shutil
 import subprocess
 import sys
 
-from tests.support import ROOT
-
-PROBE = """
-import json, os
-import tpu_helpers
-from tpu_helpers.launch import platform
-from tpu_helpers.memory.compiled import child_env
-print(json.dumps({"package": tpu_helpers.__file__, "requirements": str(platform.colab_requirements()),
-                  "missing": platform.install_missing(dry_run=True),  # what the Colab notebook calls
-                  "child_path": child_env("CPU", "/tmp/dump")["PYTHONPATH"].split(os.pathsep)[0]}))
-"""
+from tests.support import ROOT, SCRIPTS
 
 
 def test_installed_package_finds_its_data_and_its_subprocesses_import_it(tmp_path):
@@ -33,8 +23,8 @@ def test_installed_package_finds_its_data_and_its_subprocesses_import_it(tmp_pat
     assert pip.returncode == 0, pip.stderr[-3000:]
     elsewhere.mkdir()
     env = {**os.environ, "PYTHONPATH": str(site)}
-    proc = subprocess.run([sys.executable, "-c", PROBE], cwd=elsewhere, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "installed_probe.py")], cwd=elsewhere, env=env,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["package"] == str(site / "tpu_helpers" / "__init__.py")

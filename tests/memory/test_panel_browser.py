@@ -266,7 +266,7 @@ def test_panel_in_jupyterlab_at_laptop_and_desktop_width(lab):
             page.locator(".tpu-apply").click()
             _changed(page, before, "apply suggestion")
             assert page.locator(".tpu-ctl-batch_size input").input_value() == "9"
-            assert page.locator(".tpu-ctl-accumulation input").input_value() == "4"
+            assert page.locator(".tpu-ctl-grad_accum input").input_value() == "4"
             assert page.locator(".tpu-verdict").inner_text().startswith("FITS")
 
             mark("apply")

@@ -84,7 +84,9 @@ def test_a_hugging_face_config_counts_its_own_parameters_and_decoder_layer():
     assert panel.state.block_params == layer
     assert panel.state.model_params == 28 * layer + 151936 * h + h  # tied embedding, final norm
     line = panel.sharding_text()
-    assert line.startswith("Training of this 1.5B model needs fsdp over at least 4 chips of TPU v5e"), line
+    # The trainer drops the gradients between steps: at the backward's start the activations, at its end the
+    # gradients are alive, not both (12.4 GiB per chip over 2 chips).
+    assert line.startswith("Training of this 1.5B model needs fsdp over at least 2 chips of TPU v5e"), line
     assert not panel.verdict()["fits"] and panel.plan.per_chip["data"].peak_bytes > 25e9  # about 27 GB
     panel.apply_suggestion()
     assert panel.state.sharding == "fsdp" and panel.verdict()["fits"]

@@ -29,7 +29,7 @@ def test_the_plan_says_how_many_chips_fsdp_needs():
     assert plan.min_fsdp_chips() == 2
     assert plan.advice().startswith("full fine-tuning of this 1.6B model needs fsdp over at least 2 chips of "
                                     "TPU v5e"), plan.advice()
-    assert "data parallel needs 24." in plan.advice()
+    assert "data parallel needs 23.6 GiB" in plan.advice()
     small = gpt_sharding_plan("small", 8, 1024, chips=8)
     assert small.recommended() == "data" and "fits data parallel" in small.advice()
     # Too big even for fsdp over all chips: the message says what else to do.
@@ -52,9 +52,16 @@ def test_the_fine_tuning_plan_says_when_a_hf_model_needs_fsdp():
     qwen_1_5b = _qwen(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
                       num_key_value_heads=2)
     full = hf_sharding_plan(qwen_1_5b, 1, 1024, chips=8, method="full", gradient_checkpointing=True)
-    assert full.advice().startswith("full fine-tuning of this 1.5B model needs fsdp over at least 4 chips of TPU v5e"), \
+    assert full.advice().startswith("full fine-tuning of this 1.5B model needs fsdp over at least 2 chips of TPU v5e"), \
         full.advice()
-    assert "data parallel needs 24." in full.advice() and full.recommended() == "fsdp"
+    assert "data parallel needs 23.1 GiB" in full.advice() and full.recommended() == "fsdp"
+    # The peak is at the end of the backward (every gradient, the optimizer state), not with the logits too...
+    data, fsdp8 = full.per_chip["data"], full.per_chip["fsdp x8"]
+    assert data.breakdown["grads"] == data.breakdown["params"] and data.notes[-1] == "peak: the end of the backward"
+    # ... but sharding shrinks the gradients, not the activations: over 8 chips the start of the backward (the
+    # logits alive, no gradient yet) is the larger moment, and the plan weighs both again.
+    assert fsdp8.breakdown["grads"] == 0 and fsdp8.notes[-1] == "peak: the start of the backward"
+    assert fsdp8.breakdown["activations"] > 12 * 1024 * 151936
     qwen_7b = _qwen(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
                     num_key_value_heads=4, tie_word_embeddings=False)
     lora = hf_sharding_plan(qwen_7b, 1, 1024, chips=8, method="lora", gradient_checkpointing=True)
@@ -63,12 +70,10 @@ def test_the_fine_tuning_plan_says_when_a_hf_model_needs_fsdp():
 
 
 def test_the_finetune_recipe_plans_per_chip_under_its_sharding(tiny_lm_dir):
-    from tpu_helpers.config import TrainConfig
-    from tpu_helpers.training.finetune import Finetune, FinetuneConfig
+    from tpu_helpers.recipes.finetune import Finetune, FinetuneConfig
 
     def job(sharding):
-        return Finetune(FinetuneConfig(method="full"), TrainConfig(device="cpu", sharding=sharding, batch_size=4,
-                                                                   seq_len=32))
+        return Finetune(FinetuneConfig(method="full", device="cpu", sharding=sharding, batch_size=4, seq_len=32))
 
     data, fsdp = job("data").plan(chips=8), job("fsdp").plan(chips=8)
     assert fsdp.estimate.method.endswith("fsdp x8") and not data.estimate.method.endswith("fsdp x8")

@@ -13,7 +13,6 @@ import torch
 from tests.support import NOTEBOOKS
 from tpu_helpers.backend import get_backend
 from tpu_helpers.hardware import lookup
-from tpu_helpers.launch.targets import TARGETS
 from tpu_helpers.memory import analytic_estimate, largest_fitting_batch
 from tpu_helpers.memory.choices import (
     NOTEBOOK_PRESETS,
@@ -25,9 +24,9 @@ from tpu_helpers.memory.choices import (
 )
 from tpu_helpers.memory.panel import TuningPanel
 from tpu_helpers.memory.probe import probe_batch_size
-from tpu_helpers.memory.step import default_loss, make_optimizer
-from tpu_helpers.memory.traced import gpt_batch
+from tpu_helpers.memory.traced import gpt_batch, step_trainer
 from tpu_helpers.models.gpt import GPT, gpt_config
+from tpu_helpers.targets import TARGETS
 
 
 def test_panel_recomputes_on_every_change():
@@ -45,8 +44,11 @@ def test_panel_recomputes_on_every_change():
     ck = panel.set(gradient_checkpointing=True)
     assert ck["max_batch_size"] > big["max_batch_size"]
     assert ck["step_seconds_estimate"] > big["step_seconds_estimate"]  # recompute costs time
-    acc = panel.set(accumulation=4)
-    assert acc["global_batch"] == 4 * 16 * 8 and acc["peak_bytes"] == ck["peak_bytes"]
+    acc = panel.set(grad_accum=4)
+    # Accumulating keeps every gradient alive while the next micro-batch runs (the trainer drops them only
+    # between steps): the peak grows by at most the gradients.
+    assert acc["global_batch"] == 4 * 16 * 8 and acc["breakdown"]["grads"] == acc["breakdown"]["params"]
+    assert ck["peak_bytes"] < acc["peak_bytes"] <= ck["peak_bytes"] + acc["breakdown"]["grads"]
 
 
 def test_step_time_and_cost_follow_mfu_run_length_and_price():
@@ -79,24 +81,24 @@ def test_verdict_first_and_a_suggestion_that_keeps_the_global_batch():
     panel = TuningPanel(preset="small", seq_len=1024, batch_size=36, hardware="v5e", chips=8)
     v = panel.verdict()
     assert v["headline"] == "DOES NOT FIT" and v["max_batch_size"] == 9 and v["percent"] > 100
-    assert panel.summary().startswith("DOES NOT FIT (317% of HBM)")
+    assert panel.summary().startswith("DOES NOT FIT (314% of HBM)")
     s = panel.suggestion()
     assert s.text.startswith("largest batch 9/chip: use batch 9/chip x accumulation 4 for global batch 288")
     assert "gradient checkpointing" in s.text  # the alternative, said too
     panel.apply_suggestion()
-    assert (panel.state.batch_size, panel.state.accumulation) == (9, 4)
+    assert (panel.state.batch_size, panel.state.grad_accum) == (9, 4)
     assert panel.verdict()["headline"] == "FITS" and panel.result()["global_batch"] == 288
     assert panel.suggestion() is None  # nothing left to do
     with pytest.raises(ValueError, match="no suggestion"):
         panel.apply_suggestion()
     # Fits with accumulation, and a larger micro-batch would too: fewer micro-batches, same global batch.
-    panel.set(batch_size=2, accumulation=18)
+    panel.set(batch_size=2, grad_accum=18)
     s = panel.suggestion()
-    assert s.changes == {"batch_size": 9, "accumulation": 4} and "global batch 288" in s.text
+    assert s.changes == {"batch_size": 9, "grad_accum": 4} and "global batch 288" in s.text
 
 
 def test_suggestion_turns_on_checkpointing_or_says_the_model_needs_sharding():
-    panel = TuningPanel(preset="medium", n_layer=40, seq_len=1024, batch_size=4, hardware="v5e", chips=8,
+    panel = TuningPanel(preset="medium", n_layer=46, seq_len=1024, batch_size=4, hardware="v5e", chips=8,
                         precision="fp32")
     assert panel.result()["max_batch_size"] == 0
     s = panel.suggestion()
@@ -136,6 +138,26 @@ def test_wording_one_chip_hours_prices_and_precision_warnings():
     assert "0.00 h" not in TuningPanel(preset="tiny", seq_len=64, hardware="h100", chips=1).summary()
 
 
+def test_the_panel_speaks_the_trainers_vocabulary():
+    # One list of precisions (choices.PRECISIONS) and of optimizers, and the trainer's own setting names.
+    from tpu_helpers.choices import OPTIMIZERS, PRECISIONS
+
+    panel = TuningPanel(preset="mini", seq_len=256, batch_size=8, hardware="v5e", chips=1, precision="auto")
+    auto = panel.result()["peak_bytes"]
+    assert auto == panel.set(precision="bf16")["peak_bytes"]  # auto on a TPU is bf16, as the backend resolves it
+    assert TuningPanel(preset="mini", hardware="t4", chips=1, precision="auto").warnings() == []  # t4: fp16
+    weights = panel.set(precision="bf16", pure_bf16=True)["breakdown"]["params"]
+    assert 2 * weights == panel.set(pure_bf16=False)["breakdown"]["params"]
+    with pytest.raises(ValueError, match=r"pure_bf16=True stores the weights in bf16 and needs precision='bf16'"):
+        panel.set(precision="fp32", pure_bf16=True)
+    for optimizer in OPTIMIZERS:
+        panel.set(optimizer=optimizer)
+    for precision in PRECISIONS:
+        panel.set(precision=precision)
+    assert {"grad_accum", "gradient_checkpointing", "precision", "pure_bf16", "optimizer"} <= set(
+        panel.result()["settings"])
+
+
 def test_presets_load_the_notebooks_configurations():
     panel = TuningPanel()
     for name, (target, hardware, chips, precision) in NOTEBOOK_PRESETS.items():
@@ -148,7 +170,7 @@ def test_presets_load_the_notebooks_configurations():
         assert (st.hardware, st.chips, st.precision) == (hardware, chips, precision)
         assert st.sharding == ("fsdp" if "fsdp" in name else p.get("SHARDING", "data"))
     panel.load_preset("TPU VM v5e-8")
-    assert panel.state.global_batch == 64 == panel.result()["global_batch"] and panel.state.accumulation == 1
+    assert panel.state.global_batch == 64 == panel.result()["global_batch"] and panel.state.grad_accum == 1
     panel.load_preset("Colab TPU v6e-1")
     assert panel.state.global_batch is None and panel.verdict()["fits"]
     with pytest.raises(ValueError, match="unknown notebook preset"):
@@ -172,8 +194,8 @@ def test_the_fine_tuning_preset_reads_the_hf_config(tiny_lm_dir):
 
 def test_global_batch_mode_derives_the_accumulation():
     panel = TuningPanel(preset="mini", global_batch=256, batch_size=8, chips=8)
-    assert panel.state.accumulation == 4 and panel.result()["global_batch"] == 256
-    assert panel.set(batch_size=16).get("global_batch") == 256 and panel.state.accumulation == 2
+    assert panel.state.grad_accum == 4 and panel.result()["global_batch"] == 256
+    assert panel.set(batch_size=16).get("global_batch") == 256 and panel.state.grad_accum == 2
     with pytest.raises(ValueError, match="global batch 256 is not a multiple of batch/chip x chips = 3 x 8"):
         panel.set(batch_size=3)
 
@@ -196,22 +218,22 @@ def test_a_tiny_estimate_is_still_visible_on_a_large_chip():
 
 
 def _fake_oom_above(limit: int):
-    """A loss that runs the real step but raises the CPU's OOM error above ``limit`` sequences."""
-    def loss_fn(model, batch):
-        if batch[0].shape[0] > limit:
-            raise torch.OutOfMemoryError(f"fake: {batch[0].shape[0]} > {limit}")
-        return default_loss(model, batch)
+    """A loss (the trainer's form) that runs the real step but raises the CPU's OOM error above ``limit``
+    sequences."""
+    def loss_fn(output, targets):
+        logits, _ = output
+        if logits.shape[0] > limit:
+            raise torch.OutOfMemoryError(f"fake: {logits.shape[0]} > {limit}")
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
     return loss_fn
 
 
 def test_probe_bisects_to_the_exact_limit_within_its_budget_or_says_at_least():
-    backend = get_backend("cpu")
-    model = GPT(gpt_config("tiny"))
-    opt = make_optimizer("adamw", model.parameters())
+    trainer = step_trainer(GPT(gpt_config("tiny")), get_backend("cpu"), precision="fp32",
+                           loss_fn=_fake_oom_above(37))
 
     def probe(**kw):
-        return probe_batch_size(model, opt, gpt_batch(16, 256), backend, loss_fn=_fake_oom_above(37),
-                                steps_per_try=1, **kw)
+        return probe_batch_size(trainer, gpt_batch(16, 256), steps_per_try=1, **kw)
 
     near = probe(start=30, growth=1.25, max_tries=8)  # from a good estimate: small steps, then bisect
     assert [t["batch_size"] for t in near.tries] == [30, 37, 46, 41, 39, 38]
@@ -232,7 +254,7 @@ def test_panel_probe_starts_from_the_estimate_for_the_device_it_runs_on():
     panel = TuningPanel(preset="tiny", seq_len=64, batch_size=8, hardware="v5e", chips=8, precision="bf16")
     plan = panel.probe_start(backend, cpu_limit_bytes=16 * 2**20, max_batch_size=256)
     expected = largest_fitting_batch(lambda b: analytic_estimate("tiny", b, 64, precision="fp32"), 16 * 2**20)
-    assert plan == {"start": expected, "precision": "fp32", "memory_limit_bytes": 16 * 2**20}
+    assert plan == {"start": expected, "precision": "fp32", "pure_bf16": False, "memory_limit_bytes": 16 * 2**20}
     assert plan["start"] != panel.result()["max_batch_size"]  # not the target chip's answer
     result = panel.probe(backend, max_tries=2, max_batch_size=256, cpu_limit_bytes=16 * 2**20)
     assert result.tries[0]["batch_size"] == plan["start"] and result.memory_limit_bytes == 16 * 2**20
@@ -262,7 +284,7 @@ def test_widget_controls_drive_the_panel():
     assert view.verdict.value.count("DOES NOT FIT") == 1 and "accumulation 4" in view.suggestion.value
     assert not view.apply.disabled
     view._on_apply(None)
-    assert (c["batch_size"].value, c["accumulation"].value, c["global_batch"].value) == (9, 4, 288)
+    assert (c["batch_size"].value, c["grad_accum"].value, c["global_batch"].value) == (9, 4, 288)
     c["hardware"].value = "v4"  # 8 chips exist for a v4 too; 1 does not
     assert c["chips"].value == 8 and [n for _, n in c["chips"].options][0] == 4
     c["seq_len"].value = 0  # refused: said in red, figures stale, state unchanged
@@ -270,9 +292,9 @@ def test_widget_controls_drive_the_panel():
     c["seq_len"].value = 512
     assert panel.error is None and view.error.value == ""
     c["config"].value = "TPU VM v5e-8"
-    assert c["mode"].value == "global" and c["global_batch"].value == 64 and c["accumulation"].disabled
+    assert c["mode"].value == "global" and c["global_batch"].value == 64 and c["grad_accum"].disabled
     c["batch_size"].value = 4
-    assert c["accumulation"].value == 2 and c["config"].value == "custom"
+    assert c["grad_accum"].value == 2 and c["config"].value == "custom"
 
 
 def test_colab_gets_its_custom_widget_manager_only_with_ipywidgets_8(monkeypatch):

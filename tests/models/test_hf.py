@@ -95,7 +95,7 @@ def test_generation_compiles_a_fixed_number_of_graphs_not_one_per_token(tiny_lm_
 
     b = XLA_BACKEND
     model, tok = hf.load_causal_lm(str(tiny_lm_dir))
-    model = b.prepare_model(model)
+    model = b.move_model(model)
     prompts, _ = prompts_and_answers(instruction_records(split="test")[:4])
     counts = []
     for new_tokens in (3, 9):
@@ -114,7 +114,7 @@ def test_generation_compiles_a_fixed_number_of_graphs_not_one_per_token(tiny_lm_
 @pytest.mark.xla
 def test_tied_embedding_and_head_stay_tied_after_the_move_to_xla_under_peft(tiny_lm_dir):
     model, _ = hf.load_causal_lm(str(tiny_lm_dir))
-    model = XLA_BACKEND.prepare_model(lora.add_lora(model, r=4))
+    model = XLA_BACKEND.move_model(lora.add_lora(model, r=4))
     base = model.get_base_model()
     head, emb = base.get_output_embeddings().weight, base.get_input_embeddings().weight
     # Module.to() would give the head a Parameter of its own on XLA: twice the memory, and a full fine-tune would

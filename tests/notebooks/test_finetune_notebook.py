@@ -32,7 +32,7 @@ def _check(results, out_dir):
     assert results["plan"]["fits"] and results["parameters"]["trainable_share"] < 0.1
     assert results["samples_before"]["exact_match"] is not None and len(results["samples_after"]["rows"]) > 40
     merged = AutoModelForCausalLM.from_pretrained(results["exports"]["merged"]).eval()
-    base = AutoModelForCausalLM.from_pretrained(results["finetune"]["model"] if results["finetune"]["model"] != "tiny"
+    base = AutoModelForCausalLM.from_pretrained(results["config"]["model"] if results["config"]["model"] != "tiny"
                                                 else json.loads((out_dir / "merged" / "tpu_helpers.json")
                                                                 .read_text())["base_model"])
     adapted = PeftModel.from_pretrained(base, results["exports"]["adapter"]).eval()

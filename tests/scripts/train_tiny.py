@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
+from tpu_helpers.callbacks import Callback
 from tpu_helpers.config import TrainConfig
 from tpu_helpers.data import build_datasets
 from tpu_helpers.models.gpt import GPT, gpt_config
-from tpu_helpers.training.trainer import Callback, Trainer
+from tpu_helpers.training.trainer import Trainer
 
 
 def _print_line(text: str) -> None:

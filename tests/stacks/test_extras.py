@@ -49,11 +49,11 @@ def test_core_install_imports_trains_and_names_the_extra_fine_tuning_needs(tmp_p
               "--seq_len", "32", "--eval_every", "3", "--log_every", "3", "--max_chars", "100000",
               "--out_dir", str(tmp_path / "gpt")], checkout=False, cwd=elsewhere)
     assert json.loads((tmp_path / "gpt" / "results.json").read_text())["report"]["steps"] == 6
-    err = venv.run(["-c", "from tpu_helpers.training.finetune import Finetune"], checkout=False, cwd=elsewhere,
+    err = venv.run(["-c", "from tpu_helpers.recipes.finetune import Finetune"], checkout=False, cwd=elsewhere,
                    check=False)
     assert err.returncode == 1
     last = err.stderr.strip().splitlines()[-1]
-    assert last.startswith("tpu_helpers.extras.MissingExtra: fine-tuning (tpu_helpers.training.finetune) needs the "
+    assert last.startswith("tpu_helpers.extras.MissingExtra: fine-tuning (tpu_helpers.recipes.finetune) needs the "
                            "'hf' extra"), last
     assert "not installed here: transformers, peft, tokenizers, safetensors" in last
     assert 'pip install "tpu_helpers[hf]"' in last, last

@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from tests.support import tiny_config
+from tpu_helpers.callbacks import Callback
 from tpu_helpers.checkpoint import CheckpointManager
 from tpu_helpers.config import ConfigError, TrainConfig
 from tpu_helpers.models.gpt import GPT, gpt_config
 from tpu_helpers.training.finite import TrainingDiverged
-from tpu_helpers.training.trainer import Callback, Trainer
+from tpu_helpers.training.trainer import Trainer
 
 
 class PoisonAt(Callback):

@@ -2,73 +2,23 @@
 (plain names), resumes under data parallel on 1 device and continues the run; the exports (adapter, merged model)
 come out whole and reload without torch_xla.
 
-SPMD and the device count are fixed per process, hence one subprocess per device count (tests.support.run_python).
+SPMD and the device count are fixed per process, hence one process per device count (tests/scripts/finetune_runs.py).
 """
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from tests.support import run_python
-from tpu_helpers.config import ConfigError
-from tpu_helpers.training.finetune import finetune_from_parameters
-
-# Fine-tunes each run of ARGS["runs"] with the Finetune recipe and prints, as JSON, per-step losses, the keys of
-# the checkpoint it saved and, for runs with "export", the export paths (the trained weights go to trained.pt).
-_RUN = r"""
-import json
-import shutil
-import torch
-from tpu_helpers.backend import get_backend
-from tpu_helpers.checkpoint import CheckpointManager
-from tpu_helpers.config import TrainConfig
-from tpu_helpers.training.finetune import Finetune, FinetuneConfig
-from tpu_helpers.training.sharding import plain_name
-from tpu_helpers.training.trainer import Callback
-
-class StopAt(Callback):  # an interruption: the trainer saves and returns after this step
-    def __init__(self, step):
-        self.at = step
-    def on_step_end(self, trainer):
-        if trainer.step == self.at:
-            trainer.stop_reason = "interrupted by the test"
-
-backend = get_backend("xla", spmd=ARGS["spmd"])
-out = []
-for run in ARGS["runs"]:
-    stop, export, method = run.pop("stop_at", None), run.pop("export", None), run.pop("method", "lora")
-    if "copy_from" in run:  # resume another run's checkpoint in a directory of its own
-        shutil.copytree(run.pop("copy_from"), run["out_dir"])
-    cfg = TrainConfig(device="xla", preset="tiny", seq_len=32, lr=3e-3, warmup_steps=1, eval_every=1000,
-                      eval_batches=1, log_every=1, save_every=1000, **run)
-    job = Finetune(FinetuneConfig(method=method, max_records=400, lora_targets="q_proj,v_proj"), cfg,
-                   backend=backend)
-    job.load(); job.prepare_data()
-    report = job.train(progress=False, callbacks=[StopAt(stop)] if stop else [])
-    saved = CheckpointManager(cfg.out_dir).load(report.checkpoint)
-    model_state = saved["sharded"].read_whole()["model"] if "sharded" in saved else saved["model"]
-    result = {"losses": [r["loss"] for r in job.trainer.history.train],
-              "steps": [r["step"] for r in job.trainer.history.train], "resumed_from": report.resumed_from,
-              "mesh": list(backend.mesh_shape), "model_keys": sorted(model_state), "checkpoint": report.checkpoint,
-              "problems": report.xla.get("problems"), "compilations": report.xla.get("compilations")}
-    if export:
-        result["paths"] = job.export(export)
-        trained = {plain_name(n): p.detach().cpu() for n, p in job.trainer.model.named_parameters()
-                   if p.requires_grad}
-        torch.save(trained, export + "/trained.pt")
-    out.append(result)
-print("RESULT" + json.dumps(out))
-"""
+from tests.support import script_result
+from tpu_helpers.callbacks import Callback
+from tpu_helpers.config import ConfigError, TrainConfig, config_from_parameters
+from tpu_helpers.recipes.finetune import Finetune, FinetuneConfig
 
 
 def _finetune(args: dict, devices: int) -> list[dict]:
-    code = f"ARGS = {json.dumps(args)!s}\n".replace("true", "True").replace("false", "False") + _RUN
-    proc = run_python(code, env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices)}, timeout=900)
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
-    return json.loads(line[len("RESULT"):])
+    return script_result("finetune_runs", args, env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices)},
+                         timeout=900)
 
 
 @pytest.mark.xla
@@ -133,20 +83,22 @@ def test_finetuning_under_fsdp_checkpoints_resumes_on_one_device_and_exports(tmp
         torch.testing.assert_close(merged[name], value, rtol=0, atol=0)
 
 
+def _params(values: dict) -> FinetuneConfig:
+    return config_from_parameters(values, base=FinetuneConfig())
+
+
 def test_the_notebook_parameter_sharding_reaches_the_trainer_config():
-    ft, cfg = finetune_from_parameters({"SHARDING": "fsdp", "METHOD": "full", "STEPS": 3})
-    assert cfg.sharding == "fsdp" and ft.method == "full" and cfg.steps == 3
-    assert finetune_from_parameters({"SHARDING": "2X4"})[1].sharding == "2x4"
+    cfg = _params({"SHARDING": "fsdp", "METHOD": "full", "STEPS": 3})
+    assert cfg.sharding == "fsdp" and cfg.method == "full" and cfg.steps == 3
+    assert _params({"SHARDING": "2X4"}).sharding == "2x4"
     with pytest.raises(ConfigError, match=r"SHARDING='zero3' is not one of \('data', 'fsdp', 'DxF"):
-        finetune_from_parameters({"SHARDING": "zero3"})
+        _params({"SHARDING": "zero3"})
 
 
-def test_train_still_takes_progress_and_callbacks_when_the_trainer_exists(tmp_path):
-    # Under a sharded SHARDING, samples() before training makes the trainer (to sample from the sharded model).
-    from tpu_helpers.config import TrainConfig
-    from tpu_helpers.training.finetune import Finetune, FinetuneConfig
-    from tpu_helpers.training.trainer import Callback
-
+def test_a_job_has_no_call_order_traps(tmp_path):
+    # Under a sharded SHARDING, samples() before training makes the trainer (to sample from the sharded model);
+    # the recipe's parts load on first use and the trainer's arguments are the constructor's, so whatever comes
+    # first, the callbacks run and the progress bar is as asked.
     class Steps(Callback):
         def __init__(self):
             self.seen = []
@@ -154,14 +106,14 @@ def test_train_still_takes_progress_and_callbacks_when_the_trainer_exists(tmp_pa
         def on_step_end(self, trainer):
             self.seen.append(trainer.step)
 
-    cfg = TrainConfig(device="cpu", steps=2, batch_size=4, seq_len=32, warmup_steps=1, eval_every=1000,
-                      eval_batches=1, log_every=1, save_every=1000, out_dir=str(tmp_path / "run"))
-    job = Finetune(FinetuneConfig(max_records=400), cfg)
-    job.load()
-    job.prepare_data()
-    job.make_trainer()
-    with pytest.raises(ConfigError, match=r"Finetune.train\(loss_fn=...\): the trainer already exists"):
-        job.train(loss_fn=None)
     steps = Steps()
-    job.train(progress=False, callbacks=[steps])
-    assert steps.seen == [1, 2] and job.trainer.progress is False
+    cfg = FinetuneConfig(device="cpu", steps=2, batch_size=4, seq_len=32, warmup_steps=1, eval_every=1000,
+                         eval_batches=1, log_every=1, save_every=1000, out_dir=str(tmp_path / "run"), max_records=400)
+    job = Finetune(cfg, progress=False, callbacks=[steps])
+    assert job.trainer.progress is False  # made before the data was asked for: it loads what it needs
+    job.samples(2)
+    job.train()
+    assert steps.seen == [1, 2] and job.report.steps == 2
+    with pytest.raises(TypeError, match=r"Finetune needs a FinetuneConfig, got TrainConfig; build one from a "
+                                        r"notebook's parameters with config_from_parameters"):
+        Finetune(TrainConfig(device="cpu"))

@@ -1,39 +1,23 @@
 """LoRA SFT over 8 simulated XLA:CPU devices (SPMD data parallel) follows a 1-device run of the same global batch.
 
-SPMD and the device count are fixed per process, hence one subprocess per device count (tests.support.run_python).
+SPMD and the device count are fixed per process, hence one process per device count (tests/scripts/finetune_runs.py).
 """
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.support import run_python
+from tests.support import script_result
 
 pytestmark = pytest.mark.xla
 
-_RUN = r"""
-import json
-from tpu_helpers.backend import get_backend
-from tpu_helpers.config import TrainConfig
-from tpu_helpers.training.finetune import Finetune, FinetuneConfig
-backend = get_backend("xla", spmd=SPMD)
-cfg = TrainConfig(device="xla", preset="tiny", steps=4, batch_size=BATCH, seq_len=32, lr=3e-3, warmup_steps=1,
-                  eval_every=1000, eval_batches=1, log_every=1, save_every=1000, out_dir=OUT, xla_checks="strict")
-job = Finetune(FinetuneConfig(max_records=400), cfg, backend=backend)
-job.load(); job.prepare_data()
-report = job.train(progress=False)
-print("RESULT" + json.dumps({"losses": [r["loss"] for r in job.trainer.history.train],
-                             "replicas": backend.num_replicas, "compilations": report.xla["compilations"]}))
-"""
-
 
 def _run(tmp_path, devices: int, spmd: bool, batch: int) -> dict:
-    code = (_RUN.replace("SPMD", repr(spmd)).replace("BATCH", str(batch))
-            .replace("OUT", repr(str(tmp_path / f"run{devices}"))))
-    proc = run_python(code, env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices)})
-    return json.loads(proc.stdout.split("RESULT", 1)[1].strip().splitlines()[0])
+    run = {"steps": 4, "batch_size": batch, "out_dir": str(tmp_path / f"run{devices}"), "xla_checks": "strict",
+           "lora_targets": "q_proj,k_proj,v_proj,o_proj"}
+    (result,) = script_result("finetune_runs", {"spmd": spmd, "runs": [run]},
+                              env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices)})
+    return result
 
 
 def test_eight_devices_match_one_device_on_the_same_global_batch(tmp_path):

@@ -14,8 +14,8 @@ import pytest
 
 from tests.support import tiny_config
 from tpu_helpers.checkpoint import CheckpointManager
+from tpu_helpers.recipes.pretrain import Pretrain
 from tpu_helpers.training.history import History
-from tpu_helpers.training.recipes import GptRun, save_results
 from tpu_helpers.training.run_lock import RunLock, RunLocked, network_filesystem
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,10 +86,10 @@ def test_save_results_uses_a_unique_temp_file(tmp_path: Path) -> None:
 
     cfg = tiny_config(tmp_path)
     (Path(cfg.out_dir) / ".loss.png.tmp").mkdir(parents=True)  # another writer's fixed-name temp in the way
-    trainer = type("T", (), {"history": History()})()
     from tpu_helpers.backend.base import Backend
 
-    run = GptRun(cfg, Backend("fp32"), None, None, None, None, trainer, report=Report())
-    save_results(run)
+    job = Pretrain(cfg, backend=Backend("fp32"))
+    job.trainer, job.report = type("T", (), {"history": History()})(), Report()  # a finished run, no data read
+    job.save_results()
     assert (Path(cfg.out_dir) / "loss.png").stat().st_size > 0
     assert [p.name for p in Path(cfg.out_dir).iterdir() if p.name.endswith(".tmp")] == [".loss.png.tmp"]

@@ -1,7 +1,7 @@
 """SHARDING: FSDP over the SPMD mesh follows a one-device run step for step, and really holds 1/N per chip.
 
 The 8-device runs (CPU_NUM_DEVICES=8, SPMD) and the 1-device runs each need their own process (XLA fixes SPMD and
-the device count per process), hence run_python. Models: the package's GPT and a tiny Qwen2 built from a config
+the device count per process), hence tests/scripts/sharded_runs.py. Models: the package's GPT and a tiny Qwen2 built from a config
 (random init, no download), fully fine-tuned and with LoRA.
 """
 
@@ -11,109 +11,18 @@ import json
 
 import pytest
 
-from tests.support import run_python
-from tpu_helpers.backend import runtime_env
+from tests.support import XLA_BACKEND, script_result
+from tpu_helpers.backend import get_backend, runtime_env
+from tpu_helpers.backend.units import block_classes
 from tpu_helpers.config import ConfigError, TrainConfig
-from tpu_helpers.training.sharding import ShardingError, block_classes, check_sharding, is_sharded, mesh_shape
-
-# Trains each run of ARGS["runs"] with the package's Trainer and prints, as JSON, per-step losses and what the
-# backend says about the sharding of every parameter and optimizer-state tensor.
-_TRAIN = r"""
-import json
-import torch
-from tpu_helpers.backend import get_backend
-from tpu_helpers.config import TrainConfig
-from tpu_helpers.data import build_datasets
-from tpu_helpers.models.gpt import GPT, gpt_config
-from tpu_helpers.training.trainer import Callback, Trainer
-
-class StopAt(Callback):  # an interruption: the trainer saves and returns after this step
-    def __init__(self, step):
-        self.at = step
-    def on_step_end(self, trainer):
-        if trainer.step == self.at:
-            trainer.stop_reason = "interrupted by the test"
-
-class Compiles(Callback):  # compilations up to the end of step 2 (the warm-up) and up to the end
-    def __init__(self):
-        self.at = {}
-    def on_step_end(self, trainer):
-        self.at[trainer.step] = trainer.backend.metrics()["compilations"]
-
-def hf_model(lora):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, use_cache=False, attn_implementation="eager")
-    model = Qwen2ForCausalLM(cfg)
-    if lora:
-        from peft import LoraConfig, get_peft_model
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    return model
-
-def hf_loss(output, targets):
-    return torch.nn.functional.cross_entropy(output.logits.float().view(-1, output.logits.size(-1)), targets.view(-1))
-
-import glob, os
-def new_barriers(seen):  # opt-barriers in the HLO of the programs compiled since `seen` (torch_xla's checkpointing)
-    files = set(glob.glob(os.path.join(ARGS.get("dump") or "/nonexistent", "*before_optimizations.txt")))
-    return sum(open(f).read().count(" opt-barrier(") for f in files - seen), files
-
-out = []
-seen = set()
-backend = get_backend("xla", spmd=ARGS["spmd"])
-train, _, tok = build_datasets("embedded", "byte", block_size=32, max_chars=200_000)
-for run in ARGS["runs"]:
-    kind = run.pop("model")
-    stop = [StopAt(run.pop("stop_at"))] if "stop_at" in run else []
-    cfg = TrainConfig(device="xla", preset="tiny", seq_len=32, lr=3e-3, warmup_steps=1, eval_every=1000,
-                      log_every=1, save_every=1000, max_chars=200_000, **run)
-    torch.manual_seed(cfg.seed)
-    if kind == "gpt":
-        model, loss_fn = GPT(gpt_config("tiny", vocab_size=tok.vocab_size, block_size=32)), None
-    else:
-        model, loss_fn = hf_model(kind == "lora"), hf_loss
-    compiles = Compiles()
-    t = Trainer(model, train, None, config=cfg, backend=backend, loss_fn=loss_fn, progress=False,
-                callbacks=[compiles, *stop])
-    report = t.fit()
-    barriers, seen = new_barriers(seen)
-    params = [p for p in t.model.parameters()]
-    states = [v for s in t.optimizer.state.values() for v in s.values()
-              if isinstance(v, torch.Tensor) and v.device.type == "xla"]
-    full = sum(p.numel() * p.element_size() for p in params)
-    out.append({
-        "losses": [r["loss"] for r in t.history.train],
-        "mesh": list(backend.mesh_shape),
-        "unsharded_params": [n for n, p in t.model.named_parameters() if p.dim() and not backend.sharding_spec(p)],
-        "unsharded_states": sum(1 for v in states if v.dim() and not backend.sharding_spec(v)),
-        "n_states": len(states),
-        "param_ratio": sum(backend.device_bytes(p) for p in params) / full,
-        "state_ratio": sum(backend.device_bytes(v) for v in states) / max(1, sum(v.numel() * 4 for v in states)),
-        "compiles": compiles.at,
-        "trainable": sorted(n for n, p in t.raw_model.named_parameters() if p.requires_grad)[:2],
-        "resumed_from": report.resumed_from,
-        "compiles_end": t.backend.metrics()["compilations"],  # after the final save
-        "steps": [r["step"] for r in t.history.train],
-        "opt_barriers": barriers,
-        "minibatch": bool(getattr(backend._input_sharding, "minibatch", False)) if backend.mesh is not None else None,
-    })
-    if kind == "lora":
-        from peft import get_peft_model_state_dict
-        from tpu_helpers.training.sharding import adapter_state_dict
-        out[-1]["adapter_keys"] = sorted(adapter_state_dict(t.raw_model))
-        out[-1]["peft_alone_keys"] = len(get_peft_model_state_dict(t.raw_model))
-print("RESULT" + json.dumps(out))
-"""
+from tpu_helpers.sharding import ShardingError, check_sharding, is_sharded, mesh_shape
 
 
 def _train(args: dict, devices: int) -> list[dict]:
-    code = f"ARGS = {json.dumps(args)!s}\n".replace("true", "True").replace("false", "False") + _TRAIN
     env = runtime_env.xla_cpu_env(devices)
     if args.get("dump"):  # the compiler's HLO, to see what each run's step holds
         env[runtime_env.XLA_FLAGS] = runtime_env.dump_dir_flags(args["dump"])
-    proc = run_python(code, env=env, timeout=900)
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
-    return json.loads(line[len("RESULT"):])
+    return script_result("sharded_runs", args, env=env, timeout=900)
 
 
 @pytest.mark.xla
@@ -264,12 +173,12 @@ def test_fsdp_on_a_single_chip_keeps_the_models_own_gradient_checkpointing():
     # checkpoints it: the model must do it itself, or the memory saving silently disappears.
     from types import SimpleNamespace
 
-    from tpu_helpers.training.sharding import checkpoints_blocks
+    from tpu_helpers.backend.sharding_xla import SpmdSharding
 
-    cfg = TrainConfig(sharding="fsdp", gradient_checkpointing=True)
-    assert not checkpoints_blocks(cfg, SimpleNamespace(is_xla=True, device_count=1))
-    assert checkpoints_blocks(cfg, SimpleNamespace(is_xla=True, device_count=8))
-    assert not checkpoints_blocks(cfg.replace(sharding="8x1"), SimpleNamespace(is_xla=True, device_count=8))
-    assert not checkpoints_blocks(cfg.replace(gradient_checkpointing=False), SimpleNamespace(is_xla=True,
-                                                                                             device_count=8))
-    assert not checkpoints_blocks(cfg, SimpleNamespace(is_xla=False, device_count=1))  # FSDP2: the model's own
+    on = SpmdSharding.checkpoints_blocks  # the XLA backend's answer, for a given device count
+    assert not on(SimpleNamespace(device_count=1), "fsdp")
+    assert on(SimpleNamespace(device_count=8), "fsdp") and on(SimpleNamespace(device_count=8), "2x4")
+    assert not on(SimpleNamespace(device_count=8), "8x1") and not on(SimpleNamespace(device_count=8), "data")
+    if XLA_BACKEND is not None:
+        assert not XLA_BACKEND.checkpoints_blocks("fsdp")  # this process: one XLA:CPU device
+    assert not get_backend("cpu").checkpoints_blocks("fsdp")  # FSDP2: the model's own

@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import XLA_BACKEND, tiny_config
+from tests.support import XLA_BACKEND, StopAt, tiny_config
+from tpu_helpers.callbacks import Callback
 from tpu_helpers.checkpoint import CheckpointManager
 from tpu_helpers.models.gpt import GPT, gpt_config
 from tpu_helpers.training.signals import is_signal_stop, stop_on_signals
-from tpu_helpers.training.trainer import Callback, Trainer
+from tpu_helpers.training.trainer import Trainer
 
 STEPS = 16
 
@@ -37,15 +38,6 @@ class SendSignals(Callback):
         if trainer.step == self.at:
             for _ in range(self.count):
                 os.kill(os.getpid(), self.sig)  # Python runs the handler before the next bytecode
-
-
-class StopAt(Callback):
-    def __init__(self, steps: set[int]) -> None:
-        self.steps = steps
-
-    def on_step_end(self, trainer: Trainer) -> None:
-        if trainer.step in self.steps:
-            trainer.stop_reason = f"test stop at {trainer.step}"
 
 
 def _trainer(data, cfg, callbacks=()) -> Trainer:
@@ -113,7 +105,7 @@ def _interrupted_and_uninterrupted(data, tmp_path: Path, stops: list[int], steps
     cfg = tiny_config(tmp_path / "parts", steps=steps, save_every=100, eval_every=7, log_every=5, **overrides)
     resumed_from = []
     for _ in range(len(stops) + 1):
-        part = _trainer(data, cfg, [StopAt(set(stops))])
+        part = _trainer(data, cfg, [StopAt(stops)])
         report = part.fit()
         resumed_from.append(report.resumed_from)
     assert report.steps == steps and resumed_from == [None, *stops]

@@ -7,12 +7,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-from tests.support import XLA_BACKEND, tiny_config
+from tests.support import XLA_BACKEND, StopAt, tiny_config
 from tpu_helpers.backend import get_backend
 from tpu_helpers.config import ConfigError
 from tpu_helpers.models.gpt import GPT, gpt_config
-from tpu_helpers.training.recipes import build_gpt_run
-from tpu_helpers.training.trainer import Callback, Trainer, fit, warmup_cosine
+from tpu_helpers.recipes.pretrain import Pretrain
+from tpu_helpers.training.optimizers import warmup_cosine
+from tpu_helpers.training.trainer import Trainer, fit
 
 
 def tiny_gpt(vocab: int = 256) -> GPT:
@@ -50,15 +51,6 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, tiny_data):
                progress=False)
     for name, w in weights(big).items():
         torch.testing.assert_close(weights(acc)[name], w, rtol=1e-4, atol=1e-5)
-
-
-class StopAt(Callback):
-    def __init__(self, step: int) -> None:
-        self.at = step
-
-    def on_step_end(self, trainer: Trainer) -> None:
-        if trainer.step == self.at:
-            trainer.stop_reason = "test"
 
 
 def test_a_stopped_and_resumed_run_equals_an_uninterrupted_one_bit_for_bit(tmp_path, tiny_data):
@@ -131,8 +123,8 @@ def test_every_hook_the_loop_calls_is_a_callback_hook():
     import inspect
     import re
 
+    from tpu_helpers.callbacks import HOOKS
     from tpu_helpers.training import trainer as trainer_module
-    from tpu_helpers.training.callbacks import HOOKS
 
     called = set(re.findall(r"\bcb\.(on_\w+)\(", inspect.getsource(trainer_module)))
     assert called and called <= set(HOOKS), called - set(HOOKS)
@@ -155,14 +147,14 @@ def test_gradient_checkpointing_is_wired_or_refused(tmp_path, tiny_data):
 def test_sequence_longer_than_the_context_is_refused_before_any_work(tmp_path):
     cfg = tiny_config(tmp_path, seq_len=65)
     with pytest.raises(ConfigError, match=r"seq_len=65 exceeds the context of preset 'tiny' \(block_size 64\)"):
-        build_gpt_run(cfg, backend=get_backend("cpu"))
+        Pretrain(cfg, backend=get_backend("cpu"))
     assert not (tmp_path / "run").exists()
 
 
 def test_missing_dataset_path_is_named_and_nothing_is_written(tmp_path):
     cfg = tiny_config(tmp_path, dataset=str(tmp_path / "nope.txt"))
     with pytest.raises(FileNotFoundError, match="nope.txt"):
-        build_gpt_run(cfg, backend=get_backend("cpu"))
+        Pretrain(cfg, backend=get_backend("cpu")).train()
     assert not (tmp_path / "run").exists()
 
 
@@ -189,14 +181,14 @@ def test_xla_training_with_bf16_and_xla_gradient_checkpointing(tmp_path, tiny_da
 def test_saving_results_leaves_no_figure_open(tmp_path, monkeypatch):
     import matplotlib.pyplot as plt
 
-    from tpu_helpers.training.recipes import save_results, train_gpt
+    from tpu_helpers.recipes.pretrain import train_gpt
     from tpu_helpers.training.results import RUN_DIR_ENV
 
     monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / "runner_dir"))  # two directories, one loss.png each
-    run = train_gpt(tiny_config(tmp_path, steps=2, eval_every=2, log_every=1, save_every=2, max_chars=20_000),
+    job = train_gpt(tiny_config(tmp_path, steps=2, eval_every=2, log_every=1, save_every=2, max_chars=20_000),
                     progress=False)
     before = plt.get_fignums()
     for _ in range(3):  # a long notebook session saving again and again
-        save_results(run)
+        job.save_results()
     assert plt.get_fignums() == before
     assert (tmp_path / "run" / "loss.png").stat().st_size > 0 and (tmp_path / "runner_dir" / "loss.png").exists()

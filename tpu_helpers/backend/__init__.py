@@ -29,16 +29,16 @@ from typing import Any
 
 import torch
 
-from tpu_helpers.backend import tpu_host
+from tpu_helpers.backend import runtime_env, tpu_host
 from tpu_helpers.backend.base import Backend, BackendUnavailable, warn_fallback
 from tpu_helpers.choices import DEVICES
 
 __all__ = ["DEFAULT_COMPILE_CACHE", "DEVICES", "Backend", "BackendUnavailable", "active_compile_cache", "backend_for",
-           "get_backend", "resolve_compile_cache", "tpu_chip_count", "xla_module"]
+           "get_backend", "resolve_compile_cache", "started_xla_backend", "tpu_chip_count", "xla_module"]
 
 _XLA_BACKEND = None  # the XLA runtime is per process: build its backend once and hand the same one out
 
-# ---- persistent compile cache (issue 5) ----------------------------------------------------------------------------
+# ---- persistent compile cache ----------------------------------------------------------------------------------------
 DEFAULT_COMPILE_CACHE = "~/.cache/tpu_helpers/xla_cache"  # $TPU_HELPERS_XLA_CACHE moves it (e.g. to Drive)
 
 
@@ -70,7 +70,11 @@ def active_compile_cache() -> str | None:
     None; never imports torch_xla (no XLA module loaded means no cache yet)."""
     module = sys.modules.get("tpu_helpers.backend.xla")
     return module.active_compile_cache() if module is not None else None
-# ---- end compile cache ---------------------------------------------------------------------------------------------
+
+
+def started_xla_backend() -> Backend | None:
+    """The XLA backend this process already runs, or None; never starts one (the doctor reads HBM through it)."""
+    return _XLA_BACKEND
 
 
 def tpu_chip_count() -> int:
@@ -106,8 +110,7 @@ def xla_module():
 
 def _spmd_default(local_devices: int) -> bool:
     # Inside an xmp.spawn child each process owns one device: SPMD is for a single process that drives them all.
-    spawned = int(os.environ.get("PJRT_LOCAL_PROCESS_COUNT", "1")) > 1
-    return local_devices > 1 and not spawned
+    return local_devices > 1 and not runtime_env.spawned_process()
 
 
 def _with_precision(backend: Backend, precision: str) -> Backend:

@@ -1,10 +1,13 @@
 """The backend interface and its CPU implementation.
 
 A `Backend` gives a training loop everything that differs between TPU, GPU and CPU: the device, rank and world
-size, mixed precision, the optimizer step (with gradient all-reduce and clipping), the per-step sync, loader
-wrapping, gradient checkpointing, memory figures and the hardware description. The loop in `tpu_helpers.training.trainer`
-only talks to this interface, so the same code runs everywhere. `CudaBackend` and `XlaBackend` override the parts
-that differ; this class is also the CPU backend (optionally multi-process through torchrun and gloo).
+size, mixed precision, placing the model for a SHARDING (`prepare_model`, from `sharding_torch`), the optimizer
+step (with gradient all-reduce and clipping), the per-step sync, loader settings and wrapping, gradient
+checkpointing, memory figures, run counters and the hardware description. The loop in
+`tpu_helpers.training.trainer` only talks to this interface, so the same code runs everywhere: code outside
+`backend/` asks these methods and properties instead of comparing device names, and every attribute a caller reads
+is declared here (a test checks). `CudaBackend` and `XlaBackend` override the parts that differ; this class is also
+the CPU backend (optionally multi-process through torchrun and gloo).
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ class Backend(TorchSharding):
 
     name = "cpu"
     autocast_device_type = "cpu"
+    spmd = False  # XLA: one process drives every local chip as one program
+    mesh: Any = None  # XLA SPMD: the (data, fsdp) device mesh
+    compile_cache_dir: str | None = None  # XLA: the persistent compile cache this process uses, if any
 
     def __init__(self, precision: str = "auto") -> None:
         self.device = torch.device("cpu")
@@ -73,7 +79,32 @@ class Backend(TorchSharding):
 
     @property
     def is_xla(self) -> bool:
+        """Whether this is torch_xla's backend. Callers outside `backend/` ask the capability they need instead
+        (`compiles_graphs`, `loader_options`, `attention_kind`, ...)."""
         return False
+
+    @property
+    def on_tpu(self) -> bool:
+        """Whether the device is a real TPU chip (not XLA:CPU, a GPU or the CPU)."""
+        return False
+
+    @property
+    def compiles_graphs(self) -> bool:
+        """Whether each step is traced into a graph that is compiled and re-used (XLA): what the recompilation
+        and host-read detector watches. False for eager backends."""
+        return False
+
+    @property
+    def attention_kind(self) -> str:
+        """How scaled_dot_product_attention runs here: "flash" (a fused kernel that keeps no s x s matrix: CUDA,
+        the CPU) or "math" (matmul-softmax-matmul with the attention matrix materialised: XLA's lowering)."""
+        return "flash"
+
+    @property
+    def loader_options(self) -> dict:
+        """DataLoader settings for this device: `make_loader(..., **backend.loader_options)`. The CPU loads in the
+        main process (workers would only compete with the compute)."""
+        return {"num_workers": 0, "pin_memory": False}
 
     @property
     def runs_on_host(self) -> bool:
@@ -96,11 +127,6 @@ class Backend(TorchSharding):
         return self.world_size
 
     @property
-    def loader_kind(self) -> str:
-        """Key for `tpu_helpers.data.make_loader` worker settings."""
-        return self.name
-
-    @property
     def loader_rank_and_world(self) -> tuple[int, int]:
         """Which shard of the data this process reads; SPMD reads the whole global batch in one process."""
         return self.rank, self.world_size
@@ -121,14 +147,7 @@ class Backend(TorchSharding):
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
         return torch.autocast(self.autocast_device_type, dtype=dtype)
 
-    # ---- model, data, step ------------------------------------------------------------------------------------
-    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        model = model.to(self.device)
-        if self.world_size > 1:
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
-        return model
-
+    # ---- data, step (the model's placement: sharding_torch.TorchSharding.prepare_model) ------------------------
     def to_device(self, batch: Any) -> Any:
         return tree_map_tensors(lambda t: t.to(self.device, non_blocking=True), batch)
 
@@ -244,7 +263,12 @@ class Backend(TorchSharding):
         return None
 
     def metrics(self) -> dict:
-        """Backend counters for the run report (XLA: compilations, host transfers, CPU fallbacks)."""
+        """Backend counters (XLA: compilations, host transfers, CPU fallbacks); {} where there are none."""
+        return {}
+
+    def run_metrics(self) -> dict:
+        """What the run report records of this backend: `metrics()` and the compile cache used ({} on eager
+        backends)."""
         return {}
 
     def reset_metrics(self) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from tpu_helpers.backend.base import Backend, BackendUnavailable
@@ -32,6 +34,11 @@ class CudaBackend(Backend):
 
     def _dist_backend(self) -> str:
         return "nccl"
+
+    @property
+    def loader_options(self) -> dict:
+        # Pinned host memory makes the copies to the GPU asynchronous; workers prepare batches while it computes.
+        return {"num_workers": min(4, os.cpu_count() or 1), "pin_memory": True}
 
     def _resolve_precision(self, precision: str) -> str:
         if precision == "auto":

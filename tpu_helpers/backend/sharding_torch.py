@@ -1,8 +1,8 @@
-"""The backend's side of SHARDING under torch.distributed (torchrun on GPUs or CPU processes): FSDP2's
-`fully_shard`, whole state dicts in the plain model's format, and the sharded checkpoints' state dicts and DCP
-planners. `Backend` (and so the CPU and CUDA backends) inherits `TorchSharding`; the XLA backend overrides it with
-`sharding_xla.SpmdSharding`. The SHARDING choice itself is `tpu_helpers.training.sharding`; the files of a sharded
-checkpoint are `tpu_helpers.checkpoint.sharded`.
+"""The backend's side of SHARDING under torch.distributed (torchrun on GPUs or CPU processes): placing the model
+(`prepare_model`: one device, DDP, or FSDP2's `fully_shard`), whole state dicts in the plain model's format, and
+the sharded checkpoints' state dicts and DCP planners. `Backend` (and so the CPU and CUDA backends) inherits
+`TorchSharding`; the XLA backend overrides it with `sharding_xla.SpmdSharding`. The SHARDING value itself is
+`tpu_helpers.sharding`; the files of a sharded checkpoint are `tpu_helpers.checkpoint.sharded`.
 """
 
 from __future__ import annotations
@@ -10,6 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from tpu_helpers.backend.units import block_classes
+from tpu_helpers.sharding import ShardingError, check_sharding
 
 
 class TorchSharding:
@@ -20,17 +23,48 @@ class TorchSharding:
         """Devices this process's program spans (XLA SPMD: every chip; here: its own device)."""
         return 1
 
-    def shard_model(self, model: torch.nn.Module, blocks: set[type], *, checkpoint: bool = False) -> torch.nn.Module:
-        """FSDP2 (`fully_shard`) over the torchrun processes: each block class in `blocks` is a unit, the root
-        holds the rest. `checkpoint` is the XLA wrapper's option; here the model's own checkpointing applies."""
-        from torch.distributed.fsdp import fully_shard
+    @property
+    def mesh_shape(self) -> tuple[int, int]:
+        """(data, fsdp) sizes of the SPMD mesh; (1, 1) where there is none (one device per process)."""
+        return 1, 1
 
-        model = model.to(self.device)
-        for module in list(model.modules()):
-            if type(module) in blocks:
-                fully_shard(module)
-        fully_shard(model)
+    def prepare_model(self, model: torch.nn.Module, sharding: str = "data", *,
+                      checkpoint_blocks: bool = False) -> torch.nn.Module:
+        """Put the model to be trained on this backend's devices as `sharding` asks; returns the module to call.
+
+        One process: the model on its device. Under torchrun: "data" wraps it in DDP, "fsdp" shards it with FSDP2
+        (each sharding unit of `units.block_classes` one `fully_shard`, the root holding the rest). A DxF mesh
+        needs XLA's SPMD. `checkpoint_blocks` is the XLA wrapper's; here the model's own checkpointing applies.
+        """
+        sharding = check_sharding(sharding)
+        if sharding not in ("data", "fsdp"):
+            raise ShardingError(f"sharding={sharding!r}: a 2-D mesh needs an XLA SPMD run (a TPU); under torchrun "
+                                "use 'fsdp' or 'data'")
+        if sharding == "fsdp" and self.world_size > 1:
+            from torch.distributed.fsdp import fully_shard
+
+            model = model.to(self.device)
+            blocks = block_classes(model)
+            for module in list(model.modules()):
+                if type(module) in blocks:
+                    fully_shard(module)
+            fully_shard(model)
+            return model
+        model = self.move_model(model)
+        if self.world_size > 1:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
         return model
+
+    def move_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model on this process's device, unwrapped: for frozen copies (a teacher, a reference model) and
+        generation, which need no gradient all-reduce."""
+        return model.to(self.device)
+
+    def checkpoints_blocks(self, sharding: str) -> bool:
+        """Whether `prepare_model` under `sharding` checkpoints each block itself (XLA's FSDP wrapper), so the
+        model's own gradient checkpointing must stay off. Never here."""
+        return False
 
     def sharding_spec(self, tensor: torch.Tensor) -> str:
         """How `tensor` is split over devices ("" when it is whole here)."""
@@ -52,8 +86,6 @@ class TorchSharding:
         if not is_fsdp2(model):
             return model.state_dict(), optimizer.state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        from tpu_helpers.checkpoint.sharded import index_keyed
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
@@ -113,3 +145,17 @@ def refuse_unexpected(keys: list[str]) -> None:
 
 def is_fsdp2(model: torch.nn.Module) -> bool:
     return any(hasattr(p, "placements") for p in model.parameters())
+
+
+def index_keyed(optim_sd: dict) -> dict:
+    """An optimizer state dict keyed by parameter name (torch.distributed's `get_state_dict` form) turned back
+    into `Optimizer.state_dict`'s form, keyed by the parameter's position in the param groups."""
+    groups = optim_sd.get("param_groups", [])
+    if not groups or all(isinstance(p, int) for g in groups for p in g["params"]):
+        # DCP's flattening turns the state's int keys into strings ("0"); Optimizer.load_state_dict would then
+        # silently drop every entry (it matches them to the int ids of the param groups).
+        state = {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in optim_sd.get("state", {}).items()}
+        return {**optim_sd, "state": state}
+    index: dict[str, int] = {}
+    groups = [{**g, "params": [index.setdefault(name, len(index)) for name in g["params"]]} for g in groups]
+    return {"state": {index[k]: v for k, v in optim_sd.get("state", {}).items()}, "param_groups": groups}

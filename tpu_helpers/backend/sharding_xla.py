@@ -1,9 +1,8 @@
-"""FSDP over the SPMD mesh on XLA (torch_xla's FSDPv2), called through `XlaBackend.shard_model`.
+"""FSDP over the SPMD mesh on XLA (torch_xla's FSDPv2), called through `XlaBackend.prepare_model`.
 
-    backend.set_mesh(data=2, fsdp=4)                     # a (data, fsdp) mesh over the 8 chips
-    model = backend.shard_model(model, block_classes, checkpoint=True)
+    model = backend.prepare_model(model, "2x4", checkpoint_blocks=True)   # a (data, fsdp) mesh over the 8 chips
 
-Each block (a transformer layer, found by `tpu_helpers.training.sharding.block_classes`) is wrapped by
+Each block (a transformer layer, found by `tpu_helpers.backend.units.block_classes`) is wrapped by
 `SpmdFullyShardedDataParallel` through torch_xla's `transformer_auto_wrap_policy`, and the root wrapper shards what
 is left (embeddings, final norm, head). Parameters are sharded over the mesh's "fsdp" axis (replicated over "data");
 XLA's SPMD partitioner inserts the all-gathers before each block and the reduce-scatters of the gradients. With
@@ -35,6 +34,8 @@ from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullySha
 from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
 
 from tpu_helpers.backend.sharding_torch import refuse_unexpected
+from tpu_helpers.backend.units import WRAPPER_LEVEL, block_classes
+from tpu_helpers.sharding import ShardingError, check_hosts, check_sharding, is_sharded, mesh_shape
 
 
 def sharding_spec(tensor: torch.Tensor) -> str:
@@ -75,10 +76,10 @@ def _shard_output(output: Any, mesh: xs.Mesh) -> None:
     xs.mark_sharding(tensor, mesh, (batch_axes(mesh),) + (None,) * (tensor.dim() - 1))
 
 
-def shard_model(model: torch.nn.Module, mesh: xs.Mesh, block_classes: set[type], *,
+def shard_model(model: torch.nn.Module, mesh: xs.Mesh, blocks: set[type], *,
                 checkpoint: bool = False) -> torch.nn.Module:
     """Wrap `model` (already on the XLA device) in FSDPv2 with one unit per block; returns the wrapper."""
-    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=set(block_classes))
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=set(blocks))
     wrapper = None
     if checkpoint:
         def wrapper(module: torch.nn.Module, *args: Any, **kwargs: Any) -> FSDPv2:
@@ -92,19 +93,16 @@ def shard_model(model: torch.nn.Module, mesh: xs.Mesh, block_classes: set[type],
     return wrapped
 
 
-_INNER = "_orig_module."
-
-
 def _drop_wrapper_names(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
     # State dicts keep the plain model's names ("h.0.ln_1.weight", not "h.0._orig_module.ln_1.weight"), so a
     # checkpoint saved under fsdp loads into an unwrapped model (data parallel, one chip, a GPU) and back.
-    for key in [k for k in state_dict if k.startswith(prefix + _INNER)]:
-        state_dict[prefix + key[len(prefix + _INNER):]] = state_dict.pop(key)
+    for key in [k for k in state_dict if k.startswith(prefix + WRAPPER_LEVEL)]:
+        state_dict[prefix + key[len(prefix + WRAPPER_LEVEL):]] = state_dict.pop(key)
 
 
 def _add_wrapper_names(module: torch.nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + _INNER)]:
-        state_dict[prefix + _INNER + key[len(prefix):]] = state_dict.pop(key)
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + WRAPPER_LEVEL)]:
+        state_dict[prefix + WRAPPER_LEVEL + key[len(prefix):]] = state_dict.pop(key)
 
 
 def reshard_after_load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh: xs.Mesh) -> None:
@@ -195,9 +193,27 @@ class SpmdSharding:
         shape = tuple(self.mesh.mesh_shape)
         return (shape[0], 1) if len(shape) == 1 else (shape[0], shape[1])
 
-    def shard_model(self, model: torch.nn.Module, blocks: set[type], *, checkpoint: bool = False) -> torch.nn.Module:
-        """FSDPv2 over the mesh's fsdp axis, one unit per block class in `blocks` (`shard_model` above)."""
-        return shard_model(model, self.mesh, blocks, checkpoint=checkpoint)
+    def prepare_model(self, model: torch.nn.Module, sharding: str = "data", *,
+                      checkpoint_blocks: bool = False) -> torch.nn.Module:
+        """Lay the chips out as the (data, fsdp) mesh `sharding` means, move the model there and, with an fsdp axis
+        over several chips, wrap it in FSDPv2 with one unit per sharding unit (`units.block_classes`), each also
+        checkpointed when `checkpoint_blocks`. Returns the module the loop calls."""
+        sharding = check_sharding(sharding)
+        if is_sharded(sharding) and self.device_count == 1 and self.world_size > 1:
+            raise ShardingError(f"sharding={sharding!r} on XLA runs as one SPMD program per host; this run has one "
+                                "process per chip (spmd=False): use spmd='auto' (or True), or sharding='data'")
+        data, fsdp = mesh_shape(sharding, self.device_count)
+        check_hosts(fsdp, self.device_count, self.world_size)
+        self.set_mesh(data, fsdp)
+        model = self.move_model(model)
+        if fsdp == 1:
+            return model
+        return shard_model(model, self.mesh, block_classes(model), checkpoint=checkpoint_blocks)
+
+    def checkpoints_blocks(self, sharding: str) -> bool:
+        # The FSDPv2 wrapper checkpoints per block only where it wraps: an fsdp axis over more than one chip
+        # ("fsdp" on a single chip runs unwrapped, and the model checkpoints by itself).
+        return is_sharded(sharding) and mesh_shape(sharding, self.device_count)[1] > 1
 
     def sharding_spec(self, tensor: torch.Tensor) -> str:
         return sharding_spec(tensor) if tensor.device.type == "xla" else ""

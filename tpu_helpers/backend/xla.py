@@ -30,6 +30,7 @@ import torch_xla.distributed.parallel_loader as pl
 import torch_xla.runtime as xr
 import torch_xla.utils.checkpoint as xla_checkpoint
 
+from tpu_helpers.backend import runtime_env
 from tpu_helpers.backend.base import Backend, tree_map_tensors
 from tpu_helpers.backend.sharding_xla import SpmdSharding
 from tpu_helpers.hardware import detect_tpu, format_bytes, lookup
@@ -54,8 +55,7 @@ def initialize_compile_cache(path: str, *, per_process: bool | None = None, read
     global _CACHE_INITIALISED, _CACHE_REQUESTED
     requested = os.path.abspath(path)
     if per_process is None:
-        per_process = int(os.environ.get("PJRT_LOCAL_PROCESS_COUNT", "1")) > 1 or \
-            int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1
+        per_process = runtime_env.spawned_process() or int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1
     if per_process:
         rank = os.environ.get("PJRT_LOCAL_PROCESS_RANK") or os.environ.get("LOCAL_RANK") or f"pid{os.getpid()}"
         path = os.path.join(path, f"process-{rank}")
@@ -92,7 +92,7 @@ class XlaBackend(SpmdSharding, Backend):
     # every 10, checkpoints): set_to_none=True compiled 4 graphs, False 5 (nothing after step 2 with either); XLA's
     # memory report for the step 36.7 MiB against 38.8 MiB (the zeroed gradients no longer go in and out of every
     # step's graph); CPU per steady step 128 ms against 138 ms (medians of 2 runs each, on a busy machine). A
-    # hand-written loop ran 6.14 s with True against 6.77 s with False (issue 14, 4 pairs). So True, on every backend.
+    # hand-written loop ran 6.14 s with True against 6.77 s with False (4 pairs). So True, on every backend.
     # (The graph counts were taken while MpDeviceLoader still synced before every micro-batch; see wrap_loader.)
     zero_grad_set_to_none = True
 
@@ -133,12 +133,22 @@ class XlaBackend(SpmdSharding, Backend):
         return self.device_type == "TPU"
 
     @property
-    def num_replicas(self) -> int:
-        return int(self.mesh.size()) if self.mesh is not None else self.world_size
+    def compiles_graphs(self) -> bool:
+        return True
 
     @property
-    def loader_kind(self) -> str:
-        return "tpu" if self.on_tpu else "xla"
+    def attention_kind(self) -> str:
+        # XLA lowers scaled_dot_product_attention to matmul-softmax-matmul: the attention matrix is materialised.
+        return "math"
+
+    @property
+    def loader_options(self) -> dict:
+        # Workers prepare host batches; no pinning: MpDeviceLoader copies them to the device on its own thread.
+        return {"num_workers": min(4, os.cpu_count() or 1), "pin_memory": False}
+
+    @property
+    def num_replicas(self) -> int:
+        return int(self.mesh.size()) if self.mesh is not None else self.world_size
 
     def _resolve_precision(self, precision: str) -> str:
         if precision == "auto":
@@ -146,8 +156,8 @@ class XlaBackend(SpmdSharding, Backend):
             return "bf16" if self.on_tpu else "fp32"
         return super()._resolve_precision(precision)
 
-    # ---- model, data, step ------------------------------------------------------------------------------------
-    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+    # ---- model, data, step (prepare_model, the model's placement for a SHARDING: sharding_xla) --------------------
+    def move_model(self, model: torch.nn.Module) -> torch.nn.Module:
         # Parameters stay replicated under SPMD (pure data parallel); the compiler inserts the all-reduce.
         # Module.to() gives every module slot of a shared (tied) parameter its own new Parameter when moving to XLA
         # (CPU and XLA tensors cannot swap data in place), silently untying e.g. GPT's embedding and lm head: re-tie.
@@ -258,6 +268,9 @@ class XlaBackend(SpmdSharding, Backend):
 
     def metrics(self) -> dict:
         return xla_metrics()
+
+    def run_metrics(self) -> dict:
+        return {**xla_metrics(), "compile_cache_dir": self.compile_cache_dir}
 
     def reset_metrics(self) -> None:
         met.clear_all()

@@ -26,22 +26,10 @@ from typing import Any
 
 import torch
 
+from tpu_helpers.backend.sharding_torch import index_keyed
+
 STATE_FILE = "state.pt"
 SUFFIX = ".dcp"
-
-
-def index_keyed(optim_sd: dict) -> dict:
-    """An optimizer state dict keyed by parameter name (torch.distributed's `get_state_dict` form) turned back
-    into `Optimizer.state_dict`'s form, keyed by the parameter's position in the param groups."""
-    groups = optim_sd.get("param_groups", [])
-    if not groups or all(isinstance(p, int) for g in groups for p in g["params"]):
-        # DCP's flattening turns the state's int keys into strings ("0"); Optimizer.load_state_dict would then
-        # silently drop every entry (it matches them to the int ids of the param groups).
-        state = {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in optim_sd.get("state", {}).items()}
-        return {**optim_sd, "state": state}
-    index: dict[str, int] = {}
-    groups = [{**g, "params": [index.setdefault(name, len(index)) for name in g["params"]]} for g in groups]
-    return {"state": {index[k]: v for k, v in optim_sd.get("state", {}).items()}, "param_groups": groups}
 
 
 def finite_checking(planner_cls: type) -> type:

@@ -2,7 +2,7 @@
 
     from tpu_helpers.data import build_datasets, make_loader
     train, val, tok = build_datasets("embedded", tokenizer="byte", block_size=128)
-    loader = make_loader(train, batch_size=32, backend_kind="xla")
+    loader = make_loader(train, batch_size=32, **backend.loader_options)
 
 Modules: `corpus` (generated offline text), `tokenizer` (bytes or a Hugging Face tokenizer), `text` (load text
 and pack it into blocks), `loaders` (the resumable sharded sampler and DataLoader).

@@ -1,6 +1,6 @@
 """Resumable, sharded loaders with fixed-shape batches.
 
-    loader = make_loader(train, batch_size=32, backend_kind="xla", rank=rank, world_size=world)
+    loader = make_loader(train, batch_size=32, rank=rank, world_size=world, **backend.loader_options)
     ...
     ckpt["sampler"] = loader.sampler.state_dict(consumed=steps_this_epoch * 32)
     loader.sampler.load_state_dict(ckpt["sampler"])   # on resume: same order, same position
@@ -11,7 +11,6 @@ last batch would trigger a recompilation each epoch.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,8 +18,6 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 __all__ = ["ResumableSampler", "make_loader"]
-
-_BACKEND_KINDS = ("cpu", "cuda", "xla", "tpu")
 
 
 class ResumableSampler(Sampler[int]):
@@ -126,32 +123,28 @@ def make_loader(
     dataset: Dataset[Any],
     batch_size: int,
     *,
-    backend_kind: str = "cpu",
     rank: int = 0,
     world_size: int = 1,
     shuffle: bool = True,
     seed: int = 0,
-    num_workers: int | None = None,
+    num_workers: int = 0,
+    pin_memory: bool = False,
 ) -> DataLoader[Any]:
     """A DataLoader with fixed-shape batches and a :class:`ResumableSampler` (``loader.sampler``).
 
-    Per ``backend_kind``: ``"cuda"`` pins host memory (faster, async copies) and uses up to 4 workers;
-    ``"xla"``/``"tpu"`` use up to 4 workers without pinning, since ``MpDeviceLoader`` copies to the device
-    on its own thread; ``"cpu"`` loads in the main process (workers would only compete with compute).
+    ``num_workers`` and ``pin_memory`` depend on the device: the backend says which (``backend.loader_options``:
+    CUDA pins host memory and uses workers, XLA uses workers without pinning since ``MpDeviceLoader`` copies on its
+    own thread, the CPU loads in the main process).
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    if backend_kind not in _BACKEND_KINDS:
-        raise ValueError(f"unknown backend_kind {backend_kind!r}; allowed: {', '.join(_BACKEND_KINDS)}")
     n = len(dataset)  # type: ignore[arg-type]
     per_rank = n // max(world_size, 1)
     if per_rank < batch_size:
         raise ValueError(f"dataset too small: {n} samples over world_size={world_size} gives {per_rank} per "
                          f"rank, fewer than batch_size={batch_size} (lower batch_size or add data)")
-    if num_workers is None:
-        num_workers = 0 if backend_kind == "cpu" else min(4, os.cpu_count() or 1)
-    if num_workers < 0:
-        raise ValueError(f"num_workers must be >= 0, got {num_workers!r}")
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
     sampler = ResumableSampler(n, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size)
     return DataLoader(
         dataset,
@@ -159,7 +152,7 @@ def make_loader(
         sampler=sampler,
         drop_last=True,
         num_workers=num_workers,
-        pin_memory=backend_kind == "cuda",
+        pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
         # Its own generator: without one, every new iterator (each epoch, each evaluation, a resume) draws
         # its worker seed from the global torch RNG, which shifts the dropout stream and breaks exact resume.

@@ -4,7 +4,8 @@
     report = trainer.fit()          # warns once per problem, e.g. "step 7: recompiled: the input shapes changed..."
     print(report)                   # the problems are listed in the report (report.xla["problems"])
 
-`XlaDetector` is a `Trainer` callback that the trainer adds by itself on XLA (`xla_checks="off"` drops it,
+`XlaDetector` is a `Trainer` callback (`tpu_helpers.callbacks`) that the trainer adds by itself on a backend that
+compiles graphs, i.e. XLA (`xla_checks="off"` drops it,
 `"strict"` raises `XlaPerformanceError` at the first problem, for tests and CI). It reads only torch_xla's host-side
 counters (never a device tensor), after each step's sync, and tells apart:
 
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 
-from tpu_helpers.training.callbacks import Callback
+from tpu_helpers.callbacks import Callback
 
 CAUSES = {
     "shape_change": "the input shapes changed ({detail}); every new shape compiles a new graph. Pad or bucket "
@@ -104,7 +105,7 @@ class XlaDetector(Callback):
 
     # ---- Callback hooks --------------------------------------------------------------------------------------
     def on_fit_start(self, trainer) -> None:
-        self.active = bool(trainer.backend.is_xla)
+        self.active = bool(trainer.backend.compiles_graphs)
         if not self.active:
             return
         self._reported: set = set()
@@ -134,7 +135,7 @@ class XlaDetector(Callback):
     def on_step_end(self, trainer) -> None:
         if not self.active:
             return
-        schedule, step = trainer.schedule, trainer.step
+        cadence, step = trainer.cadence, trainer.step
         now = trainer.backend.metrics()
         last, self._last = self._last, now
         shapes, self._step_shapes = self._step_shapes, []
@@ -145,7 +146,7 @@ class XlaDetector(Callback):
         if not in_warmup:
             self._seen_shapes.update(shapes)
         # The checkpoint is written after on_step_end, so its transfers show up in the next step.
-        saved_before, self._saved_before = self._saved_before, schedule.is_save_step(step)
+        saved_before, self._saved_before = self._saved_before, cadence.is_save_step(step)
 
         fallback_calls = 0
         for name, count in now["cpu_fallback_ops"].items():
@@ -172,7 +173,7 @@ class XlaDetector(Callback):
                 self._report("changing_value", None, step, CAUSES["changing_value"].format(detail=detail))
 
         reads = now["device_to_host_transfers"] - last["device_to_host_transfers"] - fallback_calls
-        if reads > 0 and not (schedule.is_log_step(step) or schedule.is_eval_step(step) or saved_before):
+        if reads > 0 and not (cadence.is_log_step(step) or cadence.is_eval_step(step) or saved_before):
             self._report("host_read", None, step, CAUSES["host_read"].format(detail=reads))
 
     def on_fit_end(self, trainer, report) -> None:

@@ -28,11 +28,6 @@ from tpu_helpers.backend import runtime_env
 LEVELS = runtime_env.DEBUG_LEVELS  # 1: compilation analysis and graph sizes; 2: also why each graph executed
 
 
-def xla_debug_env(log_file: str | Path, level: int = 2) -> dict[str, str]:
-    """The environment variables that turn torch_xla's debug output on and send it to `log_file`."""
-    return runtime_env.debug_env(log_file, level)
-
-
 def enable_xla_debug(log_file: str | Path, level: int = 2) -> Path:
     """Set the debug variables in this process; only possible before its XLA runtime has started."""
     if runtime_env.runtime_started():

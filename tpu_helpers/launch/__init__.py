@@ -1,8 +1,10 @@
-"""Launching runs: notebooks under papermill, the command line, platform setup and multi-chip plans.
+"""Launching runs: notebooks under papermill, the command line, platform setup, multi-chip plans and preflight.
 
     python -m tpu_helpers run notebooks/quickstart.ipynb --target cpu -p STEPS 200
     python -m tpu_helpers.train --preset tiny --steps 100 --device cpu
 
-Modules: `runner` (papermill runs and platform targets), `train` (the CLI / torchrun entry point), `platform`
-(Colab and TPU VM setup), `multichip` (SPMD and spawn plans).
+Modules: `runner` (papermill runs with a platform target of `tpu_helpers.targets`), `train` (the CLI / torchrun
+entry point), `platform` (Colab, Kaggle and TPU VM setup), `multichip` (SPMD and spawn plans), `pods` (one command
+on every host of a slice), `doctor` (preflight checks). The top layer: it runs the recipes (`tpu_helpers.recipes`)
+and nothing below imports it.
 """

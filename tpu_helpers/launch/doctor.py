@@ -161,10 +161,10 @@ def _hugepages(host: Host, chips: int) -> Check:
 
 
 def _this_process_hbm() -> tuple[int, int] | None:
-    import tpu_helpers.backend as backend_pkg
+    from tpu_helpers.backend import started_xla_backend
 
-    backend = backend_pkg._XLA_BACKEND  # only a runtime this process already started; never start one
-    if backend is None or not getattr(backend, "on_tpu", False):
+    backend = started_xla_backend()  # only a runtime this process already started; never start one
+    if backend is None or not backend.on_tpu:
         return None
     info = backend.memory_info() or {}
     if not info.get("bytes_limit"):

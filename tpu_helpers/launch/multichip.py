@@ -2,7 +2,7 @@
 
     plan = plan_multichip(config, global_batch=64, mode="spmd")   # validated before any XLA runtime starts
     print(plan.describe())   # "global batch 64 = 8 per chip x 8 chips x 1 accumulation step ..."
-    backend = backend_for(plan.config); run = build_gpt_run(plan.config, backend=backend) ...
+    results = train(plan)    # the GPT recipe (recipes.pretrain) over every chip; the results on every host
 
 SPMD ("spmd") is the default: the notebook's own process drives all chips as one program, the global batch is
 sharded over the mesh's "data" axis, nothing forks or pickles inside Jupyter, and checkpoints are written once.
@@ -19,8 +19,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpu_helpers.backend import runtime_env, xla_module
+from tpu_helpers.backend import backend_for, runtime_env, xla_module
 from tpu_helpers.config import ConfigError, TrainConfig
+from tpu_helpers.hardware import format_bytes
+from tpu_helpers.memory.sharded import gpt_sharding_plan
+from tpu_helpers.recipes.pretrain import Pretrain, train_gpt
+from tpu_helpers.sharding import ShardingError, is_sharded, mesh_shape
 
 MODES = ("spmd", "spawn")
 
@@ -85,8 +89,6 @@ def plan_multichip(config: TrainConfig, *, global_batch: int, mode: str = "spmd"
 
 
 def _check_sharding(sharding: str, mode: str, chips: int) -> None:
-    from tpu_helpers.training.sharding import ShardingError, is_sharded, mesh_shape
-
     if mode == "spawn" and is_sharded(sharding):
         raise ConfigError(f"SHARDING={sharding!r} needs MODE='spmd' (one program over all chips); MODE='spawn' runs "
                           "one process per chip, data parallel only")
@@ -99,9 +101,6 @@ def _check_sharding(sharding: str, mode: str, chips: int) -> None:
 def sharding_advice(plan: MultiChipPlan, hardware: str = "v5e") -> str:
     """What the planned run needs per chip of `hardware` under its SHARDING, and under the other choices
     (the analytic estimate of the package GPT, `tpu_helpers.memory.sharded`)."""
-    from tpu_helpers.memory.sharded import gpt_sharding_plan
-    from tpu_helpers.training.sharding import mesh_shape
-
     cfg = plan.config
     precision = "bf16" if cfg.precision == "auto" else cfg.precision
     memory = gpt_sharding_plan(cfg.preset, cfg.batch_size, cfg.seq_len, chips=plan.chips, hardware=hardware,
@@ -109,14 +108,8 @@ def sharding_advice(plan: MultiChipPlan, hardware: str = "v5e") -> str:
     fsdp = mesh_shape(cfg.sharding, plan.chips)[1]
     chosen = memory.per_chip["data" if fsdp == 1 else f"fsdp x{fsdp}"] if (fsdp == 1 or f"fsdp x{fsdp}" in
                                                                            memory.per_chip) else None
-    mine = f"SHARDING={cfg.sharding!r}: about {_gib(chosen.peak_bytes)} per chip. " if chosen else ""
+    mine = f"SHARDING={cfg.sharding!r}: about {format_bytes(chosen.peak_bytes)} per chip. " if chosen else ""
     return mine + memory.advice()
-
-
-def _gib(n: int) -> str:
-    from tpu_helpers.hardware import format_bytes
-
-    return format_bytes(n)
 
 
 def train(plan: MultiChipPlan, *, prompt: str = "Once upon a time", max_new_tokens: int = 200) -> dict:
@@ -125,19 +118,16 @@ def train(plan: MultiChipPlan, *, prompt: str = "Once upon a time", max_new_toke
     each without waiting for a file. SPMD prints the device and model size first and a sample at the end."""
     if plan.mode == "spawn":
         return train_spawn(plan)
-    from tpu_helpers.backend import backend_for
-    from tpu_helpers.training.recipes import build_gpt_run, run_results, save_results
-
     backend = backend_for(plan.config)
     check_backend(plan, backend)
     print(backend.status())
-    run = build_gpt_run(plan.config, backend=backend)
-    print(f"{run.model.num_params():,} parameters")
-    run.report = run.trainer.fit()
+    job = Pretrain(plan.config, backend=backend)
+    print(f"{job.model.num_params():,} parameters")
+    job.train()
     extra = {"mode": plan.mode, "chips": plan.chips, "global_batch": plan.global_batch}
-    save_results(run, **extra)
-    print(run.sample(prompt, max_new_tokens=max_new_tokens))
-    return run_results(run, **extra)
+    job.save_results(**extra)
+    print(job.sample(prompt, max_new_tokens=max_new_tokens))
+    return job.results(**extra)
 
 
 def summary(results: dict) -> str:
@@ -158,14 +148,11 @@ def check_backend(plan: MultiChipPlan, backend) -> None:
 def spawn_worker(index: int, config_dict: dict, extra_results: dict) -> None:
     """One process of a spawned run: train on this process's chip; rank 0 writes the results (importable, so
     `xmp.spawn` can start it from a notebook)."""
-    from tpu_helpers.backend import backend_for
-    from tpu_helpers.training.recipes import save_results, train_gpt
-
     config = TrainConfig(**config_dict)
     backend = backend_for(config, spmd=False)
-    run = train_gpt(config, backend=backend, progress=backend.is_main)
+    job = train_gpt(config, backend=backend, progress=backend.is_main)
     if backend.is_main:
-        save_results(run, process_index=index, world_size=backend.world_size, **extra_results)
+        job.save_results(process_index=index, world_size=backend.world_size, **extra_results)
 
 
 def train_spawn(plan: MultiChipPlan, *, start_method: str = "fork") -> dict:
@@ -179,7 +166,7 @@ def train_spawn(plan: MultiChipPlan, *, start_method: str = "fork") -> dict:
 
 
 def load_results(out_dir: str | Path, name: str = "results") -> dict:
-    """The results.json a run saved in `out_dir` (written by `tpu_helpers.save_results`)."""
+    """The results.json a run saved in `out_dir` (written by a recipe's `save_results`)."""
     path = Path(out_dir) / f"{name}.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: the run saved no results (did training finish?)")

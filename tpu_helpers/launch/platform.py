@@ -71,6 +71,20 @@ def platform_name() -> str:
     return "colab" if in_colab() else "kaggle" if in_kaggle() else "local"
 
 
+def auto_target() -> str:
+    """The platform target (`tpu_helpers.targets`) for this machine, found without starting an XLA runtime."""
+    from tpu_helpers.backend import tpu_chip_count
+
+    chips = tpu_chip_count()
+    if chips:
+        if chips >= 8:
+            return "kaggle-v5e-8" if in_kaggle() else "tpuvm-v5e-8"
+        return "colab-v6e-1"
+    import torch
+
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
 def _version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)

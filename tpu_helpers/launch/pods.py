@@ -54,7 +54,7 @@ def _shell_path(path: str) -> str:
 
 def pod_mesh(sharding: str, chips_per_host: int, hosts: int) -> tuple[int, int]:
     """The (data, fsdp) mesh `sharding` means on `hosts` x `chips_per_host` chips, checked for a pod."""
-    from tpu_helpers.training.sharding import ShardingError, check_hosts, mesh_shape
+    from tpu_helpers.sharding import ShardingError, check_hosts, mesh_shape
 
     devices = chips_per_host * hosts
     try:

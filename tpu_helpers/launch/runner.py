@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from tpu_helpers.atomic_io import atomic_write_text
-from tpu_helpers.launch.targets import TARGETS, auto_target
+from tpu_helpers.launch.platform import auto_target
+from tpu_helpers.targets import TARGETS
 from tpu_helpers.training.results import RUN_DIR_ENV
 
 
@@ -45,7 +46,7 @@ def parse_value(text: str) -> Any:
         return text
 
 
-def notebook_parameters(path: Path) -> dict[str, Any]:
+def declared_parameters(path: Path) -> dict[str, Any]:
     """Names and default values of the notebook's `parameters` cell (error if it has none or several)."""
     import nbformat
 
@@ -196,7 +197,7 @@ def run_notebook(notebook: str | Path, *, target: str = "local", params: dict[st
         target = auto_target()
     if target not in TARGETS:
         raise RunError(f"unknown target {target!r}; known targets: {', '.join(['auto', *TARGETS])}")
-    declared = notebook_parameters(path)
+    declared = declared_parameters(path)
     params = dict(params or {})
     unknown = sorted(set(params) - set(declared))
     if unknown:

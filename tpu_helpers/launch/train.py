@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from tpu_helpers.backend import BackendUnavailable, backend_for
-    from tpu_helpers.training.recipes import save_results, train_gpt
-    from tpu_helpers.training.sharding import ShardingError
+    from tpu_helpers.recipes.pretrain import train_gpt
+    from tpu_helpers.sharding import ShardingError
 
     try:  # a missing device or a TPU another process holds: one line that says what to do, not a traceback
         backend = backend_for(config)
@@ -83,13 +83,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
-        run = train_gpt(config, backend=backend, progress=backend.is_main)
+        job = train_gpt(config, backend=backend, progress=backend.is_main)
     except (ConfigError, ShardingError) as err:  # a setting this machine or run cannot take: say which
         print(f"error: {err}", file=sys.stderr)
         return 2
     if backend.is_main:
-        path = save_results(run, world_size=backend.world_size, entry_point="tpu_helpers.train")
-        print(run.report)
+        path = job.save_results(world_size=backend.world_size, entry_point="tpu_helpers.train")
+        print(job.report)
         print(f"results: {path}")
     if dist.is_initialized():
         dist.destroy_process_group()

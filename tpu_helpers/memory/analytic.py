@@ -1,15 +1,21 @@
 """Analytic memory estimate for the package GPT (or any decoder given by its sizes): instant, no model built.
 
-Per chip, for one training step of a per-chip micro-batch ``b`` of ``s`` tokens, ``L`` layers of width ``h``,
-``a`` heads and vocabulary ``V``, with data parallelism (parameters, gradients and optimizer states replicated on
-every chip, so the figure does not depend on the number of chips)::
+Per chip, for one step of the trainer (`Trainer.train_step`) with a per-chip micro-batch ``b`` of ``s`` tokens, ``L``
+layers of width ``h``, ``a`` heads and vocabulary ``V``, with data parallelism (parameters, gradients and optimizer
+states replicated on every chip, so the figure does not depend on the number of chips)::
 
-    weights      P * w                       w = 4 bytes (fp32 and bf16 autocast), 2 (pure bf16)
-    gradients    P * w                       alive at the step's peak (the optimizer step reads them all)
+    weights      P * w                       w = 4 bytes (fp32 and bf16/fp16 autocast), 2 (pure_bf16: stored in bf16)
+    gradients    P * w                       see the two phases below
     optimizer    AdamW 2*P*w, SGD+momentum P*w, Adafactor-like ~ (rows + columns) * w
     activations  L * (alpha * s*b*h + 4*a*s*b)  [+ a*s^2*b*e for the unfused "math" attention that XLA compiles]
                  + max(lam * s*b*V + c1 * s*b*h,  c2 * s*b*h)
     temporaries  the largest gradient temporary (one parameter-sized tensor before it is added into .grad)
+
+The trainer drops the gradients between steps (``zero_grad(set_to_none=True)``), so the peak is the larger of two
+moments: the start of the backward (weights, optimizer state, every activation, the temporaries; gradients only
+with ``grad_accum`` > 1, where the earlier micro-batches' are kept), and the end of the backward (weights, every
+gradient, optimizer state, the first layer's activations and its backward or recomputation transient; the
+optimizer update after it holds less). The breakdown is that of the larger one.
 
 Source: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (arXiv:2205.05198),
 which gives ``s*b*h*(34 + 5*a*s/h)`` bytes per layer for 16-bit activations with dropout and unfused attention, and
@@ -18,10 +24,12 @@ only the log-sum-exp, ``4*a*s*b``) and more (fp32 LayerNorm inputs and an fp32 c
 the per-layer coefficient ``alpha`` (bytes per ``s*b*h``) was calibrated against the traced step of this model,
 which itself matches a real CPU run to within 0.3%:
 
-    precision   alpha  alpha (checkpointed)  lam (logits, fwd+grad)  c1    c2     c2 (checkpointed: one layer recomputed)
-    fp32        64     4                     12                      8.4   20.3   80.3
-    bf16        42     4                     12.5                    6.4   16     50.3
-    pure-bf16   32     2                     12                      4.2   12     40.3
+    layout            alpha  alpha (ckpt)  lam (logits, fwd+grad)  c1    c2     c2 (ckpt: one layer recomputed)
+    fp32              64     4             12                      8.4   20.3   80.3
+    bf16 autocast     42     4             12.5                    6.4   16     50.3
+    pure_bf16         32     2             12                      4.2   12     40.3
+
+(fp16 autocast keeps the same bytes as bf16 autocast.)
 
 ``lam``: fp32 logits (or bf16 logits plus their fp32 copy), the log-softmax and the logits' gradient. ``c1``/``c2``:
 embeddings, the final LayerNorm and backward transients; the peak is either at the start of the backward (logits
@@ -29,23 +37,44 @@ alive) or while the last layer's gradients are formed (or recomputed), whichever
 
     from tpu_helpers.memory.analytic import analytic_estimate
     est = analytic_estimate("mini", batch_size=32, seq_len=256, precision="bf16", optimizer="adamw")
+    est = analytic_estimate("mini", 32, 256, precision="bf16", pure_bf16=True)   # weights stored in bf16 too
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from tpu_helpers.choices import OPTIMIZERS, PRECISIONS, ConfigError, check_choice, check_positive
 from tpu_helpers.memory.report import MemoryEstimate
-from tpu_helpers.memory.step import OPTIMIZERS, PRECISIONS, check_choice, check_positive
 from tpu_helpers.models.gpt import PRESETS, GPTConfig, gpt_config
 
-# precision -> (alpha, alpha_ckpt, lam, c1, c2, c2_ckpt); see the module docstring.
+# memory layout -> (alpha, alpha_ckpt, lam, c1, c2, c2_ckpt); see the module docstring.
 _COEF = {
     "fp32": (64.0, 4.0, 12.0, 8.4, 20.3, 80.3),
     "bf16": (42.0, 4.0, 12.5, 6.4, 16.0, 50.3),
     "pure-bf16": (32.0, 2.0, 12.0, 4.2, 12.0, 40.3),
 }
 ATTENTION = ("flash", "math")
+
+
+def memory_layout(precision: str, pure_bf16: bool = False) -> str:
+    """How a step stores its tensors: "fp32", "bf16" (bf16 or fp16 autocast over fp32 weights) or "pure-bf16"
+    (weights, gradients and optimizer state in bf16 too). `precision` is one of `choices.PRECISIONS`, resolved:
+    "auto" depends on the device, so its caller passes what the backend (or the chip) resolves it to."""
+    check_choice("precision", precision, PRECISIONS)
+    if precision == "auto":
+        raise ConfigError("precision='auto' depends on the device: pass what it resolves to there (backend.precision;"
+                          " bf16 on TPUs)")
+    if pure_bf16 and precision != "bf16":
+        raise ConfigError(f"pure_bf16=True stores the weights in bf16 and needs precision='bf16', not {precision!r}")
+    if precision == "fp32":
+        return "fp32"
+    return "pure-bf16" if pure_bf16 else "bf16"
+
+
+def bytes_per_weight(precision: str, pure_bf16: bool = False) -> int:
+    """Bytes of one stored parameter: 2 with pure_bf16, else 4 (fp32 master weights)."""
+    return 2 if memory_layout(precision, pure_bf16) == "pure-bf16" else 4
 
 
 def resolve_config(model: str | GPTConfig | dict, **overrides: object) -> GPTConfig:
@@ -90,37 +119,38 @@ def analytic_estimate(
     seq_len: int | None = None,
     *,
     precision: str = "fp32",
+    pure_bf16: bool = False,
     optimizer: str = "adamw",
     gradient_checkpointing: bool = False,
     attention: str = "flash",
-    accumulation: int = 1,
+    grad_accum: int = 1,
 ) -> MemoryEstimate:
     """Per-chip peak bytes of one training step (see the module docstring for the formula).
 
     ``attention="math"`` adds the ``a*s^2*b`` attention probabilities that an unfused attention (XLA's default
-    lowering of ``scaled_dot_product_attention``) keeps per layer. ``accumulation`` does not change the peak:
-    each micro-batch's activations are freed by its backward, and the gradient buffer exists anyway.
+    lowering of ``scaled_dot_product_attention``) keeps per layer. ``grad_accum`` > 1 keeps the gradients alive
+    while each later micro-batch runs (each micro-batch's activations are freed by its backward).
     """
     cfg = resolve_config(model)
     check_positive("batch_size", batch_size)
-    check_positive("accumulation", accumulation)
+    check_positive("grad_accum", grad_accum)
     s = cfg.block_size if seq_len is None else seq_len
     check_positive("seq_len", s)
     if s > cfg.block_size:
         raise ValueError(f"seq_len={s} exceeds the model's block_size={cfg.block_size}")
-    check_choice("precision", precision, PRECISIONS)
+    layout = memory_layout(precision, pure_bf16)
     check_choice("optimizer", optimizer, OPTIMIZERS)
     check_choice("attention", attention, ATTENTION)
     b, h, a, L, V = batch_size, cfg.n_embd, cfg.n_head, cfg.n_layer, cfg.vocab_size
-    w = 2 if precision == "pure-bf16" else 4
+    w = bytes_per_weight(precision, pure_bf16)
     total, _, factored = param_counts(cfg)
     params = total * w
     grads = total * w
     opt_elems = {"adamw": 2 * total, "sgd": total, "adafactor": factored}[optimizer]
     opt = opt_elems * w
-    alpha, alpha_ck, lam, c1, c2, c2_ck = _COEF[precision]
+    alpha, alpha_ck, lam, c1, c2, c2_ck = _COEF[layout]
     sbh, sbV = s * b * h, s * b * V
-    act_dtype = 4 if precision == "fp32" else 2
+    act_dtype = 4 if layout == "fp32" else 2
     per_layer = (alpha_ck * sbh) if gradient_checkpointing else (alpha * sbh + 4 * a * s * b)
     if attention == "math" and not gradient_checkpointing:
         per_layer += a * s * s * b * act_dtype
@@ -133,5 +163,11 @@ def analytic_estimate(
     temporaries = largest
     notes = [f"{L} layers x {h} wide, {a} heads, vocab {V}, {s} tokens x {b} sequences per chip",
              f"{total:,} parameters"]
-    return MemoryEstimate.from_categories("analytic", b, params=params, grads=grads, optimizer=opt,
-                                          activations=activations, temporaries=temporaries, notes=notes)
+    kept = grads if grad_accum > 1 else 0  # the earlier micro-batches' gradients, while the next one runs
+    # The end of the backward: (nearly) every gradient formed, the first layer's activations and its backward (or
+    # recomputation) transient still alive. The optimizer update after it holds less (no activations).
+    tail = transient_layer if gradient_checkpointing else int(per_layer + c2 * sbh)
+    held = {"params": params, "optimizer": opt, "temporaries": temporaries}
+    return MemoryEstimate.from_phases("analytic", b, {
+        "the start of the backward": {**held, "grads": kept, "activations": activations},
+        "the end of the backward": {**held, "grads": grads, "activations": int(tail)}}, notes=notes)

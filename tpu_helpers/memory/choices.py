@@ -5,7 +5,7 @@
 - :func:`sharding_options` / :func:`check_panel_sharding` / :func:`keep_sharding` -- the SHARDING values a slice
   takes ("data", "fsdp", DxF meshes; on a TPU pod fsdp stays within one host, as the trainer requires);
 - :data:`NOTEBOOK_PRESETS` / :func:`preset_settings` -- the configurations the real notebooks run, read from the
-  platform targets (``tpu_helpers.launch.targets``) so the panel and the notebooks cannot drift apart;
+  platform targets (``tpu_helpers.targets``) so the panel and the notebooks cannot drift apart;
 - :func:`chips_text`, :func:`duration_text`, :func:`cost_text`, :func:`precision_warning` -- wording.
 """
 
@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from tpu_helpers.hardware import HardwareSpec
-from tpu_helpers.training.sharding import ShardingError, check_hosts, check_sharding, mesh_shape
+from tpu_helpers.sharding import ShardingError, check_hosts, check_sharding, mesh_shape
+from tpu_helpers.targets import TARGETS
 
 # Smallest slice and the largest the panel lists, per TPU generation (chips, not cores: a v4-8 is 4 chips).
 _TPU_RANGE = {"TPU v5e": (1, 256), "TPU v6e": (1, 256), "TPU v4": (4, 4096), "TPU v5p": (4, 8192),
@@ -140,9 +141,9 @@ def hf_model_settings(model: Any) -> dict:
     notebook's exact plan."""
     from transformers import AutoConfig, PretrainedConfig
 
+    from tpu_helpers.backend.units import block_params
     from tpu_helpers.memory.hf_plan import meta_model
     from tpu_helpers.models.hf import resolve_model_source
-    from tpu_helpers.training.sharding import block_classes
 
     if isinstance(model, PretrainedConfig):
         cfg = model
@@ -153,11 +154,9 @@ def hf_model_settings(model: Any) -> dict:
     else:
         cfg = AutoConfig.from_pretrained(resolve_model_source(model))
     meta = meta_model(cfg)
-    unit = next(m for m in meta.modules() if type(m) in block_classes(meta))
     return {"preset": "small", "n_layer": cfg.num_hidden_layers, "n_head": cfg.num_attention_heads,
             "n_embd": cfg.hidden_size, "vocab_size": cfg.vocab_size,
-            "model_params": sum(p.numel() for p in meta.parameters()),
-            "block_params": sum(p.numel() for p in unit.parameters())}
+            "model_params": sum(p.numel() for p in meta.parameters()), "block_params": block_params(meta)}
 
 
 # Panel settings that describe a model other than the chosen GPT preset (None: the preset's own).
@@ -167,14 +166,13 @@ GPT_SIZES = {"n_layer": None, "n_head": None, "n_embd": None, "vocab_size": None
 
 def preset_settings(name: str) -> dict:
     """Panel settings for one of :data:`NOTEBOOK_PRESETS` (a global batch when the notebook asks for one)."""
-    from tpu_helpers.launch.targets import TARGETS
-
     if name not in NOTEBOOK_PRESETS:
         raise ValueError(f"unknown notebook preset {name!r}; choose one of {list(NOTEBOOK_PRESETS)}")
     target, hardware, chips, precision = NOTEBOOK_PRESETS[name]
     p = TARGETS[target].params
     settings = {"preset": p["PRESET"], "seq_len": p["SEQ_LEN"], "batch_size": p["BATCH_SIZE"], "hardware": hardware,
-                "chips": chips, "precision": precision, "steps": p["STEPS"], "gradient_checkpointing": False,
+                "chips": chips, "precision": precision, "pure_bf16": False, "steps": p["STEPS"],
+                "gradient_checkpointing": False,
                 "sharding": _SHARDING_PRESETS.get(name, p.get("SHARDING", "data")), **GPT_SIZES}
     if name in _HF_PRESETS:
         p = {**p, **TARGETS[target].notebooks[_HF_PRESETS[name]]}
@@ -183,12 +181,12 @@ def preset_settings(name: str) -> dict:
     if "GLOBAL_BATCH" in p and p.get("MODE") == "spmd":
         settings["global_batch"] = p["GLOBAL_BATCH"]
     else:
-        settings.update(global_batch=None, accumulation=1)
+        settings.update(global_batch=None, grad_accum=1)
     return settings
 
 
 def split_batch(samples_per_chip: int, limit: int) -> tuple[int, int]:
-    """Largest micro-batch <= ``limit`` dividing ``samples_per_chip``, and the accumulation that keeps the total."""
+    """Largest micro-batch <= ``limit`` dividing ``samples_per_chip``, and the grad_accum that keeps the total."""
     b = next(b for b in range(min(limit, samples_per_chip), 0, -1) if samples_per_chip % b == 0)
     return b, samples_per_chip // b
 
@@ -220,7 +218,7 @@ def cost_text(cost: float | None, spec: HardwareSpec, chips: int) -> str:
 
 
 def precision_warning(precision: str, spec: HardwareSpec) -> str | None:
-    if precision in ("bf16", "pure-bf16") and not spec.bf16_supported:
+    if precision == "bf16" and not spec.bf16_supported:
         return (f"{spec.name} has no bf16: train in fp16 there (autocast with a GradScaler, about the memory of bf16 "
                 f"autocast shown here) or in fp32")
     return None

@@ -41,8 +41,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from tpu_helpers.backend import runtime_env
+from tpu_helpers.choices import OPTIMIZERS, check_choice, check_positive
+from tpu_helpers.memory.analytic import memory_layout, resolve_config
 from tpu_helpers.memory.report import MemoryEstimate
-from tpu_helpers.memory.step import OPTIMIZERS, PRECISIONS, check_choice, check_positive
 
 _TOTAL = re.compile(r"Total bytes used:\s*(\d+)")
 
@@ -97,26 +98,27 @@ def compiled_estimate(
     batch_fn: str | None = None,
     loss_fn: str | None = None,
     precision: str = "fp32",
+    pure_bf16: bool = False,
     optimizer: str = "adamw",
     gradient_checkpointing: bool = False,
     pjrt_device: str = "CPU",
     timeout: int = 600,
 ) -> MemoryEstimate:
-    """Compile two training steps in a fresh process and return XLA's figure for the larger program.
+    """Compile two of the trainer's training steps in a fresh process and return XLA's figure for the larger
+    program.
 
     ``model``: a GPT preset name, GPTConfig or dict of sizes (``seq_len`` then applies), or ``"module:function"``
     building any ``nn.Module`` with ``batch_fn="module:function"`` returning the batch for a batch size, and
-    optionally ``loss_fn="module:function"`` (``loss_fn(model, batch)``; default: ``memory.step.default_loss``).
-    Gradient checkpointing goes through ``models.hf.set_gradient_checkpointing`` with the backend's function (the
-    GPT's setter, or a Hugging Face model's own hook).
+    optionally ``loss_fn="module:function"`` (the trainer's ``loss_fn(output, targets)``; without one, the model's
+    own loss, as the trainer does). The step is `Trainer.train_step` (`traced.step_trainer`); gradient
+    checkpointing goes through the trainer too (the GPT's setter, or a Hugging Face model's own hook).
     """
-    from tpu_helpers.memory.analytic import resolve_config
-
     check_positive("batch_size", batch_size)
-    check_choice("precision", precision, PRECISIONS)
     check_choice("optimizer", optimizer, OPTIMIZERS)
-    spec: dict = {"batch_size": batch_size, "precision": precision, "optimizer": optimizer,
-                  "gradient_checkpointing": gradient_checkpointing}
+    # fp16 autocast keeps the bytes of bf16 autocast, and XLA has only the latter.
+    run_precision = "fp32" if memory_layout(precision, pure_bf16) == "fp32" else "bf16"
+    spec: dict = {"batch_size": batch_size, "precision": run_precision, "pure_bf16": pure_bf16,
+                  "optimizer": optimizer, "gradient_checkpointing": gradient_checkpointing}
     if isinstance(model, str) and ":" in model:
         if batch_fn is None:
             raise ValueError(f"model={model!r} is a factory; pass batch_fn='module:function' too")
@@ -151,12 +153,14 @@ def compiled_estimate(
 
 
 def _child(spec: dict) -> dict:
+    import itertools
+
     import torch
 
     from tpu_helpers.backend import get_backend
-    from tpu_helpers.memory.step import make_optimizer, training_step
+    from tpu_helpers.memory.traced import step_trainer
 
-    backend = get_backend("xla", spmd=False)
+    backend = get_backend("xla", spmd=False, precision=spec["precision"])
     if "gpt" in spec:
         from tpu_helpers.memory.traced import gpt_batch
         from tpu_helpers.models.gpt import GPT, GPTConfig
@@ -167,24 +171,20 @@ def _child(spec: dict) -> dict:
     else:
         model = _import(spec["factory"])()
         batch = _import(spec["batch_fn"])(spec["batch_size"])
-    if spec["gradient_checkpointing"]:
-        from tpu_helpers.models.hf import set_gradient_checkpointing
-
-        set_gradient_checkpointing(model, backend.checkpoint_fn())
     loss_fn = _import(spec["loss_fn"]) if spec.get("loss_fn") else None
-    if spec["precision"] == "pure-bf16":
+    if spec["pure_bf16"]:
         model = model.to(torch.bfloat16)
-    model = backend.prepare_model(model)
-    opt = make_optimizer(spec["optimizer"], model.parameters())
+    trainer = step_trainer(model, backend, precision=spec["precision"], optimizer=spec["optimizer"],
+                           gradient_checkpointing=spec["gradient_checkpointing"], loss_fn=loss_fn)
     batch = backend.to_device(batch)
     for _ in range(2):
-        training_step(model, opt, batch, precision=spec["precision"], loss_fn=loss_fn,
-                      device_type=backend.autocast_device_type,
-                      sync=backend.sync)
-    sizes = {"params": sum(p.numel() * p.element_size() for p in model.parameters()),
-             "grads": sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)}
-    sizes["optimizer"] = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
-                             if isinstance(t, torch.Tensor))
+        trainer.train_step(itertools.repeat(batch))
+        backend.sync()
+    params = list(trainer.model.parameters())
+    sizes = {"params": sum(p.numel() * p.element_size() for p in params),
+             "grads": sum(p.numel() * p.element_size() for p in params if p.requires_grad)}
+    sizes["optimizer"] = sum(t.numel() * t.element_size() for st in trainer.optimizer.state.values()
+                             for t in st.values() if isinstance(t, torch.Tensor))
     return {**sizes, "compilations": backend.metrics().get("compilations", 0)}
 
 

@@ -1,7 +1,9 @@
-"""A small CNN, the non-transformer model the traced estimate, the benchmark and the tests use.
+"""Example models for the estimates, the benchmark and the tests: a small CNN (not a transformer) and the offline
+tiny Qwen2 of the fine-tuning path, with their batch factories.
 
     from tpu_helpers.memory.example_models import SmallCNN, cnn_batch
-    est = traced_estimate(SmallCNN, cnn_batch, batch_size=32)
+    est = traced_estimate(SmallCNN, cnn_batch, batch_size=32, loss_fn=torch.nn.functional.cross_entropy)
+    est = traced_estimate(tiny_causal_lm_lora, lm_batch(64, TINY_LM_VOCAB), 4)   # dict batches: the model's loss
 """
 
 from __future__ import annotations
@@ -59,11 +61,6 @@ def tiny_lm_batch(batch_size: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, TINY_LM_VOCAB, (batch_size, TINY_LM_SEQ), generator=g)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-
-
-def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The mean next-token loss the model computes itself from ``labels``."""
-    return model(**batch).loss
 
 
 def tiny_causal_lm_lora() -> nn.Module:

@@ -4,7 +4,7 @@
                                lora_targets=["q_proj", "v_proj"], precision="bf16")
     rep = memory_report(lambda b: hf_finetune_estimate(config, b, 512, ...), batch_size=8, hardware="v6e")
     plan = hf_sharding_plan(config, 8, 512, chips=8, method="full", hardware="v5e")  # data vs fsdp per chip
-    print(plan.advice())  # "full fine-tuning of this 1.5B model needs fsdp over at least 4 chips ..."
+    print(plan.advice())  # "full fine-tuning of this 1.5B model needs fsdp over at least 2 chips ..."
 
 Per chip, data parallel (everything replicated), batch b, sequence s, L layers of width h, a heads, vocab V:
 
@@ -16,16 +16,21 @@ Per chip, data parallel (everything replicated), batch b, sequence s, L layers o
                  log-softmax and gradient, 12 * s*b*V (x2 with a teacher for the teacher's logits)
     teacher      its weights in bf16 (distill)
 
+As for the trainer's step (`Trainer.train_step`, which drops the gradients between steps): the peak is the larger of
+the start of the backward (every activation; gradients only those kept by `grad_accum` > 1) and its end (every
+gradient, one layer's activations), weights, optimizer state and teacher at both.
+
 The per-layer factor is the paper's; the eager attention XLA compiles keeps the a*s^2 scores, which the 5*a*s/h
-term covers. benchmarks/finetune_memory.py compares this plan with the traced and compiled figures:
-- Qwen2.5-0.5B sizes, bf16, batch 8 x 512 (traced with 2 and 4 layers, extrapolated linearly to 24): plan/traced
-  0.86 (LoRA) and 0.80 (full) without checkpointing, 1.03 and 0.99 with. Without checkpointing the plan under-counts
-  a Qwen2 layer (288 vs 389 MiB): the paper's 34*s*b*h is for a 4h GELU MLP, Qwen2's SwiGLU MLP is 5.4h wide and
-  saves gate, up and their product, and HF attention keeps its softmax in fp32. With checkpointing both give
-  36 MiB per layer; the logits term (12*s*b*V, 7.0 GiB here) dominates and matches.
-- tiny model, fp32: plan 1.09-1.36x traced (at fp32 the 16-bit factors are doubled; under LoRA a frozen linear
-  needs no saved input, which the plan does not subtract); XLA's compiled figure is within 10% of traced without
-  checkpointing and 1.2-1.5x with it (the recomputed block's buffers).
+term covers. benchmarks/finetune_memory.py compares this plan with the traced figure (the trainer's step on fake
+tensors) and XLA's compiled one:
+- Qwen2.5-0.5B sizes with 4 layers, bf16, batch 8 x 512: plan/traced 0.96 (LoRA) and 0.90 (full) without
+  checkpointing, 1.03 and 0.99 with; the peak is at the start of the backward in all four. Without checkpointing the
+  plan under-counts a Qwen2 layer: the paper's 34*s*b*h is for a 4h GELU MLP, Qwen2's SwiGLU MLP is 5.4h wide and
+  saves gate, up and their product, and HF attention keeps its softmax in fp32. With checkpointing the logits term
+  (12*s*b*V, about 7 GiB here) dominates and matches.
+- tiny model, fp32, batch 8 x 128: plan 1.09-1.36x traced (at fp32 the 16-bit factors are doubled; under LoRA a
+  frozen linear needs no saved input, which the plan does not subtract); XLA's compiled figure is 0.9-1.1x traced,
+  and 2.1x with checkpointing for the full model (XLA:CPU's scheduling of the recomputed blocks).
 """
 
 from __future__ import annotations
@@ -34,10 +39,10 @@ from typing import Any
 
 import torch
 
+from tpu_helpers.backend.units import block_params
+from tpu_helpers.choices import FINETUNE_METHODS, check_choice
 from tpu_helpers.memory.report import MemoryEstimate
 from tpu_helpers.memory.sharded import ShardingPlan, sharding_plan
-
-METHODS = ("lora", "full", "distill")
 
 
 def meta_model(config: Any) -> torch.nn.Module:
@@ -61,18 +66,17 @@ def lora_parameter_count(model: torch.nn.Module, r: int, targets: list[str] | st
 
 def hf_finetune_estimate(config: Any, batch_size: int, seq_len: int, *, method: str = "lora", lora_r: int = 8,
                          lora_targets: list[str] | str = ("q_proj", "k_proj", "v_proj", "o_proj"),
-                         precision: str = "bf16", gradient_checkpointing: bool = False,
+                         precision: str = "bf16", gradient_checkpointing: bool = False, grad_accum: int = 1,
                          teacher_config: Any = None, model: torch.nn.Module | None = None) -> MemoryEstimate:
     """Per-chip peak bytes of one fine-tuning step (see the module docstring)."""
-    if method not in METHODS:
-        raise ValueError(f"method={method!r} is not one of {METHODS}")
+    check_choice("method", method, FINETUNE_METHODS)
     model = model if model is not None else meta_model(config)
     params = sum(p.numel() for p in model.parameters())
     lora = method in ("lora", "distill")
     trainable = lora_parameter_count(model, lora_r, list(lora_targets) if not isinstance(lora_targets, str)
                                      else lora_targets) if lora else params
-    half = precision == "bf16"
-    weights = params * (2 if (half and lora) else 4) + (trainable * 4 if lora else 0)
+    half = precision in ("bf16", "fp16")  # 16-bit autocast (fp16 keeps the bytes of bf16)
+    weights = params * gathered_bytes_per_param(method, precision) + (trainable * 4 if lora else 0)
     grads = trainable * 4
     optimizer = trainable * 8
     b, s = batch_size, seq_len
@@ -90,23 +94,19 @@ def hf_finetune_estimate(config: Any, batch_size: int, seq_len: int, *, method: 
         teacher = sum(p.numel() for p in meta_model(teacher_config).parameters()) * 2
     notes = [f"{L} layers x {h} wide, {a} heads, vocab {V}, {s} tokens x {b} sequences per chip",
              f"{params:,} parameters, {trainable:,} trainable ({method})"]
-    return MemoryEstimate.from_categories("plan", b, params=weights + teacher, grads=grads, optimizer=optimizer,
-                                          activations=int(layers + logits), temporaries=0, notes=notes)
+    kept = grads if grad_accum > 1 else 0  # the earlier micro-batches' gradients, while the next one runs
+    held = {"params": weights + teacher, "optimizer": optimizer, "temporaries": 0}
+    return MemoryEstimate.from_phases("plan", b, {
+        "the start of the backward": {**held, "grads": kept, "activations": int(layers + logits)},
+        "the end of the backward": {**held, "grads": grads, "activations": int(per_layer)}}, notes=notes)
 
 
 _WHAT = {"lora": "LoRA fine-tuning", "full": "full fine-tuning", "distill": "distillation"}
 
 
-def block_params(model: torch.nn.Module) -> int:
-    """Parameters of the model's largest sharding unit (one decoder layer: what FSDP gathers at a time)."""
-    from tpu_helpers.training.sharding import block_classes
-
-    kinds = block_classes(model)
-    return max((sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m) in kinds), default=0)
-
-
 def gathered_bytes_per_param(method: str, precision: str = "bf16") -> int:
-    """Bytes per parameter of a gathered block: the bf16 frozen base under LoRA on TPU, else fp32 master weights."""
+    """Bytes per stored parameter (and of a gathered block): the bf16 frozen base under LoRA where the step
+    computes in bf16 (TPUs; `recipes.finetune` loads it so), else fp32 master weights (fp16 keeps them too)."""
     return 2 if (precision == "bf16" and method in ("lora", "distill")) else 4
 
 

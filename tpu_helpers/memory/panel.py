@@ -1,7 +1,8 @@
 """The batch-size tuning panel's logic, in plain Python (the ipywidgets view is ``tpu_helpers.memory.widgets``).
 
-:class:`TuningPanel` holds the choices (model, sequence length, per-chip batch, accumulation or a global batch,
-precision, gradient checkpointing, optimizer, target hardware, slice size and SHARDING, assumed MFU, run length) and,
+:class:`TuningPanel` holds the choices (model, sequence length, per-chip batch, grad_accum or a global batch,
+precision, pure_bf16 weights, gradient checkpointing, optimizer, target hardware, slice size and SHARDING, assumed
+MFU, run length: the names `TrainConfig` uses) and,
 on every change, computes the analytic memory estimate per chip under that sharding against the target's HBM, a
 verdict (FITS / DOES NOT FIT, percent of HBM, the largest batch per chip), the sharding line (per-chip bytes under
 data parallel and fsdp, `tpu_helpers.memory.sharded`), a suggestion that keeps the global batch, warnings, and an
@@ -17,7 +18,8 @@ marked stale::
     panel.load_preset("TPU VM v5e-8")     # the v5e-8 notebook's configuration (a global batch of 64)
     panel.probe(backend)                  # the largest batch that really runs on this device (panel_probe.py)
 
-``panel.show_static()`` prints the figures and draws the chart (papermill runs).
+``panel.show_static()`` prints the figures and draws the chart (papermill runs); the controls are the view's,
+``tpu_helpers.memory.widgets.PanelView(panel, backend).show()``.
 """
 
 from __future__ import annotations
@@ -26,8 +28,16 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from tpu_helpers.hardware import format_bytes
-from tpu_helpers.memory.analytic import analytic_estimate, block_params, param_counts, resolve_config
+from tpu_helpers.choices import OPTIMIZERS, PRECISIONS, check_choice
+from tpu_helpers.hardware import HardwareSpec, format_bytes
+from tpu_helpers.memory.analytic import (
+    analytic_estimate,
+    block_params,
+    bytes_per_weight,
+    memory_layout,
+    param_counts,
+    resolve_config,
+)
 from tpu_helpers.memory.choices import (
     check_chips,
     check_panel_sharding,
@@ -43,7 +53,6 @@ from tpu_helpers.memory.figure import figure_png, memory_figure
 from tpu_helpers.memory.panel_probe import ProbeMixin
 from tpu_helpers.memory.report import MemoryEstimate, MemoryReport, memory_report, resolve_hardware
 from tpu_helpers.memory.sharded import ShardingPlan, shard_estimate, sharding_plan
-from tpu_helpers.memory.step import OPTIMIZERS, PRECISIONS
 from tpu_helpers.memory.suggest import Suggestion, suggest
 from tpu_helpers.models.gpt import PRESETS, flops_per_token
 
@@ -57,9 +66,10 @@ class TuningState:
     vocab_size: int | None = None
     seq_len: int = 256
     batch_size: int = 32            # per chip, per micro-batch
-    accumulation: int = 1           # derived from global_batch when that is set
-    global_batch: int | None = None  # None: per-chip mode (batch x chips x accumulation); else fixed global batch
-    precision: str = "bf16"
+    grad_accum: int = 1             # micro-batches per optimizer step; derived from global_batch when that is set
+    global_batch: int | None = None  # None: per-chip mode (batch x chips x grad_accum); else fixed global batch
+    precision: str = "bf16"         # choices.PRECISIONS; auto is the chip's own (bf16 on TPUs)
+    pure_bf16: bool = False         # with bf16: weights, gradients and optimizer state stored in bf16 too
     gradient_checkpointing: bool = False
     optimizer: str = "adamw"
     hardware: str = "v5e"
@@ -75,6 +85,16 @@ class TuningState:
 def _positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def step_precision(precision: str, spec: HardwareSpec) -> str:
+    """What `precision` computes in on the chip `spec`: "auto" is bf16 where the chip has it (TPUs, recent GPUs),
+    else fp16 on GPUs and fp32 on the CPU, as the backends resolve it."""
+    if precision != "auto":
+        return precision
+    if spec.kind == "cpu":
+        return "fp32"
+    return "bf16" if spec.bf16_supported else "fp16"
 
 
 def _mesh_text(fsdp: int, chips: int) -> str:
@@ -140,44 +160,48 @@ class TuningPanel(ProbeMixin):
         gpt = param_counts(cfg)[0]
         return st.model_params or gpt, st.block_params or block_params(cfg), gpt
 
-    def _estimator(self, st: TuningState, precision: str | None = None, attention: str | None = None,
-                   fsdp: int | None = None):
+    def _estimator(self, st: TuningState, precision: str | None = None, pure_bf16: bool | None = None,
+                   attention: str | None = None, fsdp: int | None = None):
         """Per-chip estimate of batch ``b`` under ``fsdp`` chips (default: the state's sharding)."""
         cfg = self.model_config(st)
         spec = resolve_hardware(st.hardware)
-        precision = precision or st.precision
+        precision = step_precision(precision or st.precision, spec)
+        pure_bf16 = st.pure_bf16 if pure_bf16 is None else pure_bf16
         # XLA lowers scaled_dot_product_attention to matmul-softmax-matmul: the attention matrix is materialised.
         attention = attention or ("math" if spec.kind == "tpu" else "flash")
         fsdp = check_panel_sharding(st.sharding, st.chips, spec)[1] if fsdp is None else fsdp
         params, block, gpt = self._sizes(st)
         scale = params / gpt
-        width = 2 if precision == "pure-bf16" else 4
+        width = bytes_per_weight(precision, pure_bf16)
 
         def estimate(b: int) -> MemoryEstimate:
-            est = analytic_estimate(cfg, b, st.seq_len, precision=precision, optimizer=st.optimizer,
-                                    gradient_checkpointing=st.gradient_checkpointing, attention=attention)
-            if scale != 1:  # a Hugging Face model: its real parameter count for the model state
-                parts = {k: int(v * scale) if k in ("params", "grads", "optimizer") else v
-                         for k, v in est.breakdown.items()}
-                est = MemoryEstimate.from_categories(est.method, b, notes=[*est.notes, f"{params:,} parameters "
-                                                     "(the Hugging Face model's)"], **parts)
+            est = analytic_estimate(cfg, b, st.seq_len, precision=precision, pure_bf16=pure_bf16,
+                                    optimizer=st.optimizer, gradient_checkpointing=st.gradient_checkpointing,
+                                    attention=attention, grad_accum=st.grad_accum)
+            if scale != 1:  # a Hugging Face model: its real parameter count for the model state, at each moment
+                phases = {name: {k: int(v * scale) if k in ("params", "grads", "optimizer") else v
+                                 for k, v in parts.items()} for name, parts in est.phases.items()}
+                notes = [n for n in est.notes if not n.startswith("peak: ")]
+                est = MemoryEstimate.from_phases(est.method, b, phases, notes=[
+                    *notes, f"{params:,} parameters (the Hugging Face model's)"])
             return shard_estimate(est, fsdp, block_params=block, bytes_per_param=width)
 
         return estimate
 
     def _compute(self, st: TuningState) -> TuningState:
-        for name in ("seq_len", "batch_size", "accumulation", "chips", "steps"):
+        for name in ("seq_len", "batch_size", "grad_accum", "chips", "steps"):
             _positive_int(name, getattr(st, name))
         if not isinstance(st.mfu, (int, float)) or not 0.0 < st.mfu <= 1.0:
             raise ValueError(f"mfu must be in (0, 1], got {st.mfu!r}")
-        if st.precision not in PRECISIONS:
-            raise ValueError(f"precision={st.precision!r} is not one of {PRECISIONS}")
-        if st.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer={st.optimizer!r} is not one of {OPTIMIZERS}")
+        check_choice("precision", st.precision, PRECISIONS)
+        check_choice("optimizer", st.optimizer, OPTIMIZERS)
+        if not isinstance(st.pure_bf16, bool):
+            raise ValueError(f"pure_bf16 must be True or False, got {st.pure_bf16!r}")
         for name in ("model_params", "block_params"):
             if getattr(st, name) is not None:
                 _positive_int(name, getattr(st, name))
         spec = resolve_hardware(st.hardware)
+        memory_layout(step_precision(st.precision, spec), st.pure_bf16)  # pure_bf16 needs bf16
         check_chips(st.chips, spec)
         sharding, fsdp = check_panel_sharding(st.sharding, st.chips, spec)
         st = dataclasses.replace(st, sharding=sharding)
@@ -187,14 +211,15 @@ class TuningPanel(ProbeMixin):
             if st.global_batch % per_step:
                 raise ValueError(f"global batch {st.global_batch} is not a multiple of batch/chip x chips = "
                                  f"{st.batch_size} x {st.chips} = {per_step}")
-            st = dataclasses.replace(st, accumulation=st.global_batch // per_step)
+            st = dataclasses.replace(st, grad_accum=st.global_batch // per_step)
         cfg = self.model_config(st)
         report = memory_report(self._estimator(st, fsdp=fsdp), st.batch_size, spec, safety_margin=st.safety_margin)
         params, block, _ = self._sizes(st)
         plan = sharding_plan(self._estimator(st, fsdp=1), st.batch_size, chips=max_fsdp(spec, st.chips),
                              hardware=spec, block_params=block, params=params, safety_margin=st.safety_margin,
-                             bytes_per_param=2 if st.precision == "pure-bf16" else 4, what="training")
-        global_batch = st.batch_size * st.chips * st.accumulation
+                             bytes_per_param=bytes_per_weight(step_precision(st.precision, spec), st.pure_bf16),
+                             what="training")
+        global_batch = st.batch_size * st.chips * st.grad_accum
         tokens = global_batch * st.seq_len
         flops = flops_per_token(cfg, st.seq_len) * tokens
         # Recomputing the blocks' forward in the backward costs about one more forward (2N of the 6N).
@@ -258,7 +283,7 @@ class TuningPanel(ProbeMixin):
     def warnings(self) -> list[str]:
         st = self.state
         spec = resolve_hardware(st.hardware)
-        out = [w for w in [precision_warning(st.precision, spec)] if w]
+        out = [w for w in [precision_warning(step_precision(st.precision, spec), spec)] if w]
         if spec.kind == "cpu":
             out.append("the CPU entry is nominal (16 GiB, 1 TFLOP/s): its times are not a forecast")
         return out
@@ -266,9 +291,9 @@ class TuningPanel(ProbeMixin):
     def details(self) -> list[str]:
         r, st = self._result, self.state
         spec = resolve_hardware(st.hardware)
-        steps = "step" if st.accumulation == 1 else "steps"
+        steps = "step" if st.grad_accum == 1 else "steps"
         lines = [f"global batch {r['global_batch']} = {st.batch_size}/chip x {chips_text(st.chips)} x "
-                 f"{st.accumulation} accumulation {steps} ({r['tokens_per_step']:,} tokens/step)"]
+                 f"{st.grad_accum} accumulation {steps} ({r['tokens_per_step']:,} tokens/step)"]
         if r["step_seconds_estimate"] is None:
             lines.append(f"step time: no catalog peak FLOP/s for {spec.name}")
         else:
@@ -293,18 +318,6 @@ class TuningPanel(ProbeMixin):
         shard = f", fsdp x{fsdp}" if fsdp > 1 else ""
         plan = f"x {chips_text(self.state.chips)}{shard}, global batch {self._result['global_batch']}"
         return memory_figure(self.report, stale=self.error, plan=plan)
-
-    def widget(self, backend=None, **probe_kwargs: Any):
-        """The ipywidgets panel over this logic (``tpu_helpers.memory.widgets.PanelView``); ``show`` displays it."""
-        from tpu_helpers.memory.widgets import PanelView
-
-        return PanelView(self, backend, **probe_kwargs).box
-
-    def show(self, backend=None, **probe_kwargs: Any):
-        """Display the panel (enabling Colab's widget manager where ipywidgets 8 needs it); returns the view."""
-        from tpu_helpers.memory.widgets import PanelView
-
-        return PanelView(self, backend, **probe_kwargs).show()
 
     def show_static(self) -> dict:
         """Print the figures and display the chart (what a papermill run records); returns ``result()``."""

@@ -16,11 +16,8 @@ from tpu_helpers.memory.panel import TuningPanel
 def panel_from_config(config) -> TuningPanel:
     """A panel from a notebook's validated TrainConfig (``config.extra`` holds the tuning-only parameters)."""
     ex = config.extra
-    precision = {"auto": "bf16", "fp16": "bf16"}.get(config.precision, config.precision)
-    if precision == "bf16" and ex.get("pure_bf16", False):
-        precision = "pure-bf16"
     return TuningPanel(preset=config.preset, seq_len=config.seq_len, batch_size=config.batch_size,
-                       accumulation=config.grad_accum, precision=precision,
+                       grad_accum=config.grad_accum, precision=config.precision, pure_bf16=ex.get("pure_bf16", False),
                        gradient_checkpointing=config.gradient_checkpointing, optimizer=config.optimizer,
                        hardware=ex.get("hardware", "v5e"), chips=ex.get("chips", 8), sharding=config.sharding,
                        mfu=ex.get("mfu", 0.4), steps=config.steps, safety_margin=ex.get("safety_margin", 0.1))

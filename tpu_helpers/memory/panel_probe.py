@@ -17,7 +17,6 @@ from typing import Any
 
 from tpu_helpers.memory.choices import split_batch
 from tpu_helpers.memory.report import largest_fitting_batch
-from tpu_helpers.memory.step import PRECISIONS
 
 
 class ProbeMixin:
@@ -35,14 +34,14 @@ class ProbeMixin:
         """Where the probe starts: the estimate's largest batch for the device it runs on (its memory, or the cap
         imposed on the CPU, and the precision it runs in), with the whole model on that one device."""
         st = state or self.state
-        precision = backend.precision if backend.precision in PRECISIONS else "fp32"
-        if st.precision == "pure-bf16" and precision == "bf16":
-            precision = "pure-bf16"
+        precision = backend.precision
+        pure_bf16 = st.pure_bf16 and precision == "bf16"  # bf16 weights where this device computes in bf16
         cap = cpu_limit_bytes if backend.runs_on_host else None
         budget = cap if cap is not None else backend.hardware.hbm_bytes * (1 - st.safety_margin)
-        est = self._estimator(st, precision=precision, attention="math" if backend.is_xla else "flash", fsdp=1)
+        est = self._estimator(st, precision=precision, pure_bf16=pure_bf16, attention=backend.attention_kind, fsdp=1)
         start = largest_fitting_batch(est, budget, upper=max_batch_size) if budget else st.batch_size
-        return {"start": max(1, min(start, max_batch_size)), "precision": precision, "memory_limit_bytes": cap}
+        return {"start": max(1, min(start, max_batch_size)), "precision": precision, "pure_bf16": pure_bf16,
+                "memory_limit_bytes": cap}
 
     def probe(self, backend, *, max_tries: int = 8, max_batch_size: int = 1024,
               cpu_limit_bytes: int | None = 1 << 30, growth: float = 1.25, **kwargs: Any):
@@ -63,33 +62,32 @@ class ProbeMixin:
         import torch
 
         from tpu_helpers.memory.probe import probe_batch_size
-        from tpu_helpers.memory.step import make_optimizer
-        from tpu_helpers.memory.traced import gpt_batch
+        from tpu_helpers.memory.traced import gpt_batch, step_trainer
         from tpu_helpers.models.gpt import GPT
 
         st = self.state  # one snapshot: a control may change while the probe runs
         plan = self.probe_start(backend, cpu_limit_bytes, max_batch_size, state=st)
         cfg = self.model_config(st)
-        model = backend.prepare_model(GPT(cfg))
-        if plan["precision"] == "pure-bf16":
+        model = GPT(cfg)
+        if plan["pure_bf16"]:
             model = model.to(torch.bfloat16)
-        if st.gradient_checkpointing:
-            model.set_gradient_checkpointing(backend.checkpoint_fn())
-        opt = make_optimizer(st.optimizer, model.parameters())
+        # The trainer's own step, optimizer and zero_grad policy, on this one device (whatever the panel's SHARDING).
+        # Accumulating keeps the gradients between micro-batches (any count > 1 holds the same memory).
+        trainer = step_trainer(model, backend, precision=backend.precision, optimizer=st.optimizer,
+                               gradient_checkpointing=st.gradient_checkpointing, grad_accum=min(st.grad_accum, 2))
         if plan["memory_limit_bytes"] is not None:
             kwargs.setdefault("memory_limit_bytes", plan["memory_limit_bytes"])
-        result = probe_batch_size(model, opt, gpt_batch(st.seq_len, cfg.vocab_size), backend,
-                                  start=plan["start"], max_tries=max_tries, max_batch_size=max_batch_size,
-                                  growth=growth, **kwargs)
-        if plan["precision"] == "pure-bf16":
-            result.precision = "pure-bf16"
+        result = probe_batch_size(trainer, gpt_batch(st.seq_len, cfg.vocab_size), start=plan["start"],
+                                  max_tries=max_tries, max_batch_size=max_batch_size, growth=growth, **kwargs)
+        if plan["pure_bf16"]:
+            result.precision += " (pure_bf16)"
         self.probe_result, self._probe_key = result, self._model_key(st)
         return result
 
     @staticmethod
     def _model_key(st) -> tuple:
-        return (st.preset, st.n_layer, st.n_head, st.n_embd, st.vocab_size, st.seq_len, st.precision,
-                st.gradient_checkpointing, st.optimizer)
+        return (st.preset, st.n_layer, st.n_head, st.n_embd, st.vocab_size, st.seq_len, st.precision, st.pure_bf16,
+                st.gradient_checkpointing, st.optimizer, st.grad_accum > 1)
 
     def probe_changes(self) -> dict | None:
         """Settings that use the probe's batch: that batch per chip (with a global batch set, the largest
@@ -100,4 +98,4 @@ class ProbeMixin:
         if self.state.global_batch is None:
             return {"batch_size": p.max_batch_size}
         b, a = split_batch(self.state.global_batch // self.state.chips, p.max_batch_size)
-        return {"batch_size": b, "accumulation": a}
+        return {"batch_size": b, "grad_accum": a}

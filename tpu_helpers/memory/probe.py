@@ -1,7 +1,8 @@
 """Find the largest per-chip batch that really runs on this device, in a few tries, without harming the run.
 
-Each try runs ``steps_per_try`` full training steps (the first creates the optimizer state, the second is the
-steady state) at one batch size, each ending with the backend's sync, then reads the loss on the host: XLA compiles
+Each try runs ``steps_per_try`` of the trainer's own training steps (`Trainer.train_step`, with its optimizer,
+clipping and zero_grad policy; the first step creates the optimizer state, the second is the steady state) at one
+batch size, each ending with the backend's sync, then reads the loss on the host: XLA compiles
 at the sync but runs the graph asynchronously, and an allocation failure surfaces only when something waits for it.
 Sizes: start from ``start`` (the estimate), grow by ``growth`` while it fits (shrink while it does not), then bisect
 between the last size that ran and the first that did not, stopping after ``max_tries``: the result is exact
@@ -9,13 +10,15 @@ when the two are neighbours (``exact``), otherwise a lower bound ("at least N").
 with a small ``growth`` (1.25) narrows it in a few tries; the default 2 finds it from far away. Out-of-memory is
 recognised by ``backend.is_out_of_memory`` (CUDA's ``torch.OutOfMemoryError``, TPU's ``RESOURCE_EXHAUSTED``
 ``ValueError``, XLA:CPU's "Out of memory allocating"); anything else is re-raised. After every try the model's and
-optimizer's state dicts and the gradients are restored from a host copy taken first (which also drops an XLA
-graph that failed), and memory is freed, so training can continue afterwards::
+optimizer's state dicts, the schedule and the gradients are restored from a host copy taken first (which also
+drops an XLA graph that failed), and memory is freed, so training can continue afterwards::
 
     from tpu_helpers.memory.probe import probe_batch_size
     from tpu_helpers.memory.traced import gpt_batch
-    result = probe_batch_size(model, optimizer, gpt_batch(256, vocab), backend, start=est.max_batch_size)
+    result = probe_batch_size(trainer, gpt_batch(256, vocab), start=est.max_batch_size)   # trainer.train_step
     print(result.summary())
+
+A trainer made for its step alone (`memory.traced.step_trainer`, no data) serves when there is no run yet.
 
 ``memory_limit_bytes`` (CPU backend only) imposes a real limit through :class:`~tpu_helpers.memory.live.LiveBytes`,
 which raises ``torch.OutOfMemoryError`` past it: how the probe is exercised without a GPU. On XLA:CPU, limit the
@@ -25,16 +28,16 @@ process's address space instead (``resource.setrlimit(RLIMIT_AS, ...)``): the XL
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from tpu_helpers.backend.base import tree_map_tensors
+from tpu_helpers.choices import check_positive
 from tpu_helpers.hardware import format_bytes
 from tpu_helpers.memory.live import LiveBytes
-from tpu_helpers.memory.step import PRECISIONS, LossFn, check_positive, training_step
 from tpu_helpers.memory.traced import BatchFn
+from tpu_helpers.training.trainer import Trainer
 
 
 @dataclass
@@ -87,15 +90,18 @@ class ProbeResult:
 
 
 class _Snapshot:
-    """Host copies of the model's and optimizer's state and of the gradients, to put back after each try."""
+    """Host copies of the model's, optimizer's and schedule's state and of the gradients, to put back after each
+    try."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, backend) -> None:
-        self.model, self.optimizer, self.backend = model, optimizer, backend
+    def __init__(self, trainer: Trainer) -> None:
+        model, optimizer, backend = trainer.model, trainer.optimizer, trainer.backend
+        self.model, self.optimizer, self.backend, self.scheduler = model, optimizer, backend, trainer.scheduler
         # to_cpu of a CPU tensor is the tensor itself: clone, or the "copy" would change with the model.
         copy = (lambda obj: tree_map_tensors(lambda t: t.detach().clone(), obj)) if backend.runs_on_host \
             else backend.to_cpu
         self.model_state = copy(model.state_dict())
         self.opt_state = copy(optimizer.state_dict())
+        self.scheduler_state = trainer.scheduler.state_dict()
         self.grads = [None if p.grad is None else p.grad.detach().to("cpu", copy=True) for p in model.parameters()]
         self.training = model.training
 
@@ -104,6 +110,7 @@ class _Snapshot:
         self.model.load_state_dict(self.model_state)
         # load_state_dict may adopt the given tensors as the live state (same device): hand it a fresh copy.
         self.optimizer.load_state_dict(tree_map_tensors(lambda t: t.clone(), self.opt_state))
+        self.scheduler.load_state_dict(self.scheduler_state)
         for p, g in zip(self.model.parameters(), self.grads, strict=True):
             p.grad = None if g is None else g.to(p.device)
         self.model.train(self.training)
@@ -111,20 +118,22 @@ class _Snapshot:
 
 
 def probe_batch_size(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    trainer: Trainer,
     batch_fn: BatchFn,
-    backend,
     *,
     start: int = 8,
     max_batch_size: int = 1 << 16,
     max_tries: int = 8,
     steps_per_try: int = 2,
-    loss_fn: LossFn | None = None,
     memory_limit_bytes: int | None = None,
     growth: float = 2.0,
 ) -> ProbeResult:
-    """Largest batch in ``[1, max_batch_size]`` that runs ``steps_per_try`` steps (see the module docstring)."""
+    """Largest batch in ``[1, max_batch_size]`` that runs ``steps_per_try`` of `trainer`'s steps (see the module
+    docstring)."""
+    if not isinstance(trainer, Trainer):
+        raise TypeError(f"probe_batch_size measures a Trainer's step; got {type(trainer).__name__} (make one for the "
+                        "step alone with tpu_helpers.memory.traced.step_trainer(model, backend, precision=...))")
+    model, optimizer, backend = trainer.model, trainer.optimizer, trainer.backend
     for name, value in (("start", start), ("max_batch_size", max_batch_size), ("max_tries", max_tries),
                         ("steps_per_try", steps_per_try)):
         check_positive(name, value)
@@ -133,11 +142,10 @@ def probe_batch_size(
     if memory_limit_bytes is not None and not backend.runs_on_host:
         raise ValueError(f"memory_limit_bytes works on the CPU backend only (this is {backend.name}); on XLA:CPU "
                          "limit the address space with resource.setrlimit(RLIMIT_AS, ...)")
-    precision = backend.precision if backend.precision in PRECISIONS else "fp32"
     t0 = time.perf_counter()
     compiles0 = backend.metrics().get("compilations", 0)
-    snap = _Snapshot(model, optimizer, backend)
-    result = ProbeResult(0, cap=max_batch_size, device=backend.status(), precision=precision,
+    snap = _Snapshot(trainer)
+    result = ProbeResult(0, cap=max_batch_size, device=backend.status(), precision=backend.precision,
                          memory_limit_bytes=memory_limit_bytes)
 
     def attempt(bs: int) -> bool:
@@ -148,8 +156,8 @@ def probe_batch_size(
         try:
             with limit:
                 for _ in range(steps_per_try):
-                    loss = training_step(model, optimizer, batch, precision=precision, loss_fn=loss_fn,
-                                         device_type=backend.autocast_device_type, sync=backend.sync)
+                    loss, _ = trainer.train_step(itertools.repeat(batch))
+                    backend.sync()
                 # XLA runs the graph asynchronously after sync(): only a host read waits for it, and is where an
                 # allocation failure surfaces.
                 loss.float().cpu()

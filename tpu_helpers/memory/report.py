@@ -24,13 +24,18 @@ MAX_BATCH = 1 << 20
 
 @dataclass
 class MemoryEstimate:
-    """Peak bytes per chip of one training step at ``batch_size`` (per chip), and where they go."""
+    """Peak bytes per chip of one training step at ``batch_size`` (per chip), and where they go.
+
+    ``phases``: when the estimate weighed several moments of the step for its peak (the start of the backward,
+    every activation alive; its end, every gradient), each one's breakdown, so that a transformation such as
+    FSDP's sharding can weigh them again (the breakdown is the largest one's)."""
 
     method: str
     batch_size: int
     breakdown: dict[str, int]
     peak_bytes: int
     notes: list[str] = field(default_factory=list)
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @classmethod
     def from_categories(cls, method: str, batch_size: int, *, total: int | None = None, notes=(),
@@ -40,6 +45,14 @@ class MemoryEstimate:
             raise ValueError(f"unknown memory categories {sorted(unknown)}; allowed: {CATEGORIES}")
         peak = int(total) if total is not None else int(sum(parts.values()))
         return cls(method, batch_size, {k: int(parts.get(k, 0)) for k in CATEGORIES}, peak, list(notes))
+
+    @classmethod
+    def from_phases(cls, method: str, batch_size: int, phases: dict[str, dict[str, int]], *,
+                    notes=()) -> MemoryEstimate:
+        """The largest of `phases` ({moment: its categories}) as the peak; every phase kept in ``phases``."""
+        full = {name: cls.from_categories(method, batch_size, **parts).breakdown for name, parts in phases.items()}
+        peak = max(full, key=lambda name: sum(full[name].values()))
+        return cls(method, batch_size, full[peak], sum(full[peak].values()), [*notes, f"peak: {peak}"], full)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -35,14 +35,21 @@ def shard_estimate(estimate: MemoryEstimate, fsdp: int, *, block_params: int = 0
         raise ValueError(f"fsdp={fsdp!r} must be an integer >= 1 (the chips the model is sharded over)")
     if fsdp == 1:
         return estimate
-    parts = dict(estimate.breakdown)
-    for key in _SHARDED:
-        parts[key] = -(-parts[key] // fsdp)
-    parts["temporaries"] = max(parts["temporaries"], 2 * block_params * bytes_per_param)
-    notes = [*estimate.notes, f"fsdp over {fsdp} chips: parameters, gradients and optimizer state / {fsdp}, "
-                              "plus one gathered block"]
-    return MemoryEstimate.from_categories(f"{estimate.method}, fsdp x{fsdp}", estimate.batch_size, notes=notes,
-                                          **parts)
+
+    def shard(breakdown: dict[str, int]) -> dict[str, int]:
+        parts = dict(breakdown)
+        for key in _SHARDED:
+            parts[key] = -(-parts[key] // fsdp)
+        parts["temporaries"] = max(parts["temporaries"], 2 * block_params * bytes_per_param)
+        return parts
+
+    notes = [*(n for n in estimate.notes if not n.startswith("peak: ")),
+             f"fsdp over {fsdp} chips: parameters, gradients and optimizer state / {fsdp}, plus one gathered block"]
+    method = f"{estimate.method}, fsdp x{fsdp}"
+    if estimate.phases:  # sharding shrinks the gradients, not the activations: the peak may move to another moment
+        return MemoryEstimate.from_phases(method, estimate.batch_size,
+                                          {name: shard(parts) for name, parts in estimate.phases.items()}, notes=notes)
+    return MemoryEstimate.from_categories(method, estimate.batch_size, notes=notes, **shard(estimate.breakdown))
 
 
 @dataclass
@@ -137,18 +144,24 @@ def _human_count(n: int) -> str:
 
 
 def gpt_sharding_plan(model: object, batch_size: int, seq_len: int | None = None, *, chips: int,
-                      hardware: str | HardwareSpec = "v5e", precision: str = "bf16", optimizer: str = "adamw",
-                      gradient_checkpointing: bool = False, safety_margin: float = 0.1,
+                      hardware: str | HardwareSpec = "v5e", precision: str = "bf16", pure_bf16: bool = False,
+                      optimizer: str = "adamw", gradient_checkpointing: bool = False, safety_margin: float = 0.1,
                       what: str = "full fine-tuning") -> ShardingPlan:
     """`sharding_plan` for the package GPT (a preset name, GPTConfig or dict of sizes) from the analytic estimate."""
-    from tpu_helpers.memory.analytic import analytic_estimate, block_params, param_counts, resolve_config
+    from tpu_helpers.memory.analytic import (
+        analytic_estimate,
+        block_params,
+        bytes_per_weight,
+        param_counts,
+        resolve_config,
+    )
 
     cfg = resolve_config(model)  # type: ignore[arg-type]
     total, _, _ = param_counts(cfg)
     block = block_params(cfg)
-    w = 2 if precision == "pure-bf16" else 4
+    w = bytes_per_weight(precision, pure_bf16)
     return sharding_plan(
-        lambda b: analytic_estimate(cfg, b, seq_len, precision=precision, optimizer=optimizer,
+        lambda b: analytic_estimate(cfg, b, seq_len, precision=precision, pure_bf16=pure_bf16, optimizer=optimizer,
                                     gradient_checkpointing=gradient_checkpointing),
         batch_size, chips=chips, hardware=hardware, block_params=block, params=total, bytes_per_param=w,
         safety_margin=safety_margin, what=what)

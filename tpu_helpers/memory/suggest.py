@@ -32,7 +32,7 @@ class Suggestion:
 
 
 _WORDS = {"gradient_checkpointing": lambda v: "turn on gradient checkpointing",
-          "precision": lambda v: "store weights in bf16 (pure-bf16)",
+          "pure_bf16": lambda v: "store weights in bf16 (pure_bf16)",
           "sharding": lambda v: f"use sharding={v!r}"}
 
 
@@ -43,45 +43,62 @@ def max_batch_with(panel, **changes: Any) -> int:
     return largest_fitting_batch(panel._estimator(st), spec.hbm_bytes * (1 - st.safety_margin))
 
 
+def fitting_split(panel, per_chip: int, **changes: Any) -> tuple[int, int, int]:
+    """(micro-batch, grad_accum, largest micro-batch) that carry `per_chip` samples per step and fit with
+    ``changes``; a micro-batch of 0 when nothing does. Accumulating keeps the gradients alive while the next
+    micro-batch runs (the trainer drops them only between steps), so a split has its own, smaller, largest batch."""
+    whole = max_batch_with(panel, grad_accum=1, **changes)
+    if per_chip <= whole:
+        return per_chip, 1, whole
+    largest = max_batch_with(panel, grad_accum=2, **changes)
+    if largest < 1:
+        return 0, 0, 0
+    b, a = split_batch(per_chip, largest)
+    return b, a, largest
+
+
 def suggest(panel) -> Suggestion | None:
     st, rep = panel.state, panel.report
     assert rep is not None
-    g, per_chip, m = panel.result()["global_batch"], st.batch_size * st.accumulation, rep.max_batch_size
+    g, per_chip = panel.result()["global_batch"], st.batch_size * st.grad_accum
     keep = f"for global batch {g}"
+    b, a, m = fitting_split(panel, per_chip)
     if rep.fits:
-        if st.accumulation > 1 and m > st.batch_size:
-            b, a = split_batch(per_chip, m)
-            if b > st.batch_size:
-                return Suggestion(f"a larger micro-batch fits: batch {b}/chip x accumulation {a} {keep}",
-                                  {"batch_size": b, "accumulation": a})
+        if st.grad_accum > 1 and b > st.batch_size:
+            return Suggestion(f"a larger micro-batch fits: batch {b}/chip x accumulation {a} {keep}",
+                              {"batch_size": b, "grad_accum": a})
         return None
     if m >= 1:
-        b, a = split_batch(per_chip, m)
         text = f"largest batch {m}/chip: use batch {b}/chip x accumulation {a} {keep}"
         if not st.gradient_checkpointing:
             ck = max_batch_with(panel, gradient_checkpointing=True)
             if ck > m:
                 text += f" (or turn on gradient checkpointing: up to {ck}/chip, about 1/3 more compute)"
-        return Suggestion(text, {"batch_size": b, "accumulation": a})
+        return Suggestion(text, {"batch_size": b, "grad_accum": a})
     spec = resolve_hardware(st.hardware)
     shard = []
     if max_fsdp(spec, st.chips) > check_panel_sharding(st.sharding, st.chips, spec)[1]:
         shard = [{"sharding": widest_sharding(spec, st.chips)}]
     ck = {"gradient_checkpointing": True}
     options = [ck, *shard, *({**s, **ck} for s in shard)]
-    if spec.bf16_supported:
-        bf = {"precision": "pure-bf16"}
+    if spec.bf16_supported and st.precision in ("bf16", "auto"):
+        bf = {"pure_bf16": True}
         options += [bf, {**ck, **bf}, *({**s, **ck, **bf} for s in shard)]
     for extra in options:
         if all(getattr(st, k) == v for k, v in extra.items()):
             continue
-        m2 = max_batch_with(panel, **extra)
-        if m2 >= 1:
-            b, a = split_batch(per_chip, m2)
+        b, a, m2 = fitting_split(panel, per_chip, **extra)
+        if b >= 1:
             what = " and ".join(_WORDS[k](v) for k, v in extra.items())
-            return Suggestion(f"not even batch 1/chip fits: {what} (fits at {m2}/chip), then batch {b}/chip x "
-                              f"accumulation {a} {keep}", {**extra, "batch_size": b, "accumulation": a})
+            return Suggestion(f"{_none_fits(panel)}: {what} (fits at {m2}/chip), then batch {b}/chip x "
+                              f"accumulation {a} {keep}", {**extra, "batch_size": b, "grad_accum": a})
     return Suggestion(_needs_more_chips(panel), None)
+
+
+def _none_fits(panel) -> str:
+    if max_batch_with(panel, grad_accum=1) >= 1:  # one micro-batch would, but not the global batch's split
+        return "with gradient accumulation (the gradients kept between micro-batches) not even batch 1/chip fits"
+    return "not even batch 1/chip fits"
 
 
 def _needs_more_chips(panel) -> str:

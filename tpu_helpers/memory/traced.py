@@ -1,9 +1,11 @@
-"""Traced memory estimate: run one real training step of any ``nn.Module`` on fake tensors and count the bytes.
+"""Traced memory estimate: run the trainer's real training step of any ``nn.Module`` on fake tensors and count the
+bytes.
 
 The model is built on the meta device, turned into fake CPU tensors under ``FakeTensorMode`` (shapes and dtypes,
-no data, no memory), and two full steps (forward, backward, optimizer step; the first creates the optimizer
-state) run under torch's ``MemTracker``, which counts every live storage by category. The second step's peak is
-the estimate, so it works for models far too big for this machine::
+no data, no memory), a `Trainer` is made around it with no data (its optimizer, clipping and zero_grad policy:
+`training.optimizers`), and two of its steps (`Trainer.train_step`: forward, backward, optimizer step, zero_grad;
+the first creates the optimizer state) run under torch's ``MemTracker``, which counts every live storage by
+category. The second step's peak is the estimate, so it works for models far too big for this machine::
 
     from tpu_helpers.memory.traced import traced_estimate, gpt_batch
     est = traced_estimate(lambda: GPT(cfg), gpt_batch(seq_len=256, vocab_size=cfg.vocab_size), batch_size=8)
@@ -23,15 +25,12 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from tpu_helpers.backend import get_backend
+from tpu_helpers.choices import OPTIMIZERS, check_choice, check_positive
+from tpu_helpers.config import TrainConfig
+from tpu_helpers.memory.analytic import memory_layout
 from tpu_helpers.memory.report import MemoryEstimate
-from tpu_helpers.memory.step import (
-    PRECISIONS,
-    LossFn,
-    check_choice,
-    check_positive,
-    make_optimizer,
-    training_step,
-)
+from tpu_helpers.training.trainer import LossFn, Trainer
 
 ModelSpec = Callable[[], torch.nn.Module] | torch.nn.Module
 BatchFn = Callable[[int], Any]
@@ -107,6 +106,27 @@ def _skip_grad_hooks_of_frozen(module: torch.nn.Module) -> None:
             p.register_hook = p.register_post_accumulate_grad_hook = lambda *a, **k: _NoHook()  # type: ignore
 
 
+def _micro_batches(batch: Any, tracker: Any):
+    """`batch` for each micro-batch of a step. MemTracker takes a second call of the model in one step for the next
+    iteration and refuses it, so its per-module statistics (unused here; the device totals are what counts) are
+    cleared before each later micro-batch."""
+    yield batch
+    while True:
+        tracker.reset_mod_stats()
+        yield batch
+
+
+def step_trainer(model: torch.nn.Module, backend: Any, *, precision: str, optimizer: str = "adamw",
+                 grad_accum: int = 1, gradient_checkpointing: bool = False, loss_fn: LossFn | None = None,
+                 **config: Any) -> Trainer:
+    """A `Trainer` over `model` made for its step alone (no data, nothing written): what the estimates and the
+    probe run, so they measure the step, optimizer and zero_grad policy that training runs."""
+    cfg = TrainConfig(device="cpu" if backend.runs_on_host else "auto", precision=precision, optimizer=optimizer,
+                      grad_accum=grad_accum, gradient_checkpointing=gradient_checkpointing, xla_checks="off",
+                      **config)
+    return Trainer(model, None, config=cfg, backend=backend, loss_fn=loss_fn, progress=False)
+
+
 def traced_estimate(
     model: ModelSpec,
     batch_fn: BatchFn,
@@ -114,7 +134,8 @@ def traced_estimate(
     *,
     optimizer: str = "adamw",
     precision: str = "fp32",
-    accumulation: int = 1,
+    pure_bf16: bool = False,
+    grad_accum: int = 1,
     loss_fn: LossFn | None = None,
     gradient_checkpointing: bool = False,
 ) -> MemoryEstimate:
@@ -122,34 +143,33 @@ def traced_estimate(
     from torch.distributed._tools.mem_tracker import MemTracker
 
     check_positive("batch_size", batch_size)
-    check_choice("precision", precision, PRECISIONS)
+    check_choice("optimizer", optimizer, OPTIMIZERS)
+    # fp16 autocast keeps the bytes of bf16 autocast; the CPU, where the trace runs, has only the latter.
+    precision = "fp32" if memory_layout(precision, pure_bf16) == "fp32" else "bf16"
     meta = build_on_meta(model)
     if gradient_checkpointing:
         base = meta.get_base_model() if hasattr(meta, "get_base_model") else meta  # peft wraps HF models
         if not hasattr(meta, "set_gradient_checkpointing") and not hasattr(base, "_set_gradient_checkpointing"):
             raise ValueError(f"gradient_checkpointing=True needs a model with set_gradient_checkpointing() or a "
                              f"Hugging Face model; {type(meta).__name__} is neither")
-        from tpu_helpers.models.gpt import default_checkpoint_fn
-        from tpu_helpers.models.hf import set_gradient_checkpointing
-
-        set_gradient_checkpointing(meta, default_checkpoint_fn())
+    backend = get_backend("cpu", precision=precision)
     with FakeTensorMode(allow_non_fake_inputs=True):
         module = _materialize_fake(meta)
-        if precision == "pure-bf16":
+        if pure_bf16:
             module = module.to(torch.bfloat16)
-        module.train()
-        opt = make_optimizer(optimizer, module.parameters())
+        trainer = step_trainer(module, backend, precision=precision, optimizer=optimizer, grad_accum=grad_accum,
+                               gradient_checkpointing=gradient_checkpointing, loss_fn=loss_fn)
+        trainer.model.train()
         try:
             batch = batch_fn(batch_size)
         except Exception as err:
             raise ValueError(f"batch_fn({batch_size}) failed under the fake mode: {err}") from err
         _skip_grad_hooks_of_frozen(module)
         tracker = MemTracker()
-        tracker.track_external(module, opt)
+        tracker.track_external(module, trainer.optimizer)
         with tracker:
             for i in range(2):
-                training_step(module, opt, batch, precision=precision, loss_fn=loss_fn,
-                              accumulation=accumulation, device_type="cpu")
+                trainer.train_step(_micro_batches(batch, tracker))
                 if i == 0:
                     tracker.reset_mod_stats()
                     # Second step's peak only: restart the peak from the current (steady-state) snapshot. MemTracker

@@ -1,7 +1,7 @@
 """The batch-size tuning panel as ipywidgets: a thin view over :class:`tpu_helpers.memory.panel.TuningPanel`.
 
     panel = TuningPanel(preset="small", seq_len=1024, hardware="v5e", chips=8)
-    panel.show(backend)            # or PanelView(panel, backend).show()
+    view = PanelView(panel, backend).show()
 
 Layout: the verdict first (FITS / DOES NOT FIT on a coloured band), the suggestion with an "apply suggestion"
 button, then the controls as fixed-width items (label 150 px, item 275 px) in rows that wrap, so every control stays visible at
@@ -21,6 +21,7 @@ import sys
 import threading
 from typing import Any
 
+from tpu_helpers.choices import OPTIMIZERS, PRECISIONS
 from tpu_helpers.hardware import CATALOG
 from tpu_helpers.memory.choices import (
     GPT_SIZES,
@@ -36,7 +37,6 @@ from tpu_helpers.memory.figure import figure_png
 from tpu_helpers.memory.panel import TuningPanel
 from tpu_helpers.memory.panel_io import panel_from_config, save_tuning_results
 from tpu_helpers.memory.report import resolve_hardware
-from tpu_helpers.memory.step import OPTIMIZERS, PRECISIONS
 from tpu_helpers.models.gpt import PRESETS
 
 __all__ = ["PanelView", "TuningPanel", "enable_colab_widgets", "panel_from_config", "save_tuning_results"]
@@ -91,9 +91,10 @@ class PanelView:
             "mode": ctl(w.Dropdown, "mode", "batch given as",
                         options=[("per chip", "per_chip"), ("global batch", "global")]),
             "batch_size": ctl(w.IntText, "batch_size", "batch per chip"),
-            "accumulation": ctl(w.IntText, "accumulation", "accumulation steps"),
+            "grad_accum": ctl(w.IntText, "grad_accum", "grad accumulation"),
             "global_batch": ctl(w.IntText, "global_batch", "global batch"),
             "precision": ctl(w.Dropdown, "precision", "precision", options=list(PRECISIONS)),
+            "pure_bf16": ctl(w.Checkbox, "pure_bf16", "weights in bf16 (pure_bf16)", indent=False),
             "gradient_checkpointing": ctl(w.Checkbox, "gradient_checkpointing", "gradient checkpointing",
                                           indent=False),
             "optimizer": ctl(w.Dropdown, "optimizer", "optimizer", options=list(OPTIMIZERS)),
@@ -155,13 +156,13 @@ class PanelView:
         self._syncing = True
         try:
             self._set_chip_options(resolve_hardware(st.hardware), st.chips)
-            for name in ("preset", "seq_len", "batch_size", "accumulation", "precision", "gradient_checkpointing",
-                         "optimizer", "hardware", "chips", "sharding", "mfu", "steps"):
+            for name in ("preset", "seq_len", "batch_size", "grad_accum", "precision", "pure_bf16",
+                         "gradient_checkpointing", "optimizer", "hardware", "chips", "sharding", "mfu", "steps"):
                 c[name].value = getattr(st, name)
             glob = st.global_batch is not None
             c["mode"].value = "global" if glob else "per_chip"
             c["global_batch"].value = st.global_batch if glob else self.panel.result()["global_batch"]
-            c["global_batch"].disabled, c["accumulation"].disabled = not glob, glob
+            c["global_batch"].disabled, c["grad_accum"].disabled = not glob, glob
         finally:
             self._syncing = False
 
@@ -174,12 +175,13 @@ class PanelView:
 
     def _read_controls(self) -> dict:
         c = {k: v.value for k, v in self.controls.items()}
-        changes = {k: c[k] for k in ("preset", "seq_len", "batch_size", "precision", "gradient_checkpointing",
-                                     "optimizer", "hardware", "chips", "sharding", "mfu", "steps")}
+        changes = {k: c[k] for k in ("preset", "seq_len", "batch_size", "precision", "pure_bf16",
+                                     "gradient_checkpointing", "optimizer", "hardware", "chips", "sharding", "mfu",
+                                     "steps")}
         if c["mode"] == "global":
             changes["global_batch"] = c["global_batch"]
         else:
-            changes.update(global_batch=None, accumulation=c["accumulation"])
+            changes.update(global_batch=None, grad_accum=c["grad_accum"])
         return changes
 
     def _on_change(self, name: str) -> None:

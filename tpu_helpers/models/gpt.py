@@ -25,12 +25,13 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 from torch.nn import functional as F
+
+from tpu_helpers.data.tokenizer import Tokenizer
 
 CheckpointFn = Callable[..., torch.Tensor]
 
@@ -104,7 +105,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         # SDPA rather than softmax(q k^T) v written out: CUDA runs it as a fused kernel. On XLA:CPU the written-out
         # form measured 5% less CPU per step (71.9 against 75.7 ms, 2-layer d128, batch 16 x 64; same loss, same
-        # 2 graphs; issue 14), too little to give up the fused kernels for without a measurement on a TPU.
+        # 2 graphs), too little to give up the fused kernels for without a measurement on a TPU.
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
@@ -303,12 +304,6 @@ def generate(
     finally:
         model.train(was_training)
     return tokens.to(device)
-
-
-class Tokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int]) -> str: ...
 
 
 def sample_text(

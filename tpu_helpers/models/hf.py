@@ -90,7 +90,9 @@ def set_gradient_checkpointing(model: torch.nn.Module, checkpoint_fn: Any) -> No
         return
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not hasattr(base, "_set_gradient_checkpointing"):
-        raise ConfigError(f"GRAD_CHECKPOINTING=True but {type(base).__name__} has no gradient-checkpointing hook")
+        raise ConfigError(f"gradient_checkpointing=True but {type(base).__name__} has no set_gradient_checkpointing(fn) "
+                          "nor a Hugging Face gradient-checkpointing hook; add one (see tpu_helpers.models.gpt.GPT) "
+                          "or turn it off")
     base._set_gradient_checkpointing(True, checkpoint_fn)
     base.config.use_cache = False
     # Reentrant checkpoints (torch_xla's) give no gradient to weights inside a block whose inputs need none, as

@@ -3,6 +3,7 @@
     model = add_lora(model, r=8, alpha=16, dropout=0.05, targets="q_proj,k_proj,v_proj,o_proj")
     export_adapter(model, "out/adapter")          # PeftModel.from_pretrained(base, "out/adapter")
     export_merged(model, tokenizer, "out/merged")  # AutoModelForCausalLM.from_pretrained("out/merged"), no torch_xla
+    adapter_state_dict(model)                      # the adapter's weights, also under FSDP's wrappers
 
 Target names are the short names of linear layers ("q_proj"); one that the model does not have is an error listing
 the linear names it does have (peft's own message lists nothing). "all-linear" takes every linear layer but the
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+from tpu_helpers.backend.units import plain_name
 from tpu_helpers.config import ConfigError
 from tpu_helpers.extras import require_extra
 
@@ -67,12 +69,24 @@ def is_peft(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
-def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The state-dict entries of trainable parameters only (plain names, also under FSDPv2's wrappers)."""
-    from tpu_helpers.training.sharding import trainable_names
+def adapter_state_dict(model: torch.nn.Module, adapter_name: str = "default") -> dict:
+    """The PEFT (LoRA) adapter weights of `model` with peft's own key names, also when FSDP wrapped its layers.
 
-    names = trainable_names(model)
-    return {k: v for k, v in model.state_dict().items() if k in names}
+    peft finds the adapter by the tuner layers' module names; the FSDP wrappers add a level to those names while
+    the state dict keeps the plain ones (so checkpoints load under any sharding), and peft then silently returns
+    an empty adapter (the missing-adapter-keys failure also seen with the HF Trainer under FSDP). So the state
+    dict is handed to peft under the wrapped names and the result renamed back.
+    """
+    from peft import get_peft_model_state_dict
+
+    plain = model.state_dict()
+    wrapped = {}
+    for name in [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]:
+        key = plain_name(name)
+        if key in plain:
+            wrapped[name] = plain[key]
+    adapter = get_peft_model_state_dict(model, state_dict=wrapped, adapter_name=adapter_name)
+    return {plain_name(k): v for k, v in adapter.items()}
 
 
 def base_fingerprint(model: torch.nn.Module, name_or_path: str) -> dict[str, Any]:
@@ -110,8 +124,6 @@ def export_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The weights an export writes, copied to the CPU one tensor at a time: the LoRA adapter's (peft's key names,
     also under FSDP) or, without LoRA, the whole model's. Under SPMD on a pod slice reading a sharded tensor to
     the host runs a program on every host, so every process calls this; only the main one writes."""
-    from tpu_helpers.training.sharding import adapter_state_dict
-
     if is_peft(model):
         state = {k: v.detach().cpu().contiguous() for k, v in adapter_state_dict(model).items()}
         if not state:

@@ -3,13 +3,16 @@
     from tpu_helpers.training import Trainer, fit, Callback
     report = fit(model, train_dataset, val_dataset, config=TrainConfig(steps=200))
 
-Modules: `callbacks` (the hook interface, a leaf), `schedule` (when to log, evaluate and save), `trainer` (the loop
-with overridable steps), `run_state` (save and resume), `run_lock` (one run per out_dir), `resume_policy` (what a
-changed setting does on resume), `finite` (nan/inf: stop, never save), `signals` (clean stop on SIGTERM/SIGINT),
-`validation` (checks of Trainer arguments), `step_timing` (where a step's time goes, MFU), `history` (loss history
-and the run report), `results` (results.json and the figure of a run), `recipes` (train the package's GPT).
+Modules: `trainer` (the loop with overridable steps), `cadence` (when to log, evaluate and save), `optimizers` (the
+optimizers and the learning-rate schedule), `batches` (accepted batch forms and the causal-LM losses), `causal_lm`
+(SFT and distillation trainers), `run_state` (save and resume), `run_lock` (one run per out_dir), `resume_policy`
+(what a changed setting does on resume), `finite` (nan/inf: stop, never save), `signals` (clean stop on
+SIGTERM/SIGINT), `validation` (checks of Trainer arguments), `step_timing` (where a step's time goes, MFU),
+`history` (loss history and the run report), `results` (results.json and the figure of a run). The hooks a run
+calls are `tpu_helpers.callbacks` (below the trainer, so what watches a run need not import it); the ready-made
+jobs built on the trainer are `tpu_helpers.recipes`.
 
-Names load their module on first use, so importing a light module (`schedule`, `results`, `history`) does not
+Names load their module on first use, so importing a light module (`cadence`, `results`, `history`) does not
 import the trainer.
 """
 
@@ -19,11 +22,11 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "Callback": "tpu_helpers.training.callbacks",
+    "Callback": "tpu_helpers.callbacks",
+    "Cadence": "tpu_helpers.training.cadence",
     "History": "tpu_helpers.training.history", "RunReport": "tpu_helpers.training.history",
-    "Schedule": "tpu_helpers.training.schedule",
     "Trainer": "tpu_helpers.training.trainer", "fit": "tpu_helpers.training.trainer",
-    "warmup_cosine": "tpu_helpers.training.trainer",
+    "make_optimizer": "tpu_helpers.training.optimizers", "warmup_cosine": "tpu_helpers.training.optimizers",
 }
 
 __all__ = sorted(_EXPORTS)

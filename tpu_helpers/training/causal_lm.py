@@ -85,7 +85,7 @@ class DistillTrainer(CausalLMTrainer):
         if self.backend.precision == "bf16":
             teacher = teacher.to(torch.bfloat16)
         # Not a submodule of the student: its weights stay out of the optimizer and the checkpoints.
-        self.teacher = self.backend.prepare_model(teacher)
+        self.teacher = self.backend.move_model(teacher)
 
     def loss_sum(self, batch: dict) -> torch.Tensor:
         ids, mask, labels = batch["input_ids"], batch.get("attention_mask"), batch["labels"]

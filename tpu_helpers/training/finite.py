@@ -1,17 +1,17 @@
 """Divergence: a nan/inf training loss stops the run with a clear error, and a non-finite state is never saved.
 
 Costs no host transfer of its own. The loss check runs in the trainer's log closure on the value already read for
-the history (`log_every`); the weight check runs at a save, on the CPU copy the checkpoint is written from. With
-`TrainConfig(on_nonfinite="stop")` (default) the trainer ends after the step, saves nothing, and `fit` raises
-`TrainingDiverged` naming the step, the loss and the newest good checkpoint; `"warn"` only warns (once) and keeps
-training, but still never saves non-finite weights. There is no "skip the step" mode: deciding before the
-optimizer update whether a step is finite would need a host read every step, which XLA runs must avoid.
+the history (`log_every`); the weight check runs at a save, on the CPU copy the checkpoint is written from. What
+either finds goes to `Trainer.on_divergence`: with `TrainConfig(on_nonfinite="stop")` (default) the trainer ends
+after the step, saves nothing, and `fit` raises `TrainingDiverged` naming the step, the loss and the newest good
+checkpoint; `"warn"` only warns (once) and keeps training, but still never saves non-finite weights. There is no
+"skip the step" mode: deciding before the optimizer update whether a step is finite would need a host read every
+step, which XLA runs must avoid.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 import torch
@@ -23,30 +23,17 @@ class TrainingDiverged(RuntimeError):
     report: Any = None  # the partial run's RunReport
 
 
-def check_logged_loss(trainer: Any, step: int, loss: float, first_step: int) -> None:
-    """Called with each logged mean loss (steps first_step+1..step); flags a non-finite one."""
+def nonfinite_loss(step: int, loss: float, first_step: int) -> str | None:
+    """What went wrong when the mean loss logged for steps first_step+1..step is nan/inf, else None."""
     if math.isfinite(loss):
-        return
-    flag(trainer, f"the training loss became {loss} in steps {first_step + 1}-{step}")
+        return None
+    return f"the training loss became {loss} in steps {first_step + 1}-{step}"
 
 
 def nonfinite_tensors(state: dict) -> list[str]:
     """Names of floating-point tensors in a (CPU) state dict that hold nan or inf."""
     return [name for name, t in state.items()
             if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
-
-
-def flag(trainer: Any, what: str) -> None:
-    """Stop (on_nonfinite="stop") or warn once ("warn") about a non-finite value."""
-    if trainer.config.on_nonfinite == "stop":
-        if trainer.diverged is None:
-            trainer.diverged = what
-            trainer.stop_reason = f"diverged: {what}"
-        return
-    if trainer.diverged is None:
-        trainer.diverged = what
-        warnings.warn(f"{what}; training goes on (on_nonfinite='warn') but non-finite weights are never saved",
-                      stacklevel=3)
 
 
 def diverged_error(trainer: Any, report: Any) -> TrainingDiverged:

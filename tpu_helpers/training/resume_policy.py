@@ -4,9 +4,10 @@ Each TrainConfig field is in exactly one group (the README's resume table lists 
 
 - IDENTITY_FIELDS: what the checkpoints are *of* (model, data, tokenization, optimizer kind, seed, global batch).
   Resuming with another value is refused, naming the old and the new value (`RunState._check_identity`).
-- APPLIED_ON_RESUME: optimisation settings a user changes on purpose (a lower lr, more steps). The checkpoint's
-  optimizer and scheduler state would silently keep the old values, so `apply_changes` writes the new ones into
-  the optimizer and scheduler and returns lines for the report, e.g. "lr 0.003 -> 3e-05 from step 20".
+- APPLIED_ON_RESUME: optimisation settings a user changes on purpose (a lower lr, more steps). They apply from
+  the resume step: the learning-rate schedule is rebuilt from this run's config there, and `apply_changes` puts a
+  new weight decay into the restored optimizer and returns lines for the report, e.g. "lr 0.003 -> 3e-05 from
+  step 20".
 - everything else (logging, evaluation, saving, device, precision, batch split, paths) simply takes effect.
 """
 
@@ -15,6 +16,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from tpu_helpers.training.optimizers import warmup_cosine
 
 if TYPE_CHECKING:
     from tpu_helpers.training.trainer import Trainer
@@ -59,7 +62,12 @@ def _fmt(value: Any) -> str:
 
 
 def apply_changes(trainer: Trainer, old_config: Any) -> list[str]:
-    """Apply APPLIED_ON_RESUME settings that differ from the checkpoint's; returns one line per change."""
+    """Apply APPLIED_ON_RESUME settings that differ from the checkpoint's; returns one line per change.
+
+    The learning rate follows by itself: the trainer rebuilds its schedule from this run's config at the resume
+    step (`Trainer.load_progress_state`). Weight decay lives in the optimizer's param groups, which the
+    checkpoint restored with the old value: the decayed groups get the new one. `grad_clip` is read every step.
+    """
     if not isinstance(old_config, dict):
         return []
     cfg, step = trainer.config, trainer.step
@@ -67,27 +75,18 @@ def apply_changes(trainer: Trainer, old_config: Any) -> list[str]:
     if not changed:
         return []
     lines = [f"{k} {_fmt(old_config[k])} -> {_fmt(getattr(cfg, k))} from step {step}" for k in changed]
-    groups = trainer.optimizer.param_groups
     if "weight_decay" in changed:
         old_wd = old_config["weight_decay"]
-        for i, group in enumerate(groups):
+        for i, group in enumerate(trainer.optimizer.param_groups):
             # The decayed groups carry the configured value; no-decay groups (biases, norms) stay at 0.
             if group.get("weight_decay") == old_wd and (old_wd != 0 or i == 0):
                 group["weight_decay"] = cfg.weight_decay
-    sched = trainer.scheduler
-    lr_before = groups[0]["lr"]
-    if "lr" in changed:
-        sched.base_lrs = [cfg.lr for _ in groups]
-        for group in groups:
-            group["initial_lr"] = cfg.lr
-    # The schedule's shape comes from this run's config (steps, warmup, min ratio): re-evaluate it at this step.
-    lambdas = getattr(sched, "lr_lambdas", None)
-    if lambdas is not None:
-        for group, base, fn in zip(groups, sched.base_lrs, lambdas, strict=True):
-            group["lr"] = base * fn(sched.last_epoch)
-        sched._last_lr = [g["lr"] for g in groups]
-    lr_after = groups[0]["lr"]
-    if not math.isclose(lr_before, lr_after, rel_tol=1e-9):
-        lines.append(f"learning rate at step {step}: {lr_before:.3g} -> {lr_after:.3g} (the schedule now runs to "
-                     f"step {cfg.steps}, warmup {cfg.warmup_steps}, down to {cfg.min_lr_ratio:g} x lr)")
+    schedule = ("lr", "warmup_steps", "steps", "min_lr_ratio")
+    if all(k in old_config for k in schedule):
+        lr_before = old_config["lr"] * warmup_cosine(step, warmup=old_config["warmup_steps"],
+                                                     total=old_config["steps"], min_ratio=old_config["min_lr_ratio"])
+        lr_after = trainer.optimizer.param_groups[0]["lr"]
+        if not math.isclose(lr_before, lr_after, rel_tol=1e-9):
+            lines.append(f"learning rate at step {step}: {lr_before:.3g} -> {lr_after:.3g} (the schedule now runs "
+                         f"to step {cfg.steps}, warmup {cfg.warmup_steps}, down to {cfg.min_lr_ratio:g} x lr)")
     return lines

@@ -1,9 +1,11 @@
 """Saving and resuming a Trainer's whole state, and refusing to mix two runs in one directory.
 
-A checkpoint holds the model (only its trainable weights when the trainer sets `save_trainable_only`, as
-LoRA fine-tuning does: the frozen base is identified by a fingerprint in run.json instead), optimizer, scheduler, step, data position (epoch and samples of the global order
-consumed) and every RNG stream, so a resumed run continues the same run, on any number of chips or processes that
-keeps the global batch (per-chip batch x chips x accumulation). Checkpoints live in `<out_dir>/checkpoints/` and are written by
+A checkpoint holds the model (only its trainable weights when the trainer was made with `save_trainable_only`,
+as LoRA fine-tuning does: the frozen base is identified by a fingerprint in run.json instead), the optimizer and
+the trainer's progress (`Trainer.progress_state`: step, data position in samples of the global order, every RNG
+stream, the history), so a resumed run continues the same run, on any number of chips or processes that keeps the
+global batch (per-chip batch x chips x accumulation). The learning-rate schedule is not stored: the trainer
+rebuilds it from its config at the resume step. Checkpoints live in `<out_dir>/checkpoints/` and are written by
 `tpu_helpers.checkpoint.CheckpointManager` (atomic, checksummed). `<out_dir>/checkpoints/run.json` records what
 identifies the run (model, data by resolved path and content fingerprint, batch, seed); resuming with a different
 identity is an error rather than a silent mix of two runs. What each setting does on resume: `resume_policy`.
@@ -20,12 +22,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tpu_helpers.checkpoint import CheckpointManager
+from tpu_helpers.backend.units import model_class_name, trainable_names
+from tpu_helpers.checkpoint import CheckpointManager, sharded
 from tpu_helpers.checkpoint.manager import agreed
 from tpu_helpers.config import ConfigError
 from tpu_helpers.data.text import data_identity
 from tpu_helpers.training import finite
-from tpu_helpers.training.history import History, RunReport
+from tpu_helpers.training.history import RunReport
 from tpu_helpers.training.resume_policy import (
     IDENTITY_FIELDS,
     apply_changes,
@@ -33,7 +36,6 @@ from tpu_helpers.training.resume_policy import (
     mismatched_identity,
 )
 from tpu_helpers.training.run_lock import RunLock
-from tpu_helpers.training.sharding import model_class_name
 from tpu_helpers.training.validation import check_out_dir
 
 if TYPE_CHECKING:
@@ -53,25 +55,32 @@ class RunState:
         self.directory = Path(cfg.out_dir) / "checkpoints"
         self.manager = CheckpointManager(self.directory, keep_last=cfg.keep_last, is_main=trainer.backend.is_main)
         self.lock = RunLock(cfg.out_dir)
-        model = trainer.raw_model
-        self.identity = {
-            **{k: getattr(cfg, k) for k in IDENTITY_FIELDS},
-            **data_identity(cfg.dataset),
-            "global_batch": cfg.batch_size * trainer.backend.num_replicas * cfg.grad_accum,
-            "model": model_class_name(model),
-            "parameters": sum(p.numel() for p in model.parameters()),
-            **(run_identity or {}),
-        }
+        self.run_identity = dict(run_identity or {})
         self.resumed_from: int | None = None
         self.resume_changes: list[str] = []
         self.set_aside: Path | None = None
         self.last_path: Path | None = None
 
-    def _check_identity(self) -> None:
+    @property
+    def identity(self) -> dict:
+        """What the checkpoints are of (model, data by content fingerprint, global batch, seed...), read when the
+        run starts: a trainer made only for its step (the probe, the estimates) never reads its data files."""
+        t, cfg = self.trainer, self.trainer.config
+        model = t.raw_model
+        return {
+            **{k: getattr(cfg, k) for k in IDENTITY_FIELDS},
+            **data_identity(cfg.dataset),
+            "global_batch": cfg.batch_size * t.backend.num_replicas * cfg.grad_accum,
+            "model": model_class_name(model),
+            "parameters": sum(p.numel() for p in model.parameters()),
+            **self.run_identity,
+        }
+
+    def _check_identity(self, identity: dict) -> None:
         stored = self.manager.read_run_info()
         if stored is None:
             return
-        diff = mismatched_identity(stored, self.identity)
+        diff = mismatched_identity(stored, identity)
         if diff:
             details = ", ".join(f"{k}: {old!r} there vs {new!r} now" for k, (old, new) in sorted(diff.items()))
             hint = (" (global_batch = batch_size x chips x grad_accum: keep it to resume on another number of "
@@ -109,7 +118,8 @@ class RunState:
             t.backend.barrier()  # other processes must not read checkpoints the main one is moving away
         latest = self.manager.latest()
         self._check_unverifiable(latest is not None)
-        self._check_identity()
+        identity = self.identity
+        self._check_identity(identity)
         if latest is not None and cfg.resume is False:
             raise ConfigError(
                 f"out_dir={str(cfg.out_dir)!r} already holds checkpoints (newest: step {latest.step}) and "
@@ -117,7 +127,7 @@ class RunState:
                 "start over, or choose another out_dir"
             )
         if t.backend.is_main:
-            self.manager.write_run_info(self.identity)
+            self.manager.write_run_info(identity)
         loaded = self.manager.load_latest() if latest is not None and cfg.resume is True else None
         self._check_same_start(loaded[0] if loaded else None)
         if loaded is None:
@@ -164,17 +174,9 @@ class RunState:
         self.lock.release()
 
     def _small_state(self) -> dict:
-        """Everything but the model and optimizer: step, data position, scheduler, RNG, history, config."""
+        """Everything but the model and optimizer: the trainer's progress and the config it ran with."""
         t = self.trainer
-        return t.backend.to_cpu({
-            "step": t.step,
-            "epoch": t.epoch,
-            "samples_in_epoch": t.samples_in_epoch,
-            "scheduler": t.scheduler.state_dict(),
-            "rng": t.backend.rng_state(),
-            "history": t.history.to_dict(),
-            "config": t.config.to_dict(),
-        })
+        return t.backend.to_cpu({**t.progress_state(), "config": t.config.to_dict()})
 
     def _unwrapped(self):
         return getattr(self.trainer.model, "module", self.trainer.model)  # unwrap DDP
@@ -199,23 +201,17 @@ class RunState:
             template = t.backend.sharded_tensors(model, t.optimizer)
             template["model"] = _model_state(t, model, template["model"])
             handle.load_into(template, t.backend.dcp_planner(save=False))
-            trainable_only = getattr(t, "save_trainable_only", False)
-            t.backend.load_sharded_tensors(model, t.optimizer, template, strict=not trainable_only)
+            t.backend.load_sharded_tensors(model, t.optimizer, template, strict=not t.save_trainable_only)
         else:
             if handle is not None:  # saved sharded, resumed unsharded (or by another writer): whole, on the CPU
                 state = {**state, **handle.read_whole()}
-            if getattr(t, "save_trainable_only", False):  # LoRA: only the adapters were saved
-                _load_model_state(t, model, state["model"])
+            if t.save_trainable_only:  # LoRA: only the adapters were saved
+                _load_trainable(model, state["model"])
                 t.optimizer.load_state_dict(state["optimizer"])
             else:
                 t.backend.load_state_dicts(model, t.optimizer, state["model"], state["optimizer"])
-        t.scheduler.load_state_dict(state["scheduler"])
         t.backend.after_load(t.model, t.optimizer)
-        t.step, t.epoch = state["step"], state["epoch"]
-        t.samples_in_epoch = state["samples_in_epoch"]
-        t.history = History.from_dict(state["history"])
-        t.history.truncate(t.step)
-        t.backend.set_rng_state(state["rng"])
+        t.load_progress_state(state)
 
     def save(self) -> Path | None:
         """Save a checkpoint unless the state is non-finite (then the good checkpoints stay as they are)."""
@@ -236,16 +232,14 @@ class RunState:
         # pod) must not leave the others waiting at their next collective.
         saved, bad = agreed(save_here, t.backend.gather_objects)
         if bad:
-            finite.flag(t, f"the weights hold nan/inf at step {t.step} ({', '.join(bad[:3])}"
-                           f"{', ...' if len(bad) > 3 else ''})")
+            t.on_divergence(f"the weights hold nan/inf at step {t.step} ({', '.join(bad[:3])}"
+                            f"{', ...' if len(bad) > 3 else ''})")
             return None
         self.last_path = saved
         return self.last_path
 
     def _save_sharded(self, writer: str) -> Path | list[str]:
         """A sharded checkpoint: each process writes its devices' shards (no gather onto one host)."""
-        from tpu_helpers.checkpoint import sharded
-
         t = self.trainer
         model = self._unwrapped()
         tensors = t.backend.sharded_tensors(model, t.optimizer)
@@ -280,8 +274,7 @@ class RunState:
             checkpoint=str(self.last_path) if self.last_path else None,
             parameters=sum(p.numel() for p in t.raw_model.parameters()),
             precision=t.backend.precision,
-            xla={**t.backend.metrics(), "compile_cache_dir": getattr(t.backend, "compile_cache_dir", None)}
-            if t.backend.is_xla else {},
+            xla=t.backend.run_metrics(),
             memory=t.backend.memory_info(),
             stop_reason=t.stop_reason,
             resume_changes=list(self.resume_changes),
@@ -293,20 +286,13 @@ def _model_state(trainer: Trainer, model, state: dict) -> dict:
 
     `state` has the plain names (FSDPv2's state-dict hooks drop its "_orig_module." level) while the wrapped
     model's parameters carry that level: compare plain with plain, or under fsdp no adapter weight is kept."""
-    if getattr(trainer, "save_trainable_only", False):
-        from tpu_helpers.training.sharding import trainable_names
-
+    if trainer.save_trainable_only:
         names = trainable_names(model)
         state = {k: v for k, v in state.items() if k in names}
     return state
 
 
-def _load_model_state(trainer: Trainer, model, state: dict) -> None:
-    if not getattr(trainer, "save_trainable_only", False):
-        model.load_state_dict(state)
-        return
-    from tpu_helpers.training.sharding import trainable_names
-
+def _load_trainable(model, state: dict) -> None:
     trainable = trainable_names(model)
     if set(state) != trainable:
         missing, unexpected = sorted(trainable - set(state)), sorted(set(state) - trainable)

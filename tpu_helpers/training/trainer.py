@@ -7,15 +7,16 @@
 It trains any `nn.Module`: with `loss_fn=None` the model is called as `model(inputs, targets)` and returns the loss
 (or `(output, loss)`, as the package's GPT does); otherwise `loss_fn(model(inputs), targets)`. Batches are
 `(inputs, targets)` pairs, or Hugging Face dict batches for a model that returns `.loss` (training/batches.py;
-`training.causal_lm.CausalLMTrainer` averages over the target tokens of a whole step).
+`training.causal_lm.CausalLMTrainer` averages over the target tokens of a whole step). Without data
+(`train_data=None`) a trainer still runs `train_step` on batches it is given: the batch-size probe and the memory
+estimates measure exactly this step, optimizer and zero_grad policy that way.
 
 XLA hygiene is built in rather than left to the user:
 - exactly one `backend.sync()` per optimizer step (gradient accumulation stays inside one graph);
 - fixed shapes: loaders drop the last partial batch, evaluation uses the same batch shape every time;
 - no host read of a device tensor in the hot loop: losses accumulate on the device and reach the host through a
   step closure at log steps only; the progress bar advances on host-side counters;
-- the learning rate never hits 0.0 or 1.0 exactly (XLA bakes those scalars into the graph as constants, so a step
-  with lr 0 would compile a graph of its own);
+- the learning rate never hits 0.0 or 1.0 exactly (`optimizers.warmup_cosine`);
 - gradients are dropped after each step (`zero_grad(set_to_none=True)`, through the backend): measured on XLA, it
   compiles no extra graph and the step keeps no gradient buffers alive (see `XlaBackend.zero_grad_set_to_none`).
 """
@@ -23,8 +24,8 @@ XLA hygiene is built in rather than left to the user:
 from __future__ import annotations
 
 import itertools
-import math
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,28 +34,23 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from tpu_helpers.backend import Backend, backend_for
+from tpu_helpers.callbacks import Callback, as_callback
 from tpu_helpers.config import ConfigError, TrainConfig
 from tpu_helpers.data import make_loader
-from tpu_helpers.training import finite, sharding
+from tpu_helpers.diagnostics import XlaDetector
+from tpu_helpers.models.hf import set_gradient_checkpointing
+from tpu_helpers.training import finite
 from tpu_helpers.training.batches import batch_loss
-from tpu_helpers.training.callbacks import Callback, as_callback
+from tpu_helpers.training.cadence import Cadence
 from tpu_helpers.training.history import History, RunReport
+from tpu_helpers.training.optimizers import make_optimizer, make_scheduler
 from tpu_helpers.training.run_state import RunState
-from tpu_helpers.training.schedule import Schedule
 from tpu_helpers.training.signals import stop_on_signals
 from tpu_helpers.training.step_timing import StepTimer
 from tpu_helpers.training.validation import check_trainer_args
 
+# The one loss-function form: loss_fn(model_output, targets) -> scalar loss.
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
-
-
-def warmup_cosine(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
-    """LR multiplier: linear warmup from 1/warmup (never 0), then cosine down to `min_ratio` (kept above 0)."""
-    if warmup and step < warmup:
-        return (step + 1) / (warmup + 1)
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    ratio = min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    return max(ratio, 1e-6)
 
 
 class Trainer:
@@ -63,8 +59,8 @@ class Trainer:
     def __init__(
         self,
         model: torch.nn.Module,
-        train_data: Dataset,
-        val_data: Dataset | None = None,
+        train_data: Dataset | DataLoader | None,
+        val_data: Dataset | DataLoader | None = None,
         *,
         config: TrainConfig | None = None,
         backend: Backend | None = None,
@@ -72,9 +68,11 @@ class Trainer:
         run_identity: dict | None = None,
         progress: bool = True,
         callbacks: list[Callback] | None = None,
+        save_trainable_only: bool = False,
     ) -> None:
         check_trainer_args(model=model, train_data=train_data, val_data=val_data, config=config, backend=backend,
-                           loss_fn=loss_fn, callbacks=callbacks, run_identity=run_identity, progress=progress)
+                           loss_fn=loss_fn, callbacks=callbacks, run_identity=run_identity, progress=progress,
+                           save_trainable_only=save_trainable_only)
         self.config = cfg = config or TrainConfig()
         self.backend = backend or backend_for(cfg)
         if cfg.precision not in ("auto", self.backend.precision):
@@ -84,37 +82,26 @@ class Trainer:
             )
         self.loss_fn = loss_fn
         self.progress = progress
+        # Under LoRA a checkpoint holds the trainable weights (the adapters) and their optimizer state only.
+        self.save_trainable_only = save_trainable_only
+        self.cadence = Cadence.from_config(cfg)  # when this run logs, evaluates and saves; built once
         self.callbacks: list[Callback] = [as_callback(c) for c in callbacks or []]
-        # ---- XLA diagnostics (issue 5): the problem detector runs by default on XLA ----
-        if self.backend.is_xla and cfg.xla_checks != "off":
-            from tpu_helpers.diagnostics import XlaDetector
-
-            if not any(isinstance(c, XlaDetector) for c in self.callbacks):
-                self.callbacks.append(XlaDetector(strict=cfg.xla_checks == "strict"))
+        if self.backend.compiles_graphs and cfg.xla_checks != "off" and \
+                not any(isinstance(c, XlaDetector) for c in self.callbacks):
+            self.callbacks.append(XlaDetector(strict=cfg.xla_checks == "strict"))
         self.timer = StepTimer()
-        # ---- end XLA diagnostics ----
         self.stop_reason: str | None = None  # set (e.g. by a signal handler) to end after the current step
         self.diverged: str | None = None  # what went nan/inf, if anything (training/finite.py)
-        if cfg.gradient_checkpointing and not sharding.checkpoints_blocks(cfg, self.backend):
+        blocks = cfg.gradient_checkpointing and self.backend.checkpoints_blocks(cfg.sharding)
+        if cfg.gradient_checkpointing and not blocks:
             # The package GPT's set_gradient_checkpointing(fn), or a Hugging Face model's own hook (models/hf.py).
-            if not hasattr(model, "set_gradient_checkpointing") and not hasattr(
-                    getattr(model, "get_base_model", lambda: model)(), "_set_gradient_checkpointing"):
-                raise ConfigError(
-                    f"gradient_checkpointing=True but {type(model).__name__} has no set_gradient_checkpointing(fn); "
-                    "add one (see tpu_helpers.models.gpt.GPT) or turn it off"
-                )
-            from tpu_helpers.models.hf import set_gradient_checkpointing
-
             set_gradient_checkpointing(model, self.backend.checkpoint_fn())
         self.raw_model = model
-        self.model = sharding.prepare_model(self.backend, model, cfg)  # data parallel or FSDP (issue 11)
-        self.train_loader = self._loader(train_data, shuffle=True)
+        self.model = self.backend.prepare_model(model, cfg.sharding, checkpoint_blocks=blocks)
+        self.train_loader = self._loader(train_data, shuffle=True) if train_data is not None else None
         self.val_loader = self._loader(val_data, shuffle=False) if val_data is not None else None
         self.optimizer = self.configure_optimizer()
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lambda s: warmup_cosine(s, warmup=cfg.warmup_steps, total=cfg.steps, min_ratio=cfg.min_lr_ratio),
-        )
+        self.scheduler = make_scheduler(self.optimizer, cfg)
         self.history = History()
         self.state = RunState(self, run_identity=run_identity)
         self.step = 0
@@ -131,11 +118,6 @@ class Trainer:
         return self.config.batch_size * max(1, b.num_replicas // b.world_size)  # chips this process feeds
 
     @property
-    def schedule(self) -> Schedule:
-        """When this run logs, evaluates and saves; everything that needs to know asks it."""
-        return self.config.schedule
-
-    @property
     def tokens_per_step(self) -> int:
         return self.config.batch_size * self.backend.num_replicas * self.config.grad_accum * self.config.seq_len
 
@@ -148,19 +130,12 @@ class Trainer:
                 )
             return data
         rank, world = self.backend.loader_rank_and_world
-        return make_loader(data, self.loader_batch_size, backend_kind=self.backend.loader_kind, rank=rank,
-                           world_size=world, shuffle=shuffle, seed=self.config.seed)
+        return make_loader(data, self.loader_batch_size, rank=rank, world_size=world, shuffle=shuffle,
+                           seed=self.config.seed, **self.backend.loader_options)
 
     def configure_optimizer(self) -> torch.optim.Optimizer:
         cfg = self.config
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if cfg.optimizer == "sgd":
-            return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
-        # No weight decay on biases and norms (1-D tensors), as in GPT-2 and most LLM recipes.
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+        return make_optimizer(cfg.optimizer, self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     # ---- the step ------------------------------------------------------------------------------------------------
     def compute_loss(self, batch: Any) -> torch.Tensor:
@@ -243,9 +218,40 @@ class Trainer:
             self.epoch += 1
             self.samples_in_epoch = 0
 
+    # ---- progress: what a checkpoint restores besides the weights (run_state.py writes the files) ----------------
+    def progress_state(self) -> dict:
+        """Step, data position, RNG streams and history (the schedule follows from the config and the step)."""
+        return {"step": self.step, "epoch": self.epoch, "samples_in_epoch": self.samples_in_epoch,
+                "rng": self.backend.rng_state(), "history": self.history.to_dict()}
+
+    def load_progress_state(self, state: dict) -> None:
+        """Continue from `progress_state()`: the same step, data position and RNG streams; the learning-rate
+        schedule of this run's config positioned at that step."""
+        self.step, self.epoch = state["step"], state["epoch"]
+        self.samples_in_epoch = state["samples_in_epoch"]
+        self.history = History.from_dict(state["history"])
+        self.history.truncate(self.step)
+        self.scheduler = make_scheduler(self.optimizer, self.config, step=self.step)
+        self.backend.set_rng_state(state["rng"])
+
+    def on_divergence(self, what: str) -> None:
+        """A non-finite loss or weights: stop after this step (on_nonfinite="stop", `fit` then raises) or warn once
+        and go on ("warn"; non-finite weights are never saved either way)."""
+        if self.diverged is not None:
+            return
+        self.diverged = what
+        if self.config.on_nonfinite == "stop":
+            self.stop_reason = f"diverged: {what}"
+        else:
+            warnings.warn(f"{what}; training goes on (on_nonfinite='warn') but non-finite weights are never saved",
+                          stacklevel=3)
+
     # ---- the loop ------------------------------------------------------------------------------------------------
     def fit(self) -> RunReport:
         """Train to `config.steps`, resuming from out_dir's checkpoints; SIGTERM/Ctrl-C stop cleanly (signals.py)."""
+        if self.train_loader is None:
+            raise ConfigError("this Trainer was made without train_data (for its step alone): pass a Dataset or "
+                              "DataLoader as train_data to fit it")
         with stop_on_signals(self):
             try:
                 report = self._fit()
@@ -275,7 +281,7 @@ class Trainer:
             loss, grad_norm = self.train_step(batches)
             window = self._add_to_window(window, loss, grad_norm)
             self.step += 1
-            if self.schedule.is_log_step(self.step):
+            if self.cadence.is_log_step(self.step):
                 lr = self.optimizer.param_groups[0]["lr"]
                 b.add_step_closure(self._on_log, self.step, window, window_start, lr, bar)
                 self.timer.sync(b.sync)
@@ -284,14 +290,14 @@ class Trainer:
             else:
                 self.timer.sync(b.sync)
             bar.update(1)
-            if self.schedule.is_eval_step(self.step):
+            if self.cadence.is_eval_step(self.step):
                 val = self.evaluate()
                 self.history.log_eval(self.step, val)
                 if val is not None:
                     bar.set_postfix_str(f"val {val:.3f}", refresh=False)
             for cb in self.callbacks:
                 cb.on_step_end(self)
-            if self.schedule.is_save_step(self.step) or self.stop_reason is not None:
+            if self.cadence.is_save_step(self.step) or self.stop_reason is not None:
                 self.state.save()
             self.timer.end()
         bar.close()
@@ -321,7 +327,9 @@ class Trainer:
         seconds = max(time.perf_counter() - t0, 1e-9)
         loss_sum, norm_sum = window.tolist()
         loss = loss_sum / steps
-        finite.check_logged_loss(self, step, loss, first_step)  # nan/inf: stop after this step, save nothing
+        problem = finite.nonfinite_loss(step, loss, first_step)
+        if problem:  # nan/inf: stop after this step, save nothing
+            self.on_divergence(problem)
         tok_s = steps * self.tokens_per_step / seconds
         norm = norm_sum / steps if self.config.grad_clip is not None else None
         self.history.log_train(step, loss=loss, lr=lr, tokens_per_s=tok_s, grad_norm=norm)

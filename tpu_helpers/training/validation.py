@@ -5,7 +5,7 @@ after an hour of training (an out_dir that cannot hold checkpoints) or deep insi
 module). `TrainConfig` checks its own fields (config.py); this module checks what the Trainer is given besides.
 
     check_trainer_args(model=model, train_data=train, val_data=val, config=cfg, backend=None, loss_fn=None,
-                       callbacks=[], run_identity=None, progress=True)   # Trainer.__init__ calls this
+                       callbacks=[], run_identity=None, progress=True, save_trainable_only=False)   # Trainer does
     check_out_dir(cfg.out_dir)   # exists as a directory or can be made, and is writable
 """
 
@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from tpu_helpers.backend import Backend
+from tpu_helpers.callbacks import HOOKS, Callback
 from tpu_helpers.config import ConfigError, TrainConfig
 
 
@@ -26,10 +28,8 @@ def _kind(value: Any) -> str:
     return type(value).__name__
 
 
-def _check_dataset(name: str, data: Any, batch_rows: int, *, required: bool) -> None:
-    if data is None:
-        if required:
-            raise TypeError(f"{name} is None; pass a Dataset of (inputs, targets) pairs or a DataLoader")
+def _check_dataset(name: str, data: Any, batch_rows: int) -> None:
+    if data is None:  # train_data=None: a trainer for its step alone (fit then says what is missing)
         return
     if isinstance(data, DataLoader):
         return  # the caller chose its own batching; Trainer checks it against the device count
@@ -43,15 +43,12 @@ def _check_dataset(name: str, data: Any, batch_rows: int, *, required: bool) -> 
 
 
 def check_trainer_args(*, model: Any, train_data: Any, val_data: Any, config: Any, backend: Any, loss_fn: Any,
-                       callbacks: Any, run_identity: Any, progress: Any) -> None:
+                       callbacks: Any, run_identity: Any, progress: Any, save_trainable_only: Any) -> None:
     """Raise TypeError (wrong kind of object) or ConfigError (unusable value) for a bad Trainer argument.
 
     Datasets must hold at least one batch of `config.batch_size` (per device; under SPMD one process reads
     batch_size x chips, which `make_loader` checks once the device count is known).
     """
-    from tpu_helpers.backend import Backend
-    from tpu_helpers.training.callbacks import HOOKS, Callback
-
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {_kind(model)}")
     if not any(p.requires_grad for p in model.parameters()):
@@ -81,11 +78,12 @@ def check_trainer_args(*, model: Any, train_data: Any, val_data: Any, config: An
                                 f"{', '.join(HOOKS)} (or subclass tpu_helpers.training.Callback)")
     if run_identity is not None and not isinstance(run_identity, dict):
         raise TypeError(f"run_identity must be a dict or None, got {_kind(run_identity)}")
-    if not isinstance(progress, bool):
-        raise TypeError(f"progress must be True or False, got {progress!r}")
+    for name, value in (("progress", progress), ("save_trainable_only", save_trainable_only)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
     rows = config.batch_size if config is not None else TrainConfig.batch_size  # the field's default
-    _check_dataset("train_data", train_data, rows, required=True)
-    _check_dataset("val_data", val_data, rows, required=False)
+    _check_dataset("train_data", train_data, rows)
+    _check_dataset("val_data", val_data, rows)
 
 
 def check_out_dir(out_dir: str | os.PathLike) -> Path:

@@ -1,9 +1,11 @@
-"""Platform targets for batch runs: a named preset of notebook parameters and environment variables.
+"""Platform targets: a named preset of notebook parameters and environment variables per platform.
 
     python -m tpu_helpers run notebooks/colab_tpu.ipynb --target colab-v6e-1
     python -m tpu_helpers targets          # lists them
 
-`auto_target()` picks one for this machine without starting an XLA runtime.
+`launch.platform.auto_target()` picks one for this machine. The batch runner (`launch.runner`)
+applies them, and the tuning panel (`memory.choices`) reads the notebooks' configurations from them, so the two
+cannot drift apart: hence this module sits below both, needing only `backend.runtime_env`.
 """
 
 from __future__ import annotations
@@ -46,9 +48,9 @@ _FT_QWEN = {"MODEL": "Qwen/Qwen2.5-0.5B-Instruct", "SEQ_LEN": 512, "STEPS": 500,
 _FT = {
     "cpu": _FT_CPU, "xla-cpu": _FT_CPU, "xla-cpu-8": _FT_CPU,
     "gpu": {**_FT_QWEN, "METHOD": "lora", "BATCH_SIZE": 8, "GRAD_ACCUM": 2},
-    "colab-v5e-1": {**_FT_QWEN, "METHOD": "lora", "BATCH_SIZE": 8, "GRAD_ACCUM": 2, "GRAD_CHECKPOINTING": True},
-    "colab-v6e-1": {**_FT_QWEN, "METHOD": "lora", "BATCH_SIZE": 16, "GRAD_CHECKPOINTING": True},
-    "tpuvm-v5e-8": {**_FT_QWEN, "METHOD": "full", "BATCH_SIZE": 8, "GRAD_CHECKPOINTING": True},
+    "colab-v5e-1": {**_FT_QWEN, "METHOD": "lora", "BATCH_SIZE": 8, "GRAD_ACCUM": 2, "GRADIENT_CHECKPOINTING": True},
+    "colab-v6e-1": {**_FT_QWEN, "METHOD": "lora", "BATCH_SIZE": 16, "GRADIENT_CHECKPOINTING": True},
+    "tpuvm-v5e-8": {**_FT_QWEN, "METHOD": "full", "BATCH_SIZE": 8, "GRADIENT_CHECKPOINTING": True},
 }
 
 TARGETS: dict[str, Target] = {
@@ -72,17 +74,3 @@ TARGETS: dict[str, Target] = {
 for _name, _params in _FT.items():
     TARGETS[_name].notebooks["finetune_llm"] = _params
 
-
-def auto_target() -> str:
-    """Pick the target for this machine without starting an XLA runtime."""
-    from tpu_helpers.backend import tpu_chip_count
-    from tpu_helpers.launch.platform import in_kaggle
-
-    chips = tpu_chip_count()
-    if chips:
-        if chips >= 8:
-            return "kaggle-v5e-8" if in_kaggle() else "tpuvm-v5e-8"
-        return "colab-v6e-1"
-    import torch
-
-    return "gpu" if torch.cuda.is_available() else "cpu"

@@ -1,4 +1,4 @@
-"""The one log/eval/save schedule, and the one results writer."""
+"""The one log/eval/save cadence, and the one results writer."""
 
 from __future__ import annotations
 
@@ -8,34 +8,36 @@ import pytest
 
 from tests.support import tiny_config
 from tpu_helpers.models.gpt import GPT, gpt_config
+from tpu_helpers.training.cadence import Cadence
 from tpu_helpers.training.results import RUN_DIR_ENV, write_results
-from tpu_helpers.training.schedule import Schedule
 from tpu_helpers.training.trainer import Trainer
 
 
-def test_schedule_every_n_steps_and_at_the_last():
-    s = Schedule(steps=25, log_every=10, eval_every=20, save_every=7)
+def test_cadence_every_n_steps_and_at_the_last():
+    s = Cadence(steps=25, log_every=10, eval_every=20, save_every=7)
     steps = range(1, 26)
     assert [t for t in steps if s.is_log_step(t)] == [10, 20, 25]
     assert [t for t in steps if s.is_eval_step(t)] == [20, 25]
     assert [t for t in steps if s.is_save_step(t)] == [7, 14, 21, 25]
     assert s.is_last_step(25) and not s.is_last_step(24)
     with pytest.raises(ValueError, match="log_every=0 must be an int >= 1"):
-        Schedule(steps=5, log_every=0, eval_every=1, save_every=1)
+        Cadence(steps=5, log_every=0, eval_every=1, save_every=1)
 
 
-def test_config_gives_its_schedule(tmp_path):
+def test_the_trainer_takes_its_cadence_from_the_config_once(tmp_path, tiny_data):
     cfg = tiny_config(tmp_path, steps=30, log_every=4, eval_every=15, save_every=10)
-    assert cfg.schedule == Schedule(30, 4, 15, 10)
+    trainer = Trainer(GPT(gpt_config("tiny", vocab_size=256, block_size=32)), tiny_data[0], config=cfg, progress=False)
+    assert trainer.cadence == Cadence(30, 4, 15, 10)
+    assert not hasattr(cfg, "schedule")  # not rebuilt (and validated again) from the config at every use
 
 
 class EveryThird(Trainer):
-    @property
-    def schedule(self) -> Schedule:
-        return Schedule(self.config.steps, 3, 1000, 1000)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.cadence = Cadence(self.config.steps, 3, 1000, 1000)
 
 
-def test_the_trainer_asks_its_schedule(tmp_path, tiny_data):
+def test_the_trainer_asks_its_cadence(tmp_path, tiny_data):
     train, val, tok = tiny_data
     cfg = tiny_config(tmp_path, steps=7, log_every=1, eval_every=1, save_every=1)
     trainer = EveryThird(GPT(gpt_config("tiny", vocab_size=tok.vocab_size, block_size=32)), train, val, config=cfg,

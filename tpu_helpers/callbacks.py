@@ -1,7 +1,7 @@
 """The hooks a training run calls: subclass `Callback` and pass instances as `Trainer(..., callbacks=[...])`.
 
-A leaf module (it imports nothing from the package at run time), so diagnostics and the trainer can both use it
-without importing each other.
+A leaf (it imports nothing from the package at run time): the trainer calls these hooks, and what watches a run
+from a lower layer (the XLA detector in `diagnostics`) implements them without importing the trainer.
 
     class PrintLoss(Callback):
         def on_log(self, trainer, record):

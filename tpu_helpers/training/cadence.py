@@ -1,11 +1,12 @@
 """When a run logs, evaluates and saves: the one place that decides, asked by the trainer, the detector and tools.
 
-    schedule = config.schedule                 # or Schedule.from_config(config)
-    schedule.is_log_step(step)                 # the loss is read on the host at these steps only
-    schedule.is_eval_step(step); schedule.is_save_step(step)
+    cadence = trainer.cadence                  # or Cadence.from_config(config): built once per run
+    cadence.is_log_step(step)                  # the loss is read on the host at these steps only
+    cadence.is_eval_step(step); cadence.is_save_step(step)
 
 `step` counts optimizer steps done (1 after the first). Each event happens every N steps and at the last step, so
-a run always ends with a logged loss, a validation loss and a checkpoint.
+a run always ends with a logged loss, a validation loss and a checkpoint. (The learning-rate schedule is another
+thing: `training.trainer.warmup_cosine`.)
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 
 @dataclass(frozen=True)
-class Schedule:
+class Cadence:
     steps: int  # the run's last step
     log_every: int
     eval_every: int
@@ -28,7 +29,7 @@ class Schedule:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
 
     @classmethod
-    def from_config(cls, config: Any) -> Schedule:
+    def from_config(cls, config: Any) -> Cadence:
         return cls(config.steps, config.log_every, config.eval_every, config.save_every)
 
     def is_last_step(self, step: int) -> bool:

@@ -1,0 +1,318 @@
+"""The fine-tuning recipe behind notebooks/finetune_llm.ipynb: memory plan -> load -> data -> train -> samples -> export.
+
+    job = Finetune(config_from_parameters(globals(), base=FinetuneConfig()))   # MODEL, DATASET, METHOD, LORA_*, ...
+    print(job.plan().summary())                       # from the model's config only: nothing large allocated yet
+    print(job.sharding_advice())                      # several chips: per chip under data and fsdp (SHARDING)
+    print(job.parameter_summary(), job.data_stats)    # the model and the data, loaded on first use
+    before = job.samples()                            # held-out prompts, exact match
+    report = job.train()                              # the package Trainer (XLA hygiene, resume, signals)
+    after = job.samples(); paths = job.export()       # adapter dir (LoRA) and merged safetensors model
+
+METHOD "lora" trains peft adapters on a frozen base (bf16 on TPU); "full" trains every weight (fp32 master weights,
+bf16 autocast on TPU); "distill" trains LoRA adapters (or the full model with LORA_R=0) against a frozen TEACHER of
+the same vocabulary. The default MODEL "tiny" and DATASET "instructions" need no network.
+
+SHARDING (TrainConfig.sharding) "fsdp" shards the model, gradients and optimizer state over the chips (FSDPv2 on a
+v5e-8, one decoder layer gathered at a time; FSDP2 under torchrun): LoRA on a 7B or full fine-tuning of a 1.5B
+model on v5e chips. Checkpoints and exports keep the unwrapped model's names, so they load under any sharding.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tpu_helpers.atomic_io import atomic_write_text
+from tpu_helpers.backend.units import block_params
+from tpu_helpers.choices import FINETUNE_METHODS, check_choice
+from tpu_helpers.config import ConfigError, TrainConfig
+from tpu_helpers.data.sft import (
+    DEFAULT_DATASET,
+    build_sft_datasets,
+    exact_match,
+    load_records,
+    prompts_and_answers,
+    record_form,
+)
+from tpu_helpers.extras import require_extra
+from tpu_helpers.hardware import format_bytes
+from tpu_helpers.memory.hf_plan import (
+    gathered_bytes_per_param,
+    hf_finetune_estimate,
+    hf_sharding_plan,
+    meta_model,
+)
+from tpu_helpers.memory.report import memory_report
+from tpu_helpers.memory.sharded import shard_estimate
+from tpu_helpers.models import hf, lora
+from tpu_helpers.recipes.base import Recipe
+from tpu_helpers.sharding import is_sharded, mesh_shape
+from tpu_helpers.training.causal_lm import CausalLMTrainer, DistillTrainer, check_same_vocab
+
+# Here, not at the first from_pretrained: without transformers/peft the notebook stops at its first cell, saying what
+# to install, instead of after the memory plan with a bare ImportError.
+require_extra("hf", "fine-tuning (tpu_helpers.recipes.finetune)")
+
+
+@dataclass
+class FinetuneConfig(TrainConfig):
+    """`TrainConfig` plus the fine-tuning settings, each a notebook parameter of the same UPPER_CASE name. The
+    trainer's settings keep their meaning (GRADIENT_CHECKPOINTING, SHARDING, ...); DATASET is the fine-tuning
+    data, and the tokenizer is MODEL's own."""
+
+    preset: str = "tiny"  # unused here (the GPT's size); kept small so nothing large is implied
+    dataset: str = DEFAULT_DATASET  # "instructions" (generated), a local .jsonl/.json/.csv/.parquet, or a hub name
+    model: str = hf.TINY  # hub name, local dir written by save_pretrained, or "tiny" (offline, built locally)
+    method: str = "lora"  # lora | full | distill
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj"  # comma-separated linear names, or "all-linear"
+    teacher: str | None = None  # distill: a model with the student's vocabulary
+    temperature: float = 2.0
+    distill_alpha: float = 0.5  # weight of the hard-label loss; the soft loss gets 1 - this
+    max_records: int | None = None
+    pack: bool = False  # several examples per row (positions restart per example) instead of one padded row each
+    attn_implementation: str = hf.DEFAULT_ATTN  # sdpa | eager (see models/hf.py for the measured figures)
+    export_merged: bool = True
+    num_samples: int = 8  # held-out prompts shown before and after training
+    max_new_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        # The run's identity names the tokenizer: for a Hugging Face model it is the model's own.
+        self.tokenizer = self.model if isinstance(self.model, str) else self.tokenizer
+        super().__post_init__()
+        check_choice("method", self.method, FINETUNE_METHODS)
+        if self.method == "distill" and not self.teacher:
+            raise ConfigError("method='distill' needs a teacher: teacher=None; give a model that shares the "
+                              "student's tokenizer (e.g. a larger model of the same family)")
+        if self.lora_r < 0:
+            raise ConfigError(f"lora_r={self.lora_r!r} must be >= 1 (or 0 for full distillation)")
+        if self.method == "lora" and self.lora_r < 1:
+            raise ConfigError(f"lora_r={self.lora_r!r} must be >= 1 with method='lora'")
+        if self.max_records is not None and self.max_records < 1:
+            raise ConfigError(f"max_records={self.max_records!r} must be >= 1, or None for all")
+        for name in ("num_samples", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 1")
+
+    @property
+    def uses_lora(self) -> bool:
+        return self.method == "lora" or (self.method == "distill" and self.lora_r > 0)
+
+
+class Finetune(Recipe):
+    """One fine-tuning job; its parts load on first use, so a notebook shows results between any two calls."""
+
+    config_class = FinetuneConfig
+    config: FinetuneConfig
+
+    def __init__(self, config: FinetuneConfig, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        self.source = hf.resolve_model_source(config.model)
+
+    @property
+    def chips(self) -> int:
+        """The chips this run spans: the SPMD program's devices on XLA, the torchrun processes elsewhere."""
+        return max(self.backend.device_count, self.backend.world_size)
+
+    # ---- 1. memory plan (config only) ----------------------------------------------------------------------------
+    def _plan_inputs(self) -> tuple[Any, dict]:
+        from transformers import AutoConfig
+
+        cfg = self.config
+        teacher = AutoConfig.from_pretrained(hf.resolve_model_source(cfg.teacher)) if cfg.teacher else None
+        return AutoConfig.from_pretrained(self.source), dict(
+            method="full" if (cfg.method == "distill" and cfg.lora_r == 0) else cfg.method, lora_r=cfg.lora_r,
+            lora_targets=cfg.lora_targets if cfg.lora_targets == "all-linear" else cfg.lora_targets.split(","),
+            precision=self.backend.precision, gradient_checkpointing=cfg.gradient_checkpointing,
+            grad_accum=cfg.grad_accum, teacher_config=teacher)
+
+    def sharding_plan(self, hardware: Any = None, *, chips: int | None = None):
+        """Per-chip memory under data parallel and FSDP over 2, 4, ... chips (`tpu_helpers.memory.sharded`)."""
+        config, kwargs = self._plan_inputs()
+        return hf_sharding_plan(config, self.config.batch_size, self.config.seq_len, chips=chips or self.chips,
+                                hardware=hardware or self.backend.hardware, **kwargs)
+
+    def plan(self, hardware: Any = None, *, chips: int | None = None):
+        """The memory report of one step per chip under this run's SHARDING over its chips (fsdp: 1/N of the
+        weights, gradients and optimizer state plus one gathered block)."""
+        config, kwargs = self._plan_inputs()
+        model = meta_model(config)
+        fsdp = mesh_shape(self.config.sharding, chips or self.chips)[1]
+        block, width = block_params(model), gathered_bytes_per_param(kwargs["method"], kwargs["precision"])
+
+        def estimate(b: int):
+            est = hf_finetune_estimate(config, b, self.config.seq_len, model=model, **kwargs)
+            return shard_estimate(est, fsdp, block_params=block, bytes_per_param=width)
+
+        return memory_report(estimate, self.config.batch_size, hardware or self.backend.hardware)
+
+    def sharding_advice(self, hardware: Any = None, *, chips: int | None = None) -> str:
+        """What SHARDING needs per chip here and what the other choices would ("" on a single chip)."""
+        chips = chips or self.chips
+        if chips == 1:
+            return ""
+        plan = self.sharding_plan(hardware, chips=chips)
+        fsdp = mesh_shape(self.config.sharding, chips)[1]
+        choice = plan.per_chip.get("data" if fsdp == 1 else f"fsdp x{fsdp}")
+        mine = f"SHARDING={self.config.sharding!r}: about {format_bytes(choice.peak_bytes)} per chip. " if choice else ""
+        return f"{mine}{plan.advice()}\n{plan.table()}"
+
+    # ---- 2. model ----------------------------------------------------------------------------------------------
+    def _dtype(self) -> torch.dtype | None:
+        # A frozen base in bf16 on TPU; trained weights stay fp32 (bf16 autocast computes in bf16 anyway).
+        return torch.bfloat16 if self.backend.precision == "bf16" and self.config.uses_lora else None
+
+    @cached_property
+    def _loaded(self) -> tuple[torch.nn.Module, Any]:
+        cfg = self.config
+        model, tokenizer = hf.load_causal_lm(self.source, dtype=self._dtype(), attn_implementation=cfg.attn_implementation)
+        hf.check_seq_len(model, cfg.seq_len)
+        if cfg.uses_lora:
+            torch.manual_seed(cfg.seed)  # the adapters' initial values depend on the seed only
+            model = lora.add_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                                  targets=cfg.lora_targets)
+        return model, tokenizer
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model being fine-tuned (peft-wrapped under LoRA), loaded on first use."""
+        return self._loaded[0]
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._loaded[1]
+
+    @cached_property
+    def teacher(self) -> torch.nn.Module | None:
+        """The frozen teacher of METHOD 'distill' (bf16 where the step computes in bf16), else None."""
+        cfg = self.config
+        if cfg.method != "distill":
+            return None
+        teacher, _ = hf.load_causal_lm(hf.resolve_model_source(cfg.teacher), attn_implementation=cfg.attn_implementation,
+                                       dtype=torch.bfloat16 if self.backend.precision == "bf16" else None)
+        check_same_vocab(self.model, teacher, cfg.teacher)
+        return teacher
+
+    def parameter_summary(self) -> dict:
+        m = self.model
+        total = sum(p.numel() for p in m.parameters())
+        trainable = sum(p.numel() for p in m.parameters() if p.requires_grad)
+        return {"parameters": total, "trainable": trainable, "trainable_share": trainable / total}
+
+    # ---- 3. data -----------------------------------------------------------------------------------------------
+    @cached_property
+    def _data(self) -> tuple[Any, Any, dict, list[dict]]:
+        cfg = self.config
+        records = load_records(cfg.dataset, max_records=cfg.max_records)
+        if not records:
+            raise ConfigError(f"DATASET={cfg.dataset!r} has no records")
+        record_form(records[0], where=f"DATASET={cfg.dataset!r} record 0")
+        train, val, stats = build_sft_datasets(self.tokenizer, records, seq_len=cfg.seq_len,
+                                               val_fraction=cfg.val_fraction, seed=cfg.seed, pack=cfg.pack)
+        if cfg.dataset == DEFAULT_DATASET:
+            held = load_records(DEFAULT_DATASET, split="test")
+        else:
+            held = [r for r in records[:64] if record_form(r) != "text"]
+        return train, val, stats, held
+
+    @property
+    def train_data(self) -> Any:
+        return self._data[0]
+
+    @property
+    def val_data(self) -> Any:
+        return self._data[1]
+
+    @property
+    def data_stats(self) -> dict:
+        """Rows, tokens and the share of trained tokens of the fixed-shape SFT rows."""
+        return self._data[2]
+
+    @property
+    def held_out(self) -> list[dict]:
+        """Records with reference answers for `samples` (the generated set's held-out prompts)."""
+        return self._data[3]
+
+    # ---- 4. samples --------------------------------------------------------------------------------------------
+    def samples(self, n: int | None = None) -> dict:
+        """Greedy answers to held-out prompts (all of them for the generated set), exact match and graph count."""
+        if not self.held_out:
+            return {"exact_match": None, "rows": [], "compilations": 0}
+        records = self.held_out if n is None else self.held_out[:n]
+        prompts, answers = prompts_and_answers(records)
+        model = self._model_on_device()
+        before = self.backend.metrics().get("compilations", 0)
+        preds = hf.generate(model, self.tokenizer, prompts, device=self.backend.device, sync=self.backend.sync,
+                            max_new_tokens=self.config.max_new_tokens, prompt_len=self.config.seq_len // 2)
+        compiles = self.backend.metrics().get("compilations", 0) - before
+        rows = [{"prompt": p[-1]["content"], "answer": a, "prediction": y}
+                for p, a, y in zip(prompts, answers, preds, strict=True)]
+        return {"exact_match": exact_match(preds, answers), "rows": rows, "compilations": compiles}
+
+    def _model_on_device(self) -> torch.nn.Module:
+        if "trainer" in self.__dict__ or (is_sharded(self.config.sharding) and self.chips > 1):
+            # Sharded because it may not fit one chip whole: placed as training will place it (the trainer does).
+            return self.trainer.model
+        return self.backend.move_model(self.model)
+
+    # ---- 5. training -------------------------------------------------------------------------------------------
+    def run_identity(self) -> dict:
+        cfg = self.config
+        ident = {"method": cfg.method, "model_source": self.source, "lora_r": cfg.lora_r if cfg.uses_lora else 0,
+                 "lora_targets": cfg.lora_targets if cfg.uses_lora else "", "teacher": cfg.teacher or ""}
+        if cfg.uses_lora:
+            ident.update(lora.base_fingerprint(self.model, self.source))
+        return ident
+
+    def make_trainer(self) -> CausalLMTrainer:
+        # GRADIENT_CHECKPOINTING: the Trainer passes the backend's checkpoint function to the model's own hook.
+        cfg = self.config
+        # Under LoRA a checkpoint holds the adapters and their optimizer state only (run_state.py).
+        common = dict(run_identity=self.run_identity(), save_trainable_only=cfg.uses_lora, **self.trainer_options())
+        if cfg.method == "distill":
+            return DistillTrainer(self.model, self.train_data, self.val_data, teacher=self.teacher,
+                                  temperature=cfg.temperature, alpha=cfg.distill_alpha, teacher_name=cfg.teacher,
+                                  **common)
+        return CausalLMTrainer(self.model, self.train_data, self.val_data, **common)
+
+    # ---- 6. export ---------------------------------------------------------------------------------------------
+    def export(self, out_dir: str | Path | None = None, *, merged: bool | None = None) -> dict[str, str]:
+        """The PEFT adapter directory (LoRA) and a merged safetensors model, each written atomically."""
+        out = Path(out_dir or self.config.out_dir)
+        model = self.trainer.model if "trainer" in self.__dict__ else self.model
+        merged = self.config.export_merged if merged is None else merged
+        # Every process reads the weights to the host (on a pod a sharded tensor's read runs on all hosts); the
+        # main one writes.
+        state = lora.export_state(model) if merged or lora.is_peft(model) else {}
+        self.backend.barrier()
+        paths: dict[str, str] = {}
+        if not self.backend.is_main:
+            return paths
+        if lora.is_peft(model):
+            paths["adapter"] = str(lora.export_adapter(model, out / "adapter", state=state))
+            self.tokenizer.save_pretrained(out / "adapter")
+        if merged:
+            paths["merged"] = str(lora.export_merged(model, self.tokenizer, out / "merged", base_source=self.source,
+                                                     state=state))
+        atomic_write_text(out / "finetune.json", json.dumps({**self.config.to_dict(), "paths": paths}, indent=1,
+                                                            default=str))
+        return paths
+
+    # ---- 7. results --------------------------------------------------------------------------------------------
+    def results(self, *, before: dict | None = None, after: dict | None = None, paths: dict | None = None,
+                plan: Any = None, **extra: Any) -> dict:
+        """The run's results plus the samples before and after, the exports, the plan and the data figures."""
+        return super().results(
+            samples_before=before, samples_after=after, exports=paths or {},
+            parameters=self.parameter_summary(), data=self.data_stats,
+            plan=plan.to_dict() if plan is not None else None,
+            sharding={"sharding": self.config.sharding, "chips": self.chips, "mesh": list(self.backend.mesh_shape)},
+            **extra)
+
