@@ -66,7 +66,8 @@ class Stack:
     also: tuple[str, ...] = field(default=("setuptools",))  # into the wheelhouse too: builds the package offline
 
 
-DEV = Lock("requirements-dev.lock", ("pyproject.toml", "requirements-dev.txt"), "3.11", ("hf", "notebooks", "dev"))
+DEV = Lock("requirements-dev.lock", ("pyproject.toml", "requirements-dev.txt"), "3.11",
+           ("hf", "notebooks", "dev", "tracking"))
 STACKS = {
     "colab": Stack("3.13", Lock("stacks/colab.lock", ("stacks/colab.txt",), "3.13"),
                    Lock("stacks/colab-adds.lock", ("tpu_helpers/launch/requirements-colab.txt",), "3.13",

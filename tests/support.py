@@ -92,3 +92,30 @@ class StopAt(Callback):
     def on_step_end(self, trainer) -> None:
         if trainer.step in self.steps:
             trainer.stop_reason = f"interrupted by the test at step {trainer.step}"
+
+
+def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value)]} of a TensorBoard log directory, as TensorBoard shows them (its own reader, which
+    applies purge_step)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def tensorboard_texts(log_dir: Path) -> dict[str, list[tuple[int, str]]]:
+    """{tag: [(step, text)]} of the text summaries (add_text) in a TensorBoard log directory."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"tensors": 0})
+    acc.Reload()
+    return {tag.removesuffix("/text_summary"): [(e.step, e.tensor_proto.string_val[0].decode())
+                                                for e in acc.Tensors(tag)] for tag in acc.Tags()["tensors"]}
+
+
+def tensorboard_run(out_dir: Path) -> Path:
+    """The one tracked run's TensorBoard directory under `<out_dir>/tensorboard/`."""
+    runs = [p for p in (Path(out_dir) / "tensorboard").iterdir() if p.is_dir()]
+    assert len(runs) == 1, runs
+    return runs[0]

@@ -26,6 +26,9 @@ FINETUNE_METHODS = ("lora", "full", "distill")
 XLA_CHECKS = ("warn", "strict", "off")
 ON_NONFINITE = ("stop", "warn")
 RESUME = (True, False, "force_new")
+# Experiment trackers a run can log to (TrainConfig.trackers, comma separated; none by default), each an optional
+# extra of the package: pip install "tpu_helpers[tracking]" for all of them, or "tpu_helpers[wandb]" for one.
+TRACKERS = ("tensorboard", "wandb", "trackio")
 
 
 class ConfigError(ValueError):
@@ -36,6 +39,22 @@ def check_choice(name: str, value: Any, allowed: tuple) -> None:
     """ConfigError unless `value` is one of `allowed` (compared with ==, so True and 1 are told apart by type)."""
     if not any(value == a and type(value) is type(a) for a in allowed):
         raise ConfigError(f"{name}={value!r} is not one of {allowed}")
+
+
+def check_trackers(value: str) -> str:
+    """The canonical form of a TRACKERS value ("TensorBoard, wandb" -> "tensorboard,wandb"; "" or "none": none), or a
+    ConfigError naming each unknown tracker and the known ones."""
+    if not isinstance(value, str):
+        raise ConfigError(f"trackers={value!r} must be a string of tracker names, comma separated, e.g. "
+                          f"'tensorboard,wandb' (known: {', '.join(TRACKERS)})")
+    names = [n.strip().lower() for n in value.split(",") if n.strip()]
+    if names == ["none"]:
+        return ""
+    unknown = [n for n in names if n not in TRACKERS]
+    if unknown:
+        raise ConfigError(f"trackers={value!r}: unknown tracker(s) {', '.join(repr(n) for n in unknown)}; known: "
+                          f"{', '.join(TRACKERS)} (comma separated, or '' for none)")
+    return ",".join(dict.fromkeys(names))
 
 
 def check_positive(name: str, value: Any) -> None:

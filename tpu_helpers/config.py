@@ -35,6 +35,7 @@ from tpu_helpers.choices import (
     XLA_CHECKS,
     ConfigError,
     check_choice,
+    check_trackers,
 )
 from tpu_helpers.sharding import ShardingError, check_sharding
 
@@ -82,6 +83,10 @@ class TrainConfig:
     # XLA performance (see tpu_helpers.diagnostics)
     compile_cache_dir: str | None = "default"  # persistent XLA compile cache: "default" (on TPU), a dir, or None
     xla_checks: str = "warn"  # recompilation / host-read / CPU-fallback detector on XLA: warn | strict | off
+    # experiment tracking (see tpu_helpers.training.tracking): the main process logs the loop's log/eval records
+    trackers: str = ""  # none, or tensorboard, wandb, trackio (comma separated)
+    project: str = "tpu_helpers"  # the trackers' project
+    run_name: str = ""  # the tracked run's name; empty: out_dir's folder name
     extra: dict = field(default_factory=dict)  # free-form values a notebook wants recorded with the run
 
     def __post_init__(self) -> None:
@@ -142,6 +147,12 @@ class TrainConfig:
         for name in ("text_field", "tokenizer"):
             if not getattr(self, name).strip():
                 raise ConfigError(f"{name}={getattr(self, name)!r} is empty")
+        self.trackers = check_trackers(self.trackers)
+        if not _PROJECT.match(self.project):
+            raise ConfigError(f"project={self.project!r} must be a non-empty name of letters, digits, '.', '_' and "
+                              "'-' (the trackers' project)")
+        if self.run_name != self.run_name.strip() or any(c in self.run_name for c in "/\\\n"):
+            raise ConfigError(f"run_name={self.run_name!r} must have no surrounding spaces, slashes or newlines")
 
     def replace(self, **changes: Any) -> TrainConfig:
         unknown = sorted(set(changes) - {f.name for f in fields(self)})
@@ -152,6 +163,9 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+_PROJECT = re.compile(r"^[A-Za-z0-9._-]+$")
 
 
 def _positive(name: str, value: int) -> None:

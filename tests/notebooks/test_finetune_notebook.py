@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from tests.support import tensorboard_run, tensorboard_scalars, tensorboard_texts
 from tpu_helpers.launch.runner import run_notebook
 
 pytestmark = pytest.mark.notebooks
@@ -42,10 +43,26 @@ def _check(results, out_dir):
     return report
 
 
-def test_finetune_notebook_on_cpu(notebooks, tmp_path):
-    results, out_dir = _run(notebooks, tmp_path, "cpu")
+def test_finetune_notebook_on_cpu_watched_in_tensorboard(notebooks, tmp_path):
+    results, out_dir = _run(notebooks, tmp_path, "cpu", TRACKERS="tensorboard")
     report = _check(results, out_dir)
     assert report["device"].startswith("CPU")
+    # TRACKERS: the curves, the config with the memory plan, and the samples before and after as text tables.
+    log_dir = tensorboard_run(out_dir)
+    scalars = tensorboard_scalars(log_dir)
+    history = results["history"]
+    assert scalars["train/loss"] == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in history["train"]]
+    assert scalars["eval/loss"] == [(r["step"], pytest.approx(r["val_loss"], rel=1e-6)) for r in history["eval"]]
+    texts = tensorboard_texts(log_dir)
+    config = json.loads(texts["config"][0][1])
+    assert config["method"] == "lora" and config["memory_plan"]["fits"] is True
+    for when in ("before", "after"):
+        (step, table), = texts[f"samples/{when}"]
+        assert step == 40 and table.startswith("| prompt | answer | prediction |")
+        first = results[f"samples_{when}"]["rows"][0]
+        prediction = json.dumps(first["prediction"])[1:-1]  # newlines shown as \n
+        assert f"| {first['prompt']} | {first['answer']} | {prediction} |" in table
+    assert f"samples/exact_match_after: {results['samples_after']['exact_match']}" in texts["summary"][-1][1]
 
 
 @pytest.mark.xla

@@ -7,6 +7,7 @@ import json
 import nbformat
 import pytest
 
+from tests.support import tensorboard_run, tensorboard_scalars
 from tpu_helpers.launch.runner import RunError, run_notebook
 
 pytestmark = pytest.mark.notebooks
@@ -35,10 +36,16 @@ def _check_trained(result, out_dir):
     return report
 
 
-def test_quickstart_trains_on_cpu(notebooks, tmp_path):
-    result, out_dir = _run(notebooks, tmp_path, "cpu")
+def test_quickstart_trains_on_cpu_watched_in_tensorboard(notebooks, tmp_path):
+    result, out_dir = _run(notebooks, tmp_path, "cpu", TRACKERS="tensorboard")
     report = _check_trained(result, out_dir)
     assert report["device"].startswith("CPU") and report["xla"] == {}
+    # TRACKERS: the curves in TensorBoard (its own reader) are results.json's.
+    history = json.loads((out_dir / "results.json").read_text())["history"]
+    scalars = tensorboard_scalars(tensorboard_run(out_dir))
+    assert scalars["train/loss"] == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in history["train"]]
+    assert scalars["eval/loss"] == [(r["step"], pytest.approx(r["val_loss"], rel=1e-6)) for r in history["eval"]]
+    assert [s for s, _ in scalars["eval/loss"]] == [0, 30, 60]
 
 
 @pytest.mark.xla

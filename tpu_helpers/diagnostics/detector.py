@@ -195,6 +195,12 @@ class XlaDetector(Callback):
     def causes(self) -> list[str]:
         return [f.cause for f in self.findings]
 
+    @property
+    def counters(self) -> dict | None:
+        """The XLA counters as read after the latest step (`backend.metrics()`), None before the first one: what
+        else reports them per step (experiment trackers) reads them here instead of again."""
+        return getattr(self, "_last", None) if self.active else None
+
 
 def detector_for(trainer) -> XlaDetector | None:
     """The detector among a trainer's callbacks, if any."""

@@ -21,6 +21,8 @@ from tpu_helpers.callbacks import Callback
 from tpu_helpers.config import TrainConfig
 from tpu_helpers.training.history import History, RunReport
 from tpu_helpers.training.results import write_results
+from tpu_helpers.training.trackers import check_ready
+from tpu_helpers.training.tracking import tracker_names
 from tpu_helpers.training.trainer import Trainer
 
 
@@ -38,6 +40,8 @@ class Recipe:
                                if isinstance(config, TrainConfig) else ""))
         self.config = config
         self.backend = backend or backend_for(config)
+        if self.backend.is_main:  # the trackers log from the main process only (the Trainer checks the same)
+            check_ready(tracker_names(config))  # a missing package or W&B login: now, before any model loads
         self.progress = progress
         self.callbacks = list(callbacks or [])
         self.report: RunReport | None = None
@@ -46,7 +50,19 @@ class Recipe:
     @cached_property
     def trainer(self) -> Trainer:
         """The trainer, made on first use (by `train`, or earlier by whatever needs the placed model)."""
-        return self.make_trainer()
+        trainer = self.make_trainer()
+        if trainer.tracking is not None:
+            # The tracked run gets the memory plan as config and stays open for `save_results`' tables.
+            trainer.tracking.describe(memory_plan=self._tracked_plan())
+            trainer.tracking.hold_open = True
+        return trainer
+
+    def _tracked_plan(self) -> dict | None:
+        plan = getattr(self, "plan", None)
+        try:
+            return plan().to_dict() if plan is not None else None
+        except Exception as err:  # a plan the tracker cannot get is no reason not to train
+            return {"unavailable": f"{type(err).__name__}: {err}"}
 
     def make_trainer(self) -> Trainer:
         raise NotImplementedError(f"{type(self).__name__} must define make_trainer()")
@@ -75,6 +91,18 @@ class Recipe:
 
     def save_results(self, *, name: str = "results", **extra: Any) -> Path:
         """Write `<out_dir>/<name>.json` (`results(**extra)`) and `loss.png`, atomically, on the main process only
-        (host 0 of a pod, rank 0 under torchrun); under `python -m tpu_helpers run`, into its run directory too."""
-        return write_results(self.config.out_dir, self.results(**extra), name=name, figure=self.history.figure(),
+        (host 0 of a pod, rank 0 under torchrun); under `python -m tpu_helpers run`, into its run directory too.
+        With TRACKERS, `tracked_results` goes to the trackers and the tracked run is finished."""
+        results = self.results(**extra)
+        path = write_results(self.config.out_dir, results, name=name, figure=self.history.figure(),
                              is_main=self.backend.is_main)
+        tracking = self.trainer.tracking
+        if tracking is not None:  # the main process's trackers: this recipe's tables, then the run is finished
+            tracking.log_results(self.trainer.step, **self.tracked_results(results))
+            tracking.close()
+        return path
+
+    def tracked_results(self, results: dict) -> dict:
+        """What `save_results` gives the trackers besides the loop's figures: {"tables": {name: [row dicts]},
+        "values": {name: number}} (a variant's samples, scores)."""
+        return {}

@@ -306,6 +306,16 @@ class Finetune(Recipe):
         return paths
 
     # ---- 7. results --------------------------------------------------------------------------------------------
+    def tracked_results(self, results: dict) -> dict:
+        """The samples before and after training as tables, and their exact match, for the trackers."""
+        tables, values = {}, {}
+        for when in ("before", "after"):
+            samples = results.get(f"samples_{when}") or {}
+            tables[f"samples/{when}"] = samples.get("rows") or []
+            if samples.get("exact_match") is not None:
+                values[f"samples/exact_match_{when}"] = samples["exact_match"]
+        return {"tables": tables, "values": values}
+
     def results(self, *, before: dict | None = None, after: dict | None = None, paths: dict | None = None,
                 plan: Any = None, **extra: Any) -> dict:
         """The run's results plus the samples before and after, the exports, the plan and the data figures."""

@@ -8,7 +8,8 @@ optimizers and the learning-rate schedule), `batches` (accepted batch forms and 
 (SFT and distillation trainers), `run_state` (save and resume), `run_lock` (one run per out_dir), `resume_policy`
 (what a changed setting does on resume), `finite` (nan/inf: stop, never save), `signals` (clean stop on
 SIGTERM/SIGINT), `validation` (checks of Trainer arguments), `step_timing` (where a step's time goes, MFU),
-`history` (loss history and the run report), `results` (results.json and the figure of a run). The hooks a run
+`history` (loss history and the run report), `results` (results.json and the figure of a run), `tracking`
+(the run's figures live in TensorBoard, W&B or trackio: `TrainConfig.trackers`) over `trackers` (one adapter each). The hooks a run
 calls are `tpu_helpers.callbacks` (below the trainer, so what watches a run need not import it); the ready-made
 jobs built on the trainer are `tpu_helpers.recipes`.
 

@@ -19,6 +19,7 @@ moves every checkpoint into a dated `set-aside-*` folder (nothing is deleted) an
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
     from tpu_helpers.training.trainer import Trainer
 
 __all__ = ["IDENTITY_FIELDS", "RunState"]
+
+TRACKED_RUN = "tracked_run"  # run.json's entry naming the trackers' run (not part of the identity)
 
 
 def _say(message: str) -> None:
@@ -127,7 +130,10 @@ class RunState:
                 "start over, or choose another out_dir"
             )
         if t.backend.is_main:
-            self.manager.write_run_info(identity)
+            # What the run's trackers logged to (training/tracking.py) stays with the run it belongs to.
+            stored = self.manager.read_run_info() or {}
+            kept = {k: stored[k] for k in (TRACKED_RUN,) if k in stored}
+            self.manager.write_run_info({**identity, **kept})
         loaded = self.manager.load_latest() if latest is not None and cfg.resume is True else None
         self._check_same_start(loaded[0] if loaded else None)
         if loaded is None:
@@ -169,6 +175,15 @@ class RunState:
                 "probably copied in from another run. Choose another out_dir, or pass resume='force_new' to move "
                 "the checkpoints into a dated set-aside folder and start over"
             ) from err
+
+    def tracked_run(self, make: Callable[[], dict]) -> dict:
+        """The tracked run this run logs to (its id and name, kept in run.json so a resumed run continues it):
+        the stored one, or `make()` stored now. Main process only, after `resume_or_start`."""
+        info = self.manager.read_run_info() or {}
+        if not isinstance(info.get(TRACKED_RUN), dict):
+            info[TRACKED_RUN] = make()
+            self.manager.write_run_info(info)
+        return info[TRACKED_RUN]
 
     def release_lock(self) -> None:
         self.lock.release()

@@ -102,15 +102,29 @@ class StepTimer:
             "mfu": mfu,
         }
 
+    def window(self, since: int) -> dict:
+        """The split of the steps timed from index `since` on (median ms per part) and their mean training step
+        time (data wait + host + sync, ms): what a tracker logs at each log step. Empty when none was timed."""
+        steps = self.steps[since:]
+        if not steps:
+            return {}
+        split = {p: median(s[i] for s in steps) * 1e3 for i, p in enumerate(PARTS)}
+        return {**split, "step": sum(s[0] + s[1] + s[2] for s in steps) / len(steps) * 1e3}
+
     def fill_report(self, trainer: Any, report: Any) -> None:
         """Put the summary into `report.timing` and `report.mfu`."""
-        backend = trainer.backend
-        fpt = model_flops_per_token(trainer.raw_model, trainer.config.seq_len)
-        per_chip = max(1, backend.hardware.devices_per_chip) if backend.hardware is not None else 1
+        fpt, peak, chips = mfu_inputs(trainer)
         report.timing = self.summary(tokens_per_step=trainer.tokens_per_step, flops_per_token=fpt,
-                                     peak_tflops=backend.peak_tflops,
-                                     chips=max(1, backend.num_replicas // per_chip))
+                                     peak_tflops=peak, chips=chips)
         report.mfu = report.timing.get("mfu")
+
+
+def mfu_inputs(trainer: Any) -> tuple[float | None, float | None, int]:
+    """(model FLOPs per token, the chip's dense bf16 peak in TFLOP/s or None, chips) of a trainer's run."""
+    backend = trainer.backend
+    per_chip = max(1, backend.hardware.devices_per_chip) if backend.hardware is not None else 1
+    return (model_flops_per_token(trainer.raw_model, trainer.config.seq_len), backend.peak_tflops,
+            max(1, backend.num_replicas // per_chip))
 
 
 def format_timing(timing: dict) -> str:

@@ -47,6 +47,7 @@ from tpu_helpers.training.optimizers import make_optimizer, make_scheduler
 from tpu_helpers.training.run_state import RunState
 from tpu_helpers.training.signals import stop_on_signals
 from tpu_helpers.training.step_timing import StepTimer
+from tpu_helpers.training.tracking import Tracking
 from tpu_helpers.training.validation import check_trainer_args
 
 # The one loss-function form: loss_fn(model_output, targets) -> scalar loss.
@@ -89,6 +90,10 @@ class Trainer:
         if self.backend.compiles_graphs and cfg.xla_checks != "off" and \
                 not any(isinstance(c, XlaDetector) for c in self.callbacks):
             self.callbacks.append(XlaDetector(strict=cfg.xla_checks == "strict"))
+        # Experiment trackers (config.trackers), fed by the main process only; a missing package fails here.
+        self.tracking = Tracking(cfg) if cfg.trackers and self.backend.is_main else None
+        if self.tracking is not None:
+            self.callbacks.append(self.tracking)
         self.timer = StepTimer()
         self.stop_reason: str | None = None  # set (e.g. by a signal handler) to end after the current step
         self.diverged: str | None = None  # what went nan/inf, if anything (training/finite.py)
