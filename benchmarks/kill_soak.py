@@ -5,8 +5,10 @@
 The CI test (tests/test_preemption.py) does 20 kills; this runs as many as asked and prints: kills survived by
 kind (start-up, between steps, during a save), checkpoints verified after each kill (every one with a manifest
 must load), steps lost per kill (last step reached minus the step the next process resumed from: at most the
-steps since the last save), SIGTERM stop latency and steps past the signal, and whether the final weights equal
-an uninterrupted run's bit for bit. Exits 1 if any of those guarantees failed.
+steps since the last save), SIGTERM stop latency and steps past the signal, whether the final weights equal
+an uninterrupted run's bit for bit, and whether the best checkpoint (by validation loss, kept whatever keep_last
+says) was on disk and loaded after every stop and is the uninterrupted run's at the end. Exits 1 if any of those
+guarantees failed.
 """
 
 from __future__ import annotations
@@ -85,6 +87,16 @@ def final_model(out: Path) -> dict:
     return mgr.load(mgr.latest().step)["model"]
 
 
+def best_step(out: Path) -> int | None:
+    """The best checkpoint's step by validation loss (it must load), or None before the first evaluation."""
+    mgr = CheckpointManager(out / "checkpoints", best_metric="val_loss")
+    best = mgr.best()
+    if best is None:
+        return None
+    mgr.load(best.step)
+    return best.step
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=100)
@@ -110,7 +122,7 @@ def main() -> int:
         kinds += ["during a save"] * (args.kills - len(kinds)) + ["SIGTERM"] * args.sigterms
         rng.shuffle(kinds)
         counts: dict[str, int] = {}
-        lost, latencies, past_signal, verified = [], [], [], 0
+        lost, latencies, past_signal, verified, best_seen = [], [], [], 0, set()
         previous_last: int | None = None
         for kind in kinds:
             run = Run(ctx, out, args.steps, args.save_every)
@@ -146,6 +158,7 @@ def main() -> int:
             counts[kind] = counts.get(kind, 0) + 1
             try:
                 verified += verify(out)
+                best_seen.add(best_step(out))
             except Exception as err:  # any failure to load is the finding
                 failures.append(f"after a {kind} stop: {err}")
         last = Run(ctx, out, args.steps, args.save_every)
@@ -154,6 +167,9 @@ def main() -> int:
             lost.append(previous_last - last.ready)
         if last.end(None) != 0:
             failures.append("the final resumed run failed")
+        ref_best, final_best = best_step(ref_dir), best_step(out)
+        if final_best != ref_best:
+            failures.append(f"the best checkpoint is step {final_best}, the uninterrupted run's is step {ref_best}")
         ref_model, model = final_model(ref_dir), final_model(out)
         differing = [k for k in ref_model if not torch.equal(ref_model[k], model[k])]
         if differing:
@@ -170,6 +186,8 @@ def main() -> int:
     if latencies:
         print(f"SIGTERM to exit        median {statistics.median(latencies) * 1000:.0f} ms, "
               f"max {max(latencies) * 1000:.0f} ms; steps past the signal: max {max(past_signal)}")
+    print(f"best checkpoint        step {final_best} at the end (the uninterrupted run's: step {ref_best}); steps "
+          f"it was at after the stops: {sorted(best_seen, key=lambda s: -1 if s is None else s)}")
     print(f"process start-up       {start_up:.2f} s (forkserver); uninterrupted run {t_ref:.1f} s")
     print(f"final weights          {'identical bit for bit' if not differing else 'DIFFERENT'} to the "
           "uninterrupted run")

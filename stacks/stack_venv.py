@@ -67,7 +67,7 @@ class Stack:
 
 
 DEV = Lock("requirements-dev.lock", ("pyproject.toml", "requirements-dev.txt"), "3.11",
-           ("hf", "notebooks", "dev", "tracking"))
+           ("hf", "notebooks", "dev", "qat", "tracking"))
 STACKS = {
     "colab": Stack("3.13", Lock("stacks/colab.lock", ("stacks/colab.txt",), "3.13"),
                    Lock("stacks/colab-adds.lock", ("tpu_helpers/launch/requirements-colab.txt",), "3.13",

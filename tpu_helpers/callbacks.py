@@ -36,7 +36,9 @@ class Callback:
 
     def on_eval_start(self, trainer: Trainer) -> None: ...
 
-    def on_eval_end(self, trainer: Trainer) -> None: ...
+    def on_eval_end(self, trainer: Trainer) -> None:
+        """After an evaluation. Metrics of the callback's own (host floats) put into `trainer.eval_metrics` are
+        recorded with the validation loss, and `TrainConfig.best_metric` may name one."""
 
     def on_fit_end(self, trainer: Trainer, report: RunReport) -> None: ...
 

@@ -23,8 +23,15 @@ OPTIMIZERS = ("adamw", "sgd", "adafactor")
 PRESET_NAMES = ("tiny", "mini", "small", "medium")
 # Fine-tuning (recipes.finetune): LoRA adapters on a frozen base | every weight | distillation from a teacher.
 FINETUNE_METHODS = ("lora", "full", "distill")
+# Quantization-aware training (models/qat.py): the base model's linear weights fake-quantized in the forward pass,
+# symmetric per group of input columns, to 4 or 8 bits.
+QAT_SCHEMES = ("int4", "int8")
 XLA_CHECKS = ("warn", "strict", "off")
 ON_NONFINITE = ("stop", "warn")
+# A loss that spikes but stays finite (training/divergence.py): stop the run | warn once and go on | do not check.
+ON_DIVERGENCE = ("stop", "warn", "off")
+# Which weights the fine-tuning exports take: the best checkpoint's (by `best_metric`) or the last step's.
+EXPORT_WEIGHTS = ("best", "last")
 RESUME = (True, False, "force_new")
 # Experiment trackers a run can log to (TrainConfig.trackers, comma separated; none by default), each an optional
 # extra of the package: pip install "tpu_helpers[tracking]" for all of them, or "tpu_helpers[wandb]" for one.
@@ -39,6 +46,21 @@ def check_choice(name: str, value: Any, allowed: tuple) -> None:
     """ConfigError unless `value` is one of `allowed` (compared with ==, so True and 1 are told apart by type)."""
     if not any(value == a and type(value) is type(a) for a in allowed):
         raise ConfigError(f"{name}={value!r} is not one of {allowed}")
+
+
+def best_metric_order(spec: str) -> tuple[str, bool]:
+    """(metric, higher is better) of a `best_metric` setting: "val_loss", "max:exact_match", "min:perplexity".
+
+    Without a prefix, lower is better for a name ending in "loss" and higher otherwise (the Hugging Face Trainer's
+    rule for `metric_for_best_model`); "min:" or "max:" says it outright."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError(f"best_metric={spec!r} must name a validation metric, e.g. 'val_loss' or "
+                          "'max:exact_match', or be None")
+    order, _, name = spec.rpartition(":")
+    if order not in ("", "min", "max") or not name.strip():
+        raise ConfigError(f"best_metric={spec!r}: write the metric's name ('val_loss'), optionally after 'min:' or "
+                          "'max:' (which way is better), e.g. 'max:exact_match'")
+    return name.strip(), order == "max" or (not order and not name.strip().endswith("loss"))
 
 
 def check_trackers(value: str) -> str:

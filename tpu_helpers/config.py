@@ -27,6 +27,7 @@ from typing import Any
 
 from tpu_helpers.choices import (
     DEVICES,
+    ON_DIVERGENCE,
     ON_NONFINITE,
     OPTIMIZERS,
     PRECISIONS,
@@ -34,6 +35,7 @@ from tpu_helpers.choices import (
     RESUME,
     XLA_CHECKS,
     ConfigError,
+    best_metric_order,
     check_choice,
     check_trackers,
 )
@@ -79,6 +81,10 @@ class TrainConfig:
     keep_last: int = 3
     resume: bool | str = True  # True: continue from out_dir's newest good checkpoint | False | "force_new"
     on_nonfinite: str = "stop"  # a nan/inf training loss at a log step: stop (raise, keep the good checkpoints) | warn
+    on_divergence: str = "stop"  # a finite loss spike (training/divergence.py): stop (raise) | warn (once) | off
+    divergence_factor: float = 3.0  # a spike: a loss above this x its reference (best validation, recent training)
+    best_metric: str | None = "val_loss"  # the checkpoint kept whatever keep_last says ("max:NAME" when higher is
+    # better, NAME from an eval callback's trainer.eval_metrics); None keeps only the newest keep_last
     seed: int = 0
     # XLA performance (see tpu_helpers.diagnostics)
     compile_cache_dir: str | None = "default"  # persistent XLA compile cache: "default" (on TPU), a dir, or None
@@ -96,11 +102,14 @@ class TrainConfig:
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         check_choice("xla_checks", self.xla_checks, XLA_CHECKS)
         check_choice("on_nonfinite", self.on_nonfinite, ON_NONFINITE)
+        check_choice("on_divergence", self.on_divergence, ON_DIVERGENCE)
+        if self.best_metric is not None:
+            best_metric_order(self.best_metric)
         if self.resume not in RESUME:  # the type check above already refused 0 and 1
             raise ConfigError(f"resume={self.resume!r} must be True (continue out_dir's run), False (refuse if it "
                               "has checkpoints) or 'force_new' (move its checkpoints into a dated set-aside folder "
                               "and start over)")
-        for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "val_fraction"):
+        for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "val_fraction", "divergence_factor"):
             value = getattr(self, name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"{name}={value!r} is not a finite number")
@@ -120,6 +129,9 @@ class TrainConfig:
             raise ConfigError(f"val_fraction={self.val_fraction!r} must be between 0 and 1 (exclusive)")
         if not self.lr > 0:
             raise ConfigError(f"lr={self.lr!r} must be > 0")
+        if not self.divergence_factor > 1.0:
+            raise ConfigError(f"divergence_factor={self.divergence_factor!r} must be > 1: a loss above this many "
+                              "times its reference counts as a spike (on_divergence='off' turns the check off)")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"min_lr_ratio={self.min_lr_ratio!r} must be between 0 and 1")
         if self.weight_decay < 0:

@@ -97,3 +97,19 @@ def test_step_timer_splits_steps_and_computes_mfu_against_the_peak():
     assert s["steady_tokens_per_s"] == pytest.approx(1000 / 0.010)  # eval/save time is not training time
     assert s["mfu"] == pytest.approx(1e5 * 1e9 / (2 * 100e12))
     assert timer.summary(tokens_per_step=1000, flops_per_token=None, peak_tflops=100.0, chips=1)["mfu"] is None
+
+
+@pytest.mark.xla
+@xla
+def test_step_metrics_are_the_counters_of_metrics_read_cheaply() -> None:
+    """What the detector reads after every step (and the trackers log from it) equals the full metrics' counters."""
+    b = XLA_BACKEND
+    x = torch.ones(3).to(b.device)
+    for _ in range(3):
+        x = x * 2 + 1
+        b.sync()
+    x.cpu()
+    cheap, full = b.step_metrics(), b.metrics()
+    assert set(cheap) == {"compilations", "device_to_host_transfers", "executions", "cpu_fallback_ops"}
+    assert cheap == {k: full[k] for k in cheap}
+    assert cheap["executions"] >= 3 and cheap["device_to_host_transfers"] >= 1

@@ -1,5 +1,5 @@
 """The fine-tuning notebook under papermill with the offline default (tiny Qwen2, generated task), CPU and XLA:CPU,
-and with SHARDING="fsdp" on 8 simulated XLA:CPU devices."""
+with SHARDING="fsdp" on 8 simulated XLA:CPU devices, and distilling from a teacher cache with int4 QAT."""
 
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ def _check(results, out_dir):
     assert report["steps"] == 40 and report["final_val_loss"] < report["first_val_loss"] - 0.5, report
     assert results["plan"]["fits"] and results["parameters"]["trainable_share"] < 0.1
     assert results["samples_before"]["exact_match"] is not None and len(results["samples_after"]["rows"]) > 40
+    # EXPORT="best": the checkpoint with the lowest validation loss, here the only one (SAVE_EVERY 100 > STEPS).
+    assert results["export_weights"]["weights"] == "best" and results["export_weights"]["step"] == 40
     merged = AutoModelForCausalLM.from_pretrained(results["exports"]["merged"]).eval()
     base = AutoModelForCausalLM.from_pretrained(results["config"]["model"] if results["config"]["model"] != "tiny"
                                                 else json.loads((out_dir / "merged" / "tpu_helpers.json")
@@ -92,3 +94,29 @@ def test_finetune_notebook_with_fsdp_on_eight_xla_cpu_devices(notebooks, tmp_pat
           f"{report['xla']['uncached_compiles']} graphs compiled ({report['xla']['compilations']} compilations), "
           f"generation {results['samples_before']['compilations']} + {results['samples_after']['compilations']}, val loss {report['first_val_loss']:.3f} -> "
           f"{report['final_val_loss']:.3f}")
+
+
+def test_finetune_notebook_distils_from_a_teacher_cache_with_int4_qat(notebooks, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    cache = tmp_path / "cache"
+    results, out_dir = _run(notebooks, tmp_path, "cpu", METHOD="distill", TEACHER="tiny", TEACHER_CACHE=str(cache),
+                            TOP_K=32, QAT="int4")
+    report = results["report"]
+    assert report["steps"] == 40 and report["final_val_loss"] < report["first_val_loss"] - 0.5, report
+    assert results["teacher_cache"]["k"] == 32 and results["teacher_cache"]["bytes"] > 0
+    assert json.loads((cache / "manifest.json").read_text())["complete"]
+    assert results["plan"]["fits"] and any("top-32" in n for n in results["plan"]["estimate"]["notes"])
+    text = next((tmp_path / "runs").iterdir()).joinpath("finetune_llm.ipynb").read_text()
+    assert "teacher cache " in text and "top-32 of 512" in text
+    exports = results["exports"]
+    quantized = AutoModelForCausalLM.from_pretrained(exports["quantized"])
+    assert type(quantized.model.layers[0].self_attn.q_proj.weight).__name__ == "IntxUnpackedToInt8Tensor"
+    adapted = PeftModel.from_pretrained(quantized, exports["adapter"]).eval()
+    merged = AutoModelForCausalLM.from_pretrained(exports["merged"]).eval()
+    assert merged.dtype == torch.bfloat16
+    ids = torch.tensor([[1, 87, 85, 269, 201, 400]])
+    with torch.no_grad():  # the int4 base + adapter and the bf16 merged model compute the same, to bf16's precision
+        torch.testing.assert_close(merged(input_ids=ids).logits.float(), adapted(input_ids=ids).logits,
+                                   atol=0.05, rtol=0.05)

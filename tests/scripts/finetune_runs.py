@@ -39,12 +39,15 @@ def main() -> None:
         model_state = saved["sharded"].read_whole()["model"] if "sharded" in saved else saved["model"]
         history = job.history.train
         result = {"losses": [r["loss"] for r in history], "steps": [r["step"] for r in history],
+                  "evals": {e["step"]: e["val_loss"] for e in job.history.eval},
+                  "best": report.best_checkpoint,
                   "resumed_from": report.resumed_from, "mesh": list(backend.mesh_shape),
                   "model_keys": sorted(model_state), "checkpoint": report.checkpoint,
                   "problems": report.xla.get("problems"), "compilations": report.xla.get("compilations"),
                   "replicas": backend.num_replicas}
         if export:
             result["paths"] = job.export(export)
+            result["exported"] = job.exported
             trained = {plain_name(n): p.detach().cpu() for n, p in job.trainer.model.named_parameters()
                        if p.requires_grad}
             torch.save(trained, export + "/trained.pt")

@@ -1,6 +1,7 @@
 """A tiny, fully deterministic training run for the kill/signal tests (tests/test_preemption.py).
 
     python tests/scripts/train_tiny.py OUT_DIR [--steps 300] [--save-every 1] [--device cpu|xla]
+        [--lr 3e-3] [--eval-every 50] [--keep-last 2] [--on-divergence stop|warn|off]
 
 It resumes from OUT_DIR's checkpoints like any rerun would, and prints one line per event on stdout (flushed) so a
 test can time its signals: "ready STEP" once resumed, "step N" after each step, "saving N" just before each
@@ -51,12 +52,17 @@ def main(argv: list[str] | None = None, emit: Callable[[str], None] = _print_lin
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--save-every", type=int, default=1)
     parser.add_argument("--device", default="cpu", choices=("cpu", "xla"))
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--keep-last", type=int, default=2)
+    parser.add_argument("--on-divergence", default="stop")
     args = parser.parse_args(argv)
     # One thread: the same reduction order in every process (bit-identical results), and fair on shared CPUs.
     torch.set_num_threads(1)
-    cfg = TrainConfig(device=args.device, preset="tiny", steps=args.steps, batch_size=4, seq_len=32, lr=3e-3,
-                      warmup_steps=10, eval_every=50, eval_batches=2, log_every=10, save_every=args.save_every,
-                      keep_last=2, out_dir=args.out_dir, max_chars=6_000, grad_clip=1.0)
+    cfg = TrainConfig(device=args.device, preset="tiny", steps=args.steps, batch_size=4, seq_len=32, lr=args.lr,
+                      warmup_steps=10, eval_every=args.eval_every, eval_batches=2, log_every=10,
+                      save_every=args.save_every, keep_last=args.keep_last, out_dir=args.out_dir, max_chars=6_000,
+                      grad_clip=1.0, on_divergence=args.on_divergence)
     train, val, tok = build_datasets("embedded", "byte", block_size=cfg.seq_len, max_chars=cfg.max_chars,
                                      seed=cfg.seed)
     torch.manual_seed(cfg.seed)

@@ -1,4 +1,5 @@
-"""DistillTrainer's loss against torch's own kl_div and soft cross-entropy on CPU (values and gradients)."""
+"""DistillTrainer's loss against torch's own kl_div and soft cross-entropy on CPU (values and gradients); the top-k
+loss of distillation from a cache against it (k = the vocabulary) and against the k + 1 bucket KL."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from tpu_helpers.training.causal_lm import DistillTrainer
+from tpu_helpers.training.distill import CachedDistillTrainer, teacher_topk, topk_kd_sum
 
 
 def _lm(seed: int) -> Qwen2ForCausalLM:
@@ -53,3 +55,62 @@ def test_distill_loss_matches_torch_kl_div_and_soft_cross_entropy(t, alpha):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for a, b in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def _batch(seed: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    labels = ids.clone()
+    labels[:, :5] = -100
+    labels[2, 9:] = -100
+    mask[2, 9:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _with_cache(batch, teacher, k, t):
+    with torch.no_grad():
+        t_logits = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    ids, logp, tail = teacher_topk(t_logits, k, t)
+    return {**batch, "teacher_ids": ids, "teacher_logp": logp, "teacher_tail": tail}
+
+
+@pytest.mark.parametrize("t,alpha", [(2.0, 0.5), (1.0, 0.0)])
+def test_topk_kd_with_the_whole_vocabulary_equals_live_distillation_values_and_gradients(t, alpha):
+    student, teacher = _lm(0), _lm(1).eval()
+    batch = _batch()
+    live = DistillTrainer.loss_sum(SimpleNamespace(model=student, teacher=teacher, temperature=t, alpha=alpha), batch)
+    live_grads = torch.autograd.grad(live, list(student.parameters()))
+    cached = CachedDistillTrainer.loss_sum(SimpleNamespace(model=student, temperature=t, alpha=alpha),
+                                           _with_cache(batch, teacher, 64, t))
+    grads = torch.autograd.grad(cached, list(student.parameters()))
+    torch.testing.assert_close(cached, live, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads, live_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_topk_kd_is_the_kl_over_the_top_k_and_one_tail_bucket():
+    student, teacher = _lm(0), _lm(1).eval()
+    batch = _batch(5)
+    t, k = 1.5, 6
+    cached = _with_cache(batch, teacher, k, t)
+    got = topk_kd_sum(student(input_ids=batch["input_ids"]).logits, cached["teacher_ids"], cached["teacher_logp"],
+                      cached["teacher_tail"], batch["labels"], t)
+    # Reference, one position at a time: k + 1 buckets of the two full distributions.
+    with torch.no_grad():
+        p_all = F.softmax(teacher(input_ids=batch["input_ids"]).logits / t, -1)
+    q_all = F.softmax(student(input_ids=batch["input_ids"]).logits / t, -1)
+    want = 0.0
+    for b in range(3):
+        for s in range(11):
+            if batch["labels"][b, s + 1] == -100:
+                continue
+            top = p_all[b, s].topk(k).indices
+            p = torch.cat([p_all[b, s, top], (1 - p_all[b, s, top].sum())[None]])
+            q = torch.cat([q_all[b, s, top], (1 - q_all[b, s, top].sum())[None]])
+            want = want + (p * (p.log() - q.log())).sum()
+    torch.testing.assert_close(got, want * t * t, rtol=1e-5, atol=1e-5)
+    # Validation batches carry no teacher: the hard-label loss alone.
+    hard = CachedDistillTrainer.loss_sum(SimpleNamespace(model=student, temperature=t, alpha=0.3), batch)
+    torch.testing.assert_close(hard, F.cross_entropy(student(**batch).logits[:, :-1].flatten(0, 1),
+                                                     batch["labels"][:, 1:].flatten(), reduction="sum"))

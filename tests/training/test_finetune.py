@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -77,3 +80,51 @@ def test_notebook_parameters_are_fields_and_checked():
         config_from_parameters({"METHOD": "distill"}, base=FinetuneConfig())
     with pytest.raises(ConfigError, match=r"LORA_R='8' has type str; expected int"):
         config_from_parameters({"LORA_R": "8"}, base=FinetuneConfig())
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_export_best_takes_the_best_checkpoints_weights_and_last_the_live_ones(tmp_path, method):
+    """Validation every 5 steps, keep_last=1; healthy to step 10, then resumed with lr=0.3, after which the
+    validation loss rises (the run goes on: on_divergence='off'). EXPORT="best" writes step 10's weights, read
+    from its checkpoint (the adapters alone under LoRA); "last" the weights training ended with."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    settings = dict(steps=10, save_every=5, eval_every=5, log_every=5, keep_last=1, xla_checks="off")
+    first = _job(tmp_path, "cpu", method=method, **settings)
+    first.train()
+
+    def exported_form(job) -> dict:  # the tensors an export writes, taken from the live model
+        if method == "lora":
+            return {k: v.detach().clone() for k, v in get_peft_model_state_dict(job.model).items()}
+        return {k: v.detach().float().clone() for k, v in job.model.state_dict().items()}
+
+    at_10 = exported_form(first)
+    worse = _job(tmp_path, "cpu", method=method, **{**settings, "steps": 20, "lr": 0.3, "on_divergence": "off"})
+    report = worse.train()
+    evals = {e["step"]: e["val_loss"] for e in worse.history.eval}
+    assert evals[15] > evals[10] and evals[20] > evals[10], evals
+    assert report.best_checkpoint["step"] == 10
+    assert [p.name for p in sorted((tmp_path / "run" / "checkpoints").glob("ckpt-*.pt"))] == [
+        "ckpt-00000010.pt", "ckpt-00000020.pt"]  # the best and the newest (keep_last=1)
+
+    def written(paths: dict) -> dict:
+        if method == "lora":
+            return load_file(Path(paths["adapter"]) / "adapter_model.safetensors")
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(paths["merged"]).state_dict()
+
+    best = written(worse.export(tmp_path / "best"))  # EXPORT's default
+    assert worse.exported == {"weights": "best", **report.best_checkpoint}
+    assert json.loads((tmp_path / "best" / "finetune.json").read_text())["weights"]["step"] == 10
+    last = written(worse.export(tmp_path / "last", weights="last"))
+    assert worse.exported == {"weights": "last", "step": 20}
+    live = exported_form(worse)
+    assert sorted(best) == sorted(last) == sorted(at_10), (sorted(best)[:3], sorted(at_10)[:3])
+    for name in at_10:
+        assert torch.equal(best[name], at_10[name]), name
+        assert torch.equal(last[name], live[name]), name
+    assert any(not torch.equal(at_10[n], live[n]) for n in at_10)  # the two exports do differ
+    with pytest.raises(ConfigError, match=r"export='final' is not one of \('best', 'last'\)"):
+        worse.export(tmp_path / "x", weights="final")

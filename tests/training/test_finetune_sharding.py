@@ -7,6 +7,8 @@ SPMD and the device count are fixed per process, hence one process per device co
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -27,12 +29,21 @@ def test_finetuning_under_fsdp_checkpoints_resumes_on_one_device_and_exports(tmp
     from transformers import AutoModelForCausalLM
 
     steps, shared, export, export_full = 4, tmp_path / "shared", tmp_path / "export", tmp_path / "export_full"
-    full8, half8, fsdp8, method_full8 = _finetune({"spmd": True, "runs": [
+    best_dir, export_best = tmp_path / "best", tmp_path / "export_best"
+    # A LoRA adapter cannot reliably make the tiny random model's validation loss worse (it stays near log(vocab),
+    # measured: lr 10..1000 after step 2 gave lower and higher losses alike), while it falls steadily: ranked by the
+    # highest validation loss ("max:"), the oldest checkpoint is the best, and the newer ones must not prune it.
+    every2 = {"sharding": "fsdp", "batch_size": 2, "eval_every": 2, "save_every": 2, "keep_last": 1,
+              "best_metric": "max:val_loss", "out_dir": str(best_dir)}
+    full8, half8, fsdp8, method_full8, _, worse8 = _finetune({"spmd": True, "runs": [
         {"sharding": "fsdp", "batch_size": 2, "steps": steps, "out_dir": str(tmp_path / "full"), "export": str(export)},
         {"sharding": "fsdp", "batch_size": 2, "steps": steps, "stop_at": 2, "out_dir": str(shared)},
         {"sharding": "fsdp", "batch_size": 2, "steps": steps, "copy_from": str(shared), "out_dir": str(tmp_path / "on8")},
         {"method": "full", "sharding": "fsdp", "batch_size": 2, "steps": 2, "out_dir": str(tmp_path / "method_full"),
          "export": str(export_full)},
+        # To step 2, then on to step 6 (a checkpoint every 2 steps, keep_last=1): the best stays step 2's .dcp.
+        {**every2, "steps": 2},
+        {**every2, "steps": 6, "lr": 1.0, "on_divergence": "off", "export": str(export_best)},
     ]}, 8)
     (data1,) = _finetune({"spmd": False, "runs": [
         {"sharding": "data", "batch_size": 16, "steps": steps, "out_dir": str(shared)}]}, 1)
@@ -81,6 +92,26 @@ def test_finetuning_under_fsdp_checkpoints_resumes_on_one_device_and_exports(tmp
     assert sorted(trained) == sorted(merged), (sorted(trained)[:4], sorted(merged)[:4])
     for name, value in trained.items():
         torch.testing.assert_close(merged[name], value, rtol=0, atol=0)
+
+    # The best checkpoint of a sharded run is kept as a .dcp through pruning (keep_last=1) and exported from it.
+    from safetensors.torch import load_file
+
+    from tpu_helpers.checkpoint import CheckpointManager
+
+    evals = {int(step): loss for step, loss in worse8["evals"].items()}  # JSON made the keys strings
+    assert evals[2] > max(evals[4], evals[6]), evals
+    best = worse8["best"]
+    assert best["step"] == 2 and best["metric"] == "val_loss" and best["path"].endswith("ckpt-00000002.dcp"), best
+    assert worse8["exported"] == {"weights": "best", **worse8["best"]}
+    mgr = CheckpointManager(best_dir / "checkpoints")
+    assert [(i.step, i.path.suffix) for i in mgr.list()] == [(2, ".dcp"), (6, ".dcp")]
+    at_2 = mgr.load(2)["sharded"].read_whole(parts=("model",))["model"]
+    exported = load_file(Path(worse8["paths"]["adapter"]) / "adapter_model.safetensors")
+    assert sorted(exported) == sorted(k.replace(".default.", ".") for k in at_2) and len(exported) == 12
+    for name, value in at_2.items():
+        assert torch.equal(exported[name.replace(".default.", ".")], value), name
+    last = torch.load(export_best / "trained.pt")
+    assert any(not torch.equal(value, last[name]) for name, value in at_2.items())
 
 
 def _params(values: dict) -> FinetuneConfig:

@@ -266,6 +266,12 @@ class Backend(TorchSharding):
         """Backend counters (XLA: compilations, host transfers, CPU fallbacks); {} where there are none."""
         return {}
 
+    def step_metrics(self) -> dict:
+        """The counters read after every step (by the XLA detector, whose reading the trackers log): "compilations",
+        "device_to_host_transfers", "executions" and "cpu_fallback_ops", and nothing that costs more to read; {}
+        where there are none."""
+        return {}
+
     def run_metrics(self) -> dict:
         """What the run report records of this backend: `metrics()` and the compile cache used ({} on eager
         backends)."""

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -42,6 +43,14 @@ class CheckpointInfo:
     valid: bool
     reason: str | None
     interrupted: bool = False  # a save of ours was cut short here (its marker exists): nothing to recover
+    meta: dict | None = None  # the manifest's "meta" (epoch, the validation metrics at this step) when readable
+
+    def metric(self, name: str) -> float | None:
+        """The value of validation metric `name` recorded with this checkpoint (a finite number), else None."""
+        value = ((self.meta or {}).get("metrics") or {}).get(name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return None
+        return float(value)
 
     @property
     def unverifiable(self) -> bool:
@@ -96,8 +105,9 @@ def verify(path: Path, *, deep: bool = True) -> CheckpointInfo:
         return bad(f"unsupported manifest format {manifest.get('format')!r}")
     if manifest.get("step") != step:
         return bad(f"manifest says step {manifest.get('step')!r} but the file name says {step}")
+    meta = manifest.get("meta") if isinstance(manifest.get("meta"), dict) else None
     if not deep:
-        return CheckpointInfo(path, step, True, None)
+        return CheckpointInfo(path, step, True, None, meta=meta)
     for name, (expected_size, expected_sha) in expected.items():
         file = path if name is None else path / name
         where = "" if name is None else f"{name}: "
@@ -113,7 +123,7 @@ def verify(path: Path, *, deep: bool = True) -> CheckpointInfo:
                 return bad(f"{where}checksum mismatch")
         except OSError as e:
             return bad(f"{where}unreadable: {e}")
-    return CheckpointInfo(path, step, True, None)
+    return CheckpointInfo(path, step, True, None, meta=meta)
 
 
 def commit(data_temp: Path, data: Path, manifest: dict) -> None:

@@ -18,6 +18,11 @@ Usage (the trainer moves tensors to the CPU first; this module never touches tor
 Checkpoints are loaded with ``torch.load(weights_only=False)`` because states hold optimizer and RNG objects
 that the safe loader refuses. That unpickles arbitrary objects: only load checkpoints you wrote yourself.
 
+Best checkpoint: with ``best_metric`` (a validation metric the trainer records in each checkpoint's manifest under
+``meta["metrics"]``, e.g. ``"val_loss"``; ``"max:NAME"`` when higher is better), the valid checkpoint with the best
+value is kept whatever ``keep_last`` says, by pruning and by the "make room" deletions on a full disk alike, and
+``best()`` returns it. The manifests are the record, so a kill at any moment leaves it right.
+
 Sharded models are saved as torch.distributed.checkpoint directories ``ckpt-00001200.dcp/`` by `save_sharded`,
 with the same manifest, renames and checks (`sharded.py`); how each looks on disk is `layout.py`. The atomic file
 writing itself (temp file, fsync, rename) is `tpu_helpers.atomic_io`, which other modules use too.
@@ -41,6 +46,7 @@ import torch
 from tpu_helpers.atomic_io import DISK_FULL, atomic_write_text, fsync_dir, write_temp
 from tpu_helpers.checkpoint import layout, sharded
 from tpu_helpers.checkpoint.layout import CheckpointCorrupt, CheckpointError, CheckpointInfo
+from tpu_helpers.choices import best_metric_order
 
 __all__ = ["CheckpointCorrupt", "CheckpointError", "CheckpointInfo", "CheckpointManager"]
 
@@ -49,15 +55,22 @@ class CheckpointManager:
     """Saves, verifies, prunes and loads ``ckpt-{step:08d}.pt`` checkpoints in one directory.
 
     Every process may read; only the one with ``is_main=True`` writes or deletes, so all ranks of a
-    multi-process run can share the code path without racing on the files.
+    multi-process run can share the code path without racing on the files. With ``best_metric`` the best
+    checkpoint by that metric is kept too (see the module docstring).
     """
 
-    def __init__(self, directory: str | Path, keep_last: int = 3, *, is_main: bool = True) -> None:
+    def __init__(self, directory: str | Path, keep_last: int = 3, *, is_main: bool = True,
+                 best_metric: str | None = None) -> None:
         if not isinstance(keep_last, int) or keep_last < 1:
             raise ValueError(f"keep_last must be an int >= 1 (something to resume from), got {keep_last!r}")
         self.directory = Path(directory)
         self.keep_last = keep_last
         self.is_main = is_main
+        self.best_metric = best_metric
+        # (metric name, higher is better) of best_metric
+        self.best_order = best_metric_order(best_metric) if best_metric is not None else None
+        # step -> (data, manifest) size and time stamps of checkpoints known good: hashed once, or just written
+        self._trusted: dict[int, tuple] = {}
         self.run_info_path = self.directory / "run.json"
 
     def path_for(self, step: int) -> Path:
@@ -90,6 +103,7 @@ class CheckpointManager:
         return path
 
     def _after_save(self, step: int, path: Path, started: float) -> None:
+        self._trusted[step] = _stamps(path)  # hashed as it was written: no need to read it again
         try:
             self._prune(just_written=step, temps_before=started)
         except OSError as e:  # the new checkpoint is safe; a failed cleanup must not look like a failed save
@@ -160,7 +174,8 @@ class CheckpointManager:
         if free >= needed * 1.1 + (1 << 20):
             return
         keep = max(1, self.keep_last - 1)
-        valid = [i.step for i in self.list() if i.valid and i.step < step]
+        best = self.best()
+        valid = [i.step for i in self.list() if i.valid and i.step < step and (best is None or i.step != best.step)]
         for old in sorted(valid, reverse=True)[keep:]:
             self._delete(old)
 
@@ -191,10 +206,13 @@ class CheckpointManager:
         # than the anchor are left for inspection; older damaged ones can never be resumed from.
         anchor = just_written
         kept = 0
+        best = self.best()
         for step in sorted(self._steps(), reverse=True):
             if step == just_written:
                 kept += 1
                 continue
+            if best is not None and step == best.step:
+                continue  # the best checkpoint stays, whatever keep_last says
             if anchor is not None and step < anchor and kept >= self.keep_last:
                 self._delete(step)  # beyond the quota either way: no need to hash it
                 continue
@@ -247,6 +265,27 @@ class CheckpointManager:
                 return info
         return None
 
+    def best(self) -> CheckpointInfo | None:
+        """The valid checkpoint with the best `best_metric` value in its manifest (the earliest of equal ones), or
+        None (no best_metric, or no checkpoint recorded it). Its data is hashed once per manager (not at all when
+        this manager wrote it), then trusted while its files keep their size and time stamps."""
+        if self.best_order is None:
+            return None
+        name, higher = self.best_order
+        found = [(info.metric(name), info.step, info) for info in
+                 (layout.verify(self.path_for(s), deep=False) for s in self._steps())]
+        ranked = sorted(((-v if higher else v, step, info) for v, step, info in found if v is not None and info.valid),
+                        key=lambda x: x[:2])
+        for _, step, info in ranked:
+            stamps = _stamps(info.path)
+            if self._trusted.get(step) == stamps:
+                return info
+            deep = layout.verify(info.path)
+            if deep.valid:
+                self._trusted[step] = stamps
+                return deep
+        return None
+
     def unverifiable(self, any_valid: bool | None = None) -> list[CheckpointInfo]:
         """Checkpoints holding data that must not be overwritten or pruned silently by a run starting over.
 
@@ -286,14 +325,16 @@ class CheckpointManager:
         fsync_dir(self.directory)
         return target
 
-    def _torch_load(self, path: Path, map_location: Any) -> dict:
+    def _torch_load(self, path: Path, map_location: Any, mmap: bool = False) -> dict:
         if path.is_dir():  # sharded: the small state now, the tensors when the trainer asks (state["sharded"])
             return sharded.read_state(path)
         # weights_only=False: optimizer and RNG states are arbitrary objects; these are our own trusted files.
-        return torch.load(path, map_location=map_location, weights_only=False)
+        return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
 
-    def load(self, step_or_path: int | str | Path, map_location: Any = "cpu") -> dict:
-        """Verify then load one checkpoint; raises CheckpointCorrupt naming the file and what is wrong."""
+    def load(self, step_or_path: int | str | Path, map_location: Any = "cpu", *, mmap: bool = False) -> dict:
+        """Verify then load one checkpoint; raises CheckpointCorrupt naming the file and what is wrong. `mmap`:
+        the tensors of a .pt stay in the file until used (reading the model of a checkpoint that also holds the
+        optimizer's state)."""
         path = self.path_for(step_or_path) if isinstance(step_or_path, int) else Path(step_or_path)
         if not path.exists() and not path.with_suffix(".json").exists():
             raise FileNotFoundError(f"no checkpoint {path}")
@@ -301,7 +342,7 @@ class CheckpointManager:
         if not info.valid:
             raise CheckpointCorrupt(f"checkpoint {path} is damaged: {info.reason}")
         try:
-            return self._torch_load(path, map_location)
+            return self._torch_load(path, map_location, mmap)
         except Exception as e:
             raise CheckpointCorrupt(
                 f"checkpoint {path} matches its manifest but torch.load failed: {e}"
@@ -355,6 +396,18 @@ class CheckpointManager:
                 "a run writes there, so it cannot tell which run these checkpoints belong to; restore it, or "
                 "move it away if the checkpoints are yours")
         return info
+
+
+def _stamps(path: Path) -> tuple:
+    """Size and modification time of a checkpoint's data and manifest (None for a file that is not there)."""
+    out = []
+    for p in (path, path.with_suffix(".json")):
+        try:
+            st = p.stat()
+            out.append((st.st_mtime_ns, st.st_size))
+        except OSError:
+            out.append(None)
+    return tuple(out)
 
 
 def _check_step(step: Any) -> None:

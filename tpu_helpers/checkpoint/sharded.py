@@ -103,8 +103,9 @@ class ShardedCheckpoint:
         with _dcp_errors(self.path):
             dcp.load(template, storage_reader=dcp.FileSystemReader(str(self.path)), planner=planner)
 
-    def read_whole(self) -> dict:
-        """{"model": ..., "optimizer": ...} with every tensor whole on the CPU, the optimizer keyed by index."""
+    def read_whole(self, parts: tuple[str, ...] = ("model", "optimizer")) -> dict:
+        """{"model": ..., "optimizer": ...} with every tensor whole on the CPU, the optimizer keyed by index;
+        `parts=("model",)` reads the model's alone (an export: no optimizer state on the host)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -114,6 +115,8 @@ class ShardedCheckpoint:
         metadata = reader.read_metadata()
         flat: dict[str, Any] = {}
         for fqn, item in metadata.state_dict_metadata.items():
+            if fqn.split(".", 1)[0] not in parts:
+                continue
             if isinstance(item, TensorStorageMetadata):
                 flat[fqn] = torch.empty(item.size, dtype=item.properties.dtype)
             else:
@@ -121,8 +124,12 @@ class ShardedCheckpoint:
         planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
         with _dcp_errors(self.path):
             dcp.load(flat, storage_reader=reader, planner=planner)
-        nested = unflatten_state_dict(planner.state_dict, metadata.planner_data)  # unpickled objects are there
-        return {"model": nested["model"], "optimizer": index_keyed(nested["optimizer"])}
+        mapping = {k: v for k, v in metadata.planner_data.items() if k in flat}
+        nested = unflatten_state_dict(planner.state_dict, mapping)  # unpickled objects are there
+        whole = {"model": nested.get("model", {})}
+        if "optimizer" in parts:
+            whole["optimizer"] = index_keyed(nested.get("optimizer", {}))
+        return whole
 
 
 def read_state(path: Path) -> dict:

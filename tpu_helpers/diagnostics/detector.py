@@ -115,17 +115,17 @@ class XlaDetector(Callback):
         self._first_step = trainer.step  # a resumed run warms up again
         self._evals, self._eval_compiled = 0, 0
         self._saved_before = False
-        self._last = trainer.backend.metrics()
+        self._last = trainer.backend.step_metrics()
 
     # Evaluation runs between the step's sync and on_step_end: count its compilations apart from the step's.
     def on_eval_start(self, trainer) -> None:
         if self.active:
-            self._eval_before = trainer.backend.metrics()["compilations"]
+            self._eval_before = trainer.backend.step_metrics()["compilations"]
 
     def on_eval_end(self, trainer) -> None:
         if self.active:
             self._evals += 1
-            self._eval_compiled += trainer.backend.metrics()["compilations"] - self._eval_before
+            self._eval_compiled += trainer.backend.step_metrics()["compilations"] - self._eval_before
 
     def on_batch(self, trainer, batch: Any) -> None:
         if self.active:
@@ -136,7 +136,7 @@ class XlaDetector(Callback):
         if not self.active:
             return
         cadence, step = trainer.cadence, trainer.step
-        now = trainer.backend.metrics()
+        now = trainer.backend.step_metrics()
         last, self._last = self._last, now
         shapes, self._step_shapes = self._step_shapes, []
         in_warmup = step - self._first_step <= self.warmup_steps
@@ -197,7 +197,7 @@ class XlaDetector(Callback):
 
     @property
     def counters(self) -> dict | None:
-        """The XLA counters as read after the latest step (`backend.metrics()`), None before the first one: what
+        """The XLA counters as read after the latest step (`backend.step_metrics()`), None before the first one: what
         else reports them per step (experiment trackers) reads them here instead of again."""
         return getattr(self, "_last", None) if self.active else None
 

@@ -6,7 +6,9 @@ processes) under torchrun, one process per device, with DDP set up by the backen
 
     torchrun --nproc_per_node=4 -m tpu_helpers.train --device cuda --preset small --steps 2000 --out_dir runs/gpu4
 
-Rank 0 writes checkpoints and `<out_dir>/results.json` (as the notebooks do). `torchrun_command(config, n)` builds
+Rank 0 writes checkpoints and `<out_dir>/results.json` (as the notebooks do); a run that diverges (a nan/inf or a
+loss spike: `on_nonfinite`, `on_divergence`) prints its report and the error, which names the best checkpoint, and
+exits 1. `torchrun_command(config, n)` builds
 this command line from a notebook's config, so the GPU notebook can print what to run for several GPUs.
 """
 
@@ -76,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from tpu_helpers.backend import BackendUnavailable, backend_for
     from tpu_helpers.recipes.pretrain import train_gpt
     from tpu_helpers.sharding import ShardingError
+    from tpu_helpers.training.finite import TrainingDiverged
 
     try:  # a missing device or a TPU another process holds: one line that says what to do, not a traceback
         backend = backend_for(config)
@@ -87,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ShardingError) as err:  # a setting this machine or run cannot take: say which
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except TrainingDiverged as err:  # the partial run's report, then what went wrong and what to do: exit 1
+        if backend.is_main:
+            print(err.report)
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     if backend.is_main:
         path = job.save_results(world_size=backend.world_size, entry_point="tpu_helpers.train")
         print(job.report)

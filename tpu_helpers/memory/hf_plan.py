@@ -15,6 +15,12 @@ Per chip, data parallel (everything replicated), batch b, sequence s, L layers o
                  with checkpointing L * 2*s*b*h plus one layer recomputed; plus the logits: fp32 logits, their
                  log-softmax and gradient, 12 * s*b*V (x2 with a teacher for the teacher's logits)
     teacher      its weights in bf16 (distill)
+    cached       distill from a teacher cache (`teacher_topk=k`): no teacher weights and no teacher logits; the
+                 batch's top-k instead, 24 * s*b*k (int32 ids and their int64 copy, fp32 log-probabilities, their
+                 exp and the student's gathered log-probabilities)
+    QAT          (`qat="int4"`/"int8") the fake-quantized copy of every quantized linear weight, in the weights'
+                 dtype, which the matmul keeps for the backward: all of them at the start of the backward (one
+                 layer's with checkpointing, the rest are recomputed); scales (1/group of that) are left out
 
 As for the trainer's step (`Trainer.train_step`, which drops the gradients between steps): the peak is the larger of
 the start of the backward (every activation; gradients only those kept by `grad_accum` > 1) and its end (every
@@ -40,9 +46,10 @@ from typing import Any
 import torch
 
 from tpu_helpers.backend.units import block_params
-from tpu_helpers.choices import FINETUNE_METHODS, check_choice
+from tpu_helpers.choices import FINETUNE_METHODS, QAT_SCHEMES, check_choice
 from tpu_helpers.memory.report import MemoryEstimate
 from tpu_helpers.memory.sharded import ShardingPlan, sharding_plan
+from tpu_helpers.models.qat import quantized_linears
 
 
 def meta_model(config: Any) -> torch.nn.Module:
@@ -67,9 +74,13 @@ def lora_parameter_count(model: torch.nn.Module, r: int, targets: list[str] | st
 def hf_finetune_estimate(config: Any, batch_size: int, seq_len: int, *, method: str = "lora", lora_r: int = 8,
                          lora_targets: list[str] | str = ("q_proj", "k_proj", "v_proj", "o_proj"),
                          precision: str = "bf16", gradient_checkpointing: bool = False, grad_accum: int = 1,
-                         teacher_config: Any = None, model: torch.nn.Module | None = None) -> MemoryEstimate:
-    """Per-chip peak bytes of one fine-tuning step (see the module docstring)."""
+                         teacher_config: Any = None, model: torch.nn.Module | None = None,
+                         teacher_topk: int = 0, qat: str | None = None) -> MemoryEstimate:
+    """Per-chip peak bytes of one fine-tuning step (see the module docstring); `teacher_topk` > 0: distillation
+    from a cache of that many tokens per position (no teacher in the step); `qat`: fake-quantized linear weights."""
     check_choice("method", method, FINETUNE_METHODS)
+    if qat is not None:
+        check_choice("qat", qat, QAT_SCHEMES)
     model = model if model is not None else meta_model(config)
     params = sum(p.numel() for p in model.parameters())
     lora = method in ("lora", "distill")
@@ -88,16 +99,27 @@ def hf_finetune_estimate(config: Any, batch_size: int, seq_len: int, *, method: 
         layers = L * 2 * s * b * h * act_bytes + per_layer
     else:
         layers = L * per_layer
-    logits = 12 * s * b * V * (2 if method == "distill" else 1)
+    cached = method == "distill" and teacher_topk > 0
+    logits = 12 * s * b * V * (2 if method == "distill" and not cached else 1) + (24 * s * b * teacher_topk if cached
+                                                                                  else 0)
     teacher = 0
-    if method == "distill" and teacher_config is not None:
+    if method == "distill" and teacher_config is not None and not cached:
         teacher = sum(p.numel() for p in meta_model(teacher_config).parameters()) * 2
     notes = [f"{L} layers x {h} wide, {a} heads, vocab {V}, {s} tokens x {b} sequences per chip",
              f"{params:,} parameters, {trainable:,} trainable ({method})"]
+    fake_quant = 0
+    if qat is not None:
+        lin = sum(m.weight.numel() for m in quantized_linears(model).values())
+        fake_quant = lin * gathered_bytes_per_param("full" if not lora else method, precision)
+        if gradient_checkpointing:
+            fake_quant //= L
+        notes.append(f"QAT {qat}: {lin:,} linear weights fake-quantized")
+    if cached:
+        notes.append(f"teacher from a cache: top-{teacher_topk} per position, no teacher in the step")
     kept = grads if grad_accum > 1 else 0  # the earlier micro-batches' gradients, while the next one runs
     held = {"params": weights + teacher, "optimizer": optimizer, "temporaries": 0}
     return MemoryEstimate.from_phases("plan", b, {
-        "the start of the backward": {**held, "grads": kept, "activations": int(layers + logits)},
+        "the start of the backward": {**held, "grads": kept, "activations": int(layers + logits + fake_quant)},
         "the end of the backward": {**held, "grads": grads, "activations": int(per_layer)}}, notes=notes)
 
 

@@ -69,8 +69,9 @@ def is_peft(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
-def adapter_state_dict(model: torch.nn.Module, adapter_name: str = "default") -> dict:
-    """The PEFT (LoRA) adapter weights of `model` with peft's own key names, also when FSDP wrapped its layers.
+def adapter_state_dict(model: torch.nn.Module, adapter_name: str = "default", *, weights: dict | None = None) -> dict:
+    """The PEFT (LoRA) adapter weights of `model` with peft's own key names, also when FSDP wrapped its layers;
+    with `weights` (state-dict entries under the plain names, e.g. a checkpoint's adapters) those values instead.
 
     peft finds the adapter by the tuner layers' module names; the FSDP wrappers add a level to those names while
     the state dict keeps the plain ones (so checkpoints load under any sharding), and peft then silently returns
@@ -80,6 +81,10 @@ def adapter_state_dict(model: torch.nn.Module, adapter_name: str = "default") ->
     from peft import get_peft_model_state_dict
 
     plain = model.state_dict()
+    unknown = sorted(set(weights or {}) - set(plain))
+    if unknown:
+        raise ConfigError(f"the weights {unknown[:5]} are not {type(model).__name__}'s: another model's checkpoint?")
+    plain.update(weights or {})
     wrapped = {}
     for name in [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]:
         key = plain_name(name)
@@ -105,7 +110,8 @@ def base_fingerprint(model: torch.nn.Module, name_or_path: str) -> dict[str, Any
     return {"base_model": str(name_or_path), "base_parameters": count, "base_hash": h.hexdigest()[:16]}
 
 
-def _atomic_dir(target: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+def atomic_dir(target: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """Run `write(tmp)` on a temporary directory next to `target`, then rename it to `target` (replacing it)."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp", dir=target.parent))
@@ -120,12 +126,16 @@ def _atomic_dir(target: str | os.PathLike, write: Callable[[Path], None]) -> Pat
     return target
 
 
-def export_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def export_state(model: torch.nn.Module, weights: dict | None = None) -> dict[str, torch.Tensor]:
     """The weights an export writes, copied to the CPU one tensor at a time: the LoRA adapter's (peft's key names,
     also under FSDP) or, without LoRA, the whole model's. Under SPMD on a pod slice reading a sharded tensor to
-    the host runs a program on every host, so every process calls this; only the main one writes."""
+    the host runs a program on every host, so every process calls this; only the main one writes. `weights`: the
+    model's weights to take instead of its live ones (a checkpoint's: the adapters under LoRA, else the whole
+    model, under the plain names)."""
+    if weights is not None and not is_peft(model):
+        return {k: v.detach().cpu().float() for k, v in weights.items()}
     if is_peft(model):
-        state = {k: v.detach().cpu().contiguous() for k, v in adapter_state_dict(model).items()}
+        state = {k: v.detach().cpu().contiguous() for k, v in adapter_state_dict(model, weights=weights).items()}
         if not state:
             raise ConfigError(f"{type(model).__name__} has no weights for its LoRA adapter 'default': nothing to "
                               "export")
@@ -150,13 +160,14 @@ def export_adapter(model: torch.nn.Module, out_dir: str | os.PathLike, *, state:
         model.save_pretrained(tmp, state_dict={}, safe_serialization=True)  # config and card; weights next
         save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
 
-    return _atomic_dir(out_dir, write)
+    return atomic_dir(out_dir, write)
 
 
 def export_merged(model: torch.nn.Module, tokenizer: Any, out_dir: str | os.PathLike, *, base_source: str,
-                  dtype: torch.dtype = torch.float32, state: dict | None = None) -> Path:
+                  dtype: torch.dtype = torch.float32, state: dict | None = None, base_state: dict | None = None) -> Path:
     """A standalone model in safetensors: LoRA merged into a fresh CPU copy of the base (the live model is
-    untouched). `state`: the model's `export_state`, when already taken."""
+    untouched). `state`: the model's `export_state`, when already taken; `base_state`: the base's weights to merge
+    into instead of `base_source`'s own (e.g. the fake-quantized values a QAT run trained its adapters on)."""
     from transformers import AutoModelForCausalLM
 
     state = export_state(model) if state is None else state
@@ -169,6 +180,8 @@ def export_merged(model: torch.nn.Module, tokenizer: Any, out_dir: str | os.Path
             try:
                 export_adapter(model, adapter / "a", state=state)
                 base = AutoModelForCausalLM.from_pretrained(base_source, dtype=torch.float32)
+                if base_state is not None:
+                    base.load_state_dict({k: v.float() for k, v in base_state.items()})
                 merged = PeftModel.from_pretrained(base, adapter / "a").merge_and_unload()
             finally:
                 shutil.rmtree(adapter, ignore_errors=True)
@@ -181,4 +194,4 @@ def export_merged(model: torch.nn.Module, tokenizer: Any, out_dir: str | os.Path
             tokenizer.save_pretrained(tmp)
         (tmp / "tpu_helpers.json").write_text(json.dumps({"base_model": base_source}, indent=1))
 
-    return _atomic_dir(out_dir, write)
+    return atomic_dir(out_dir, write)

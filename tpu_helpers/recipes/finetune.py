@@ -7,10 +7,16 @@
     before = job.samples()                            # held-out prompts, exact match
     report = job.train()                              # the package Trainer (XLA hygiene, resume, signals)
     after = job.samples(); paths = job.export()       # adapter dir (LoRA) and merged safetensors model
+    job.exported                                      # which weights: the best checkpoint's (EXPORT="best") or the last
 
 METHOD "lora" trains peft adapters on a frozen base (bf16 on TPU); "full" trains every weight (fp32 master weights,
 bf16 autocast on TPU); "distill" trains LoRA adapters (or the full model with LORA_R=0) against a frozen TEACHER of
-the same vocabulary. The default MODEL "tiny" and DATASET "instructions" need no network.
+the same vocabulary, run in every step, or, with TEACHER_CACHE, against a cache of its top-TOP_K log-probabilities
+per position written once (built from TEACHER when missing; recipes/teacher_cache.py): no teacher in the step.
+QAT "int4"/"int8" fake-quantizes the base's linear weights in the forward pass (torchao, models/qat.py): LoRA then
+trains recovery adapters on the quantized base, "full" is full QAT; `export` adds the quantized weights with their
+scales (`quantized/`, loads with from_pretrained through transformers' torchao integration) and writes the merged
+model in bf16 with the quantized base. The default MODEL "tiny" and DATASET "instructions" need no network.
 
 SHARDING (TrainConfig.sharding) "fsdp" shards the model, gradients and optimizer state over the chips (FSDPv2 on a
 v5e-8, one decoder layer gathered at a time; FSDP2 under torchrun): LoRA on a 7B or full fine-tuning of a 1.5B
@@ -29,7 +35,7 @@ import torch
 
 from tpu_helpers.atomic_io import atomic_write_text
 from tpu_helpers.backend.units import block_params
-from tpu_helpers.choices import FINETUNE_METHODS, check_choice
+from tpu_helpers.choices import EXPORT_WEIGHTS, FINETUNE_METHODS, QAT_SCHEMES, check_choice
 from tpu_helpers.config import ConfigError, TrainConfig
 from tpu_helpers.data.sft import (
     DEFAULT_DATASET,
@@ -49,10 +55,12 @@ from tpu_helpers.memory.hf_plan import (
 )
 from tpu_helpers.memory.report import memory_report
 from tpu_helpers.memory.sharded import shard_estimate
-from tpu_helpers.models import hf, lora
+from tpu_helpers.models import hf, lora, qat
 from tpu_helpers.recipes.base import Recipe
+from tpu_helpers.recipes.teacher_cache import cache_results, cache_summary, job_teacher_cache
 from tpu_helpers.sharding import is_sharded, mesh_shape
 from tpu_helpers.training.causal_lm import CausalLMTrainer, DistillTrainer, check_same_vocab
+from tpu_helpers.training.distill import CachedDistillTrainer
 
 # Here, not at the first from_pretrained: without transformers/peft the notebook stops at its first cell, saying what
 # to install, instead of after the memory plan with a bare ImportError.
@@ -76,10 +84,15 @@ class FinetuneConfig(TrainConfig):
     teacher: str | None = None  # distill: a model with the student's vocabulary
     temperature: float = 2.0
     distill_alpha: float = 0.5  # weight of the hard-label loss; the soft loss gets 1 - this
+    teacher_cache: str | None = None  # distill: a directory of the teacher's top-k per position (built when missing)
+    top_k: int = 128  # distill from a cache: the teacher's most likely tokens kept per position
+    qat: str | None = None  # int4 | int8 | None: fake-quantized linear weights (LoRA on top, or full QAT)
+    qat_group_size: int = 32  # QAT: input columns that share one scale
     max_records: int | None = None
     pack: bool = False  # several examples per row (positions restart per example) instead of one padded row each
     attn_implementation: str = hf.DEFAULT_ATTN  # sdpa | eager (see models/hf.py for the measured figures)
     export_merged: bool = True
+    export: str = "best"  # best: the best checkpoint's weights (lowest validation loss) when training evaluated | last
     num_samples: int = 8  # held-out prompts shown before and after training
     max_new_tokens: int = 4
 
@@ -88,9 +101,20 @@ class FinetuneConfig(TrainConfig):
         self.tokenizer = self.model if isinstance(self.model, str) else self.tokenizer
         super().__post_init__()
         check_choice("method", self.method, FINETUNE_METHODS)
-        if self.method == "distill" and not self.teacher:
+        check_choice("export", self.export, EXPORT_WEIGHTS)
+        if self.method == "distill" and not self.teacher and not self.teacher_cache:
             raise ConfigError("method='distill' needs a teacher: teacher=None; give a model that shares the "
-                              "student's tokenizer (e.g. a larger model of the same family)")
+                              "student's tokenizer (e.g. a larger model of the same family), or a teacher_cache")
+        if self.teacher_cache is not None and (self.method != "distill" or not str(self.teacher_cache).strip()):
+            raise ConfigError(f"teacher_cache={self.teacher_cache!r} is a directory for method='distill' (the "
+                              f"teacher's top-k per position); method={self.method!r}")
+        if isinstance(self.top_k, bool) or self.top_k < 1:
+            raise ConfigError(f"top_k={self.top_k!r} must be an integer >= 1 (at most the vocabulary size)")
+        if self.qat is not None:
+            check_choice("qat", self.qat, QAT_SCHEMES)
+        if isinstance(self.qat_group_size, bool) or self.qat_group_size < 2:
+            raise ConfigError(f"qat_group_size={self.qat_group_size!r} must be an integer >= 2 that divides the "
+                              "width of every linear layer's input (e.g. 32, 64, 128)")
         if self.lora_r < 0:
             raise ConfigError(f"lora_r={self.lora_r!r} must be >= 1 (or 0 for full distillation)")
         if self.method == "lora" and self.lora_r < 1:
@@ -105,6 +129,10 @@ class FinetuneConfig(TrainConfig):
     def uses_lora(self) -> bool:
         return self.method == "lora" or (self.method == "distill" and self.lora_r > 0)
 
+    @property
+    def uses_cache(self) -> bool:
+        return self.method == "distill" and self.teacher_cache is not None
+
 
 class Finetune(Recipe):
     """One fine-tuning job; its parts load on first use, so a notebook shows results between any two calls."""
@@ -115,6 +143,7 @@ class Finetune(Recipe):
     def __init__(self, config: FinetuneConfig, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
         self.source = hf.resolve_model_source(config.model)
+        self.exported: dict | None = None  # which weights the last export() took (the best checkpoint's or the last)
 
     @property
     def chips(self) -> int:
@@ -126,12 +155,14 @@ class Finetune(Recipe):
         from transformers import AutoConfig
 
         cfg = self.config
-        teacher = AutoConfig.from_pretrained(hf.resolve_model_source(cfg.teacher)) if cfg.teacher else None
+        live = cfg.teacher and not cfg.uses_cache
+        teacher = AutoConfig.from_pretrained(hf.resolve_model_source(cfg.teacher)) if live else None
         return AutoConfig.from_pretrained(self.source), dict(
             method="full" if (cfg.method == "distill" and cfg.lora_r == 0) else cfg.method, lora_r=cfg.lora_r,
             lora_targets=cfg.lora_targets if cfg.lora_targets == "all-linear" else cfg.lora_targets.split(","),
             precision=self.backend.precision, gradient_checkpointing=cfg.gradient_checkpointing,
-            grad_accum=cfg.grad_accum, teacher_config=teacher)
+            grad_accum=cfg.grad_accum, teacher_config=teacher, teacher_topk=cfg.top_k if cfg.uses_cache else 0,
+            qat=cfg.qat)
 
     def sharding_plan(self, hardware: Any = None, *, chips: int | None = None):
         """Per-chip memory under data parallel and FSDP over 2, 4, ... chips (`tpu_helpers.memory.sharded`)."""
@@ -174,6 +205,8 @@ class Finetune(Recipe):
         cfg = self.config
         model, tokenizer = hf.load_causal_lm(self.source, dtype=self._dtype(), attn_implementation=cfg.attn_implementation)
         hf.check_seq_len(model, cfg.seq_len)
+        if cfg.qat:  # before LoRA: the adapters sit on top of the fake-quantized base
+            qat.add_fake_quant(model, cfg.qat, cfg.qat_group_size)
         if cfg.uses_lora:
             torch.manual_seed(cfg.seed)  # the adapters' initial values depend on the seed only
             model = lora.add_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
@@ -199,6 +232,16 @@ class Finetune(Recipe):
                                        dtype=torch.bfloat16 if self.backend.precision == "bf16" else None)
         check_same_vocab(self.model, teacher, cfg.teacher)
         return teacher
+
+    @cached_property
+    def teacher_cache(self):
+        """The teacher's top-k of the training rows (METHOD 'distill' with TEACHER_CACHE), built on first use when
+        missing and checked against this run; None without TEACHER_CACHE."""
+        return job_teacher_cache(self) if self.config.uses_cache else None
+
+    def teacher_cache_summary(self) -> str:
+        """What the teacher cache holds (building it first when missing), or why this run has none."""
+        return cache_summary(self)
 
     def parameter_summary(self) -> dict:
         m = self.model
@@ -269,6 +312,10 @@ class Finetune(Recipe):
                  "lora_targets": cfg.lora_targets if cfg.uses_lora else "", "teacher": cfg.teacher or ""}
         if cfg.uses_lora:
             ident.update(lora.base_fingerprint(self.model, self.source))
+        if cfg.qat:
+            ident.update(qat=cfg.qat, qat_group_size=cfg.qat_group_size)
+        if cfg.uses_cache:
+            ident.update(teacher_cache=self.teacher_cache.identity["data"], top_k=cfg.top_k)
         return ident
 
     def make_trainer(self) -> CausalLMTrainer:
@@ -276,6 +323,9 @@ class Finetune(Recipe):
         cfg = self.config
         # Under LoRA a checkpoint holds the adapters and their optimizer state only (run_state.py).
         common = dict(run_identity=self.run_identity(), save_trainable_only=cfg.uses_lora, **self.trainer_options())
+        if cfg.uses_cache:
+            return CachedDistillTrainer(self.model, self.teacher_cache.attach(self.train_data), self.val_data,
+                                        temperature=cfg.temperature, alpha=cfg.distill_alpha, **common)
         if cfg.method == "distill":
             return DistillTrainer(self.model, self.train_data, self.val_data, teacher=self.teacher,
                                   temperature=cfg.temperature, alpha=cfg.distill_alpha, teacher_name=cfg.teacher,
@@ -283,14 +333,27 @@ class Finetune(Recipe):
         return CausalLMTrainer(self.model, self.train_data, self.val_data, **common)
 
     # ---- 6. export ---------------------------------------------------------------------------------------------
-    def export(self, out_dir: str | Path | None = None, *, merged: bool | None = None) -> dict[str, str]:
-        """The PEFT adapter directory (LoRA) and a merged safetensors model, each written atomically."""
-        out = Path(out_dir or self.config.out_dir)
+    def export(self, out_dir: str | Path | None = None, *, merged: bool | None = None,
+               weights: str | None = None) -> dict[str, str]:
+        """The PEFT adapter directory (LoRA) and a merged safetensors model, each written atomically; under QAT the
+        merged model is bf16 with the fake-quantized base (what training computed) and `quantized/` holds the int
+        weights with their scales (models/qat.py).
+
+        `weights` (default EXPORT): "best" exports the best checkpoint's weights (TrainConfig.best_metric, the
+        lowest validation loss by default) when training evaluated and saved one, else the last ones; "last" the
+        weights training ended with. The live model is not changed; `self.exported` says which were taken."""
+        cfg = self.config
+        out = Path(out_dir or cfg.out_dir)
         model = self.trainer.model if "trainer" in self.__dict__ else self.model
-        merged = self.config.export_merged if merged is None else merged
+        merged = cfg.export_merged if merged is None else merged
+        taken, self.exported = self._export_weights(weights or cfg.export, model)
         # Every process reads the weights to the host (on a pod a sharded tensor's read runs on all hosts); the
         # main one writes.
-        state = lora.export_state(model) if merged or lora.is_peft(model) else {}
+        state = lora.export_state(model, weights=taken) if merged or lora.is_peft(model) else {}
+        raw = qat.base_state(model) if cfg.qat else None
+        base_fq = qat.fake_quantized_state(model) if cfg.qat and merged else None
+        if base_fq is not None and not lora.is_peft(model):
+            state, base_fq = base_fq, None  # full QAT: the merged model is the fake-quantized weights
         self.backend.barrier()
         paths: dict[str, str] = {}
         if not self.backend.is_main:
@@ -300,10 +363,35 @@ class Finetune(Recipe):
             self.tokenizer.save_pretrained(out / "adapter")
         if merged:
             paths["merged"] = str(lora.export_merged(model, self.tokenizer, out / "merged", base_source=self.source,
-                                                     state=state))
-        atomic_write_text(out / "finetune.json", json.dumps({**self.config.to_dict(), "paths": paths}, indent=1,
-                                                            default=str))
+                                                     state=state, base_state=base_fq,
+                                                     dtype=torch.bfloat16 if cfg.qat else torch.float32))
+        if cfg.qat:
+            paths["quantized"] = str(qat.export_quantized(model, self.tokenizer, out / "quantized", cfg.qat,
+                                                          cfg.qat_group_size, state=raw))
+        atomic_write_text(out / "finetune.json", json.dumps({**self.config.to_dict(), "paths": paths,
+                                                             "weights": self.exported}, indent=1, default=str))
         return paths
+
+    def _export_weights(self, choice: str, model: torch.nn.Module) -> tuple[dict | None, dict]:
+        """(checkpoint weights to export, or None for the live model's; what was taken, for finetune.json)."""
+        check_choice("export", choice, EXPORT_WEIGHTS)
+        trainer = self.__dict__.get("trainer")
+        step = trainer.step if trainer is not None else 0
+        if choice == "best" and self.config.qat and not lora.is_peft(model):
+            # Full QAT: the quantized and merged exports read the trained base from the live model.
+            return None, {"weights": "last", "step": step, "asked": "best",
+                          "why": "full fine-tuning under QAT exports the weights training ended with"}
+        if choice == "best":
+            best = trainer.state.best() if trainer is not None else None
+            if best is not None:
+                # The best is the last step: the live weights are the same, and need no read from disk.
+                taken = trainer.state.checkpoint_weights(best["step"]) if best["step"] != step else None
+                return taken, {"weights": "best", **best}
+            metric = self.config.best_metric
+            why = ("no training ran in this job" if trainer is None else "best_metric=None" if metric is None else
+                   f"no checkpoint recorded {metric} (no evaluation at a save step)")
+            return None, {"weights": "last", "step": step, "asked": "best", "why": why}
+        return None, {"weights": "last", "step": step}
 
     # ---- 7. results --------------------------------------------------------------------------------------------
     def tracked_results(self, results: dict) -> dict:
@@ -324,5 +412,5 @@ class Finetune(Recipe):
             parameters=self.parameter_summary(), data=self.data_stats,
             plan=plan.to_dict() if plan is not None else None,
             sharding={"sharding": self.config.sharding, "chips": self.chips, "mesh": list(self.backend.mesh_shape)},
-            **extra)
+            export_weights=self.exported, **cache_results(self), **extra)
 

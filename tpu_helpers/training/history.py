@@ -17,14 +17,15 @@ from typing import Any
 @dataclass
 class History:
     train: list[dict] = field(default_factory=list)  # {"step", "loss", "lr", "tokens_per_s", "grad_norm"}
-    eval: list[dict] = field(default_factory=list)  # {"step", "val_loss"}
+    eval: list[dict] = field(default_factory=list)  # {"step", "val_loss", and what eval callbacks added}
 
     def log_train(self, step: int, **values: Any) -> None:
         self.train.append({"step": step, **values})
 
-    def log_eval(self, step: int, val_loss: float | None) -> None:
+    def log_eval(self, step: int, val_loss: float | None, **metrics: float) -> None:
+        """The validation loss at `step` and any metrics an eval callback recorded (`Trainer.eval_metrics`)."""
         if val_loss is not None:
-            self.eval = [e for e in self.eval if e["step"] != step] + [{"step": step, "val_loss": val_loss}]
+            self.eval = [e for e in self.eval if e["step"] != step] + [{"step": step, "val_loss": val_loss, **metrics}]
 
     def truncate(self, step: int) -> None:
         """Forget records after `step` (a resumed run repeats them)."""
@@ -95,6 +96,7 @@ class RunReport:
     timing: dict = field(default_factory=dict)  # step time split, steady tokens/s (tpu_helpers.training.step_timing)
     mfu: float | None = None  # model FLOPs utilisation against the catalog's bf16 peak (TPU/GPU only)
     resume_changes: list = field(default_factory=list)  # settings applied on resume ("lr 0.003 -> 3e-05 from step 20")
+    best_checkpoint: dict | None = None  # {"step", "path", "metric", "value"}: kept whatever keep_last says
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -130,6 +132,9 @@ class RunReport:
             lines.append(format_timing(self.timing))
         if self.checkpoint:
             lines.append(f"checkpoint    {self.checkpoint}")
+        if self.best_checkpoint:
+            b = self.best_checkpoint
+            lines.append(f"best          step {b['step']}, {b['metric']} {b['value']:.4f} ({b['path']})")
         for change in self.resume_changes:
             lines.append(f"changed       {change}")
         if self.stop_reason:

@@ -8,7 +8,10 @@ Each TrainConfig field is in exactly one group (the README's resume table lists 
   the resume step: the learning-rate schedule is rebuilt from this run's config there, and `apply_changes` puts a
   new weight decay into the restored optimizer and returns lines for the report, e.g. "lr 0.003 -> 3e-05 from
   step 20".
-- everything else (logging, evaluation, saving, device, precision, batch split, paths) simply takes effect.
+- TAKES_EFFECT: everything else (logging, evaluation, saving, device, precision, batch split, paths, the divergence
+  and best-checkpoint settings) simply takes effect. The divergence rule compares with the run's history, which
+  the checkpoint restores, so a resumed run judges a spike against the same readings; the best checkpoint is read
+  from the checkpoints' manifests, so a changed `best_metric` ranks them anew.
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ if TYPE_CHECKING:
 IDENTITY_FIELDS = ("preset", "dataset", "text_field", "tokenizer", "max_chars", "seq_len", "val_fraction",
                    "optimizer", "seed")
 APPLIED_ON_RESUME = ("lr", "weight_decay", "steps", "warmup_steps", "min_lr_ratio", "grad_clip")
+TAKES_EFFECT = ("device", "fallback", "precision", "spmd", "sharding", "gradient_checkpointing", "batch_size",
+                "grad_accum", "eval_every", "eval_batches", "log_every", "out_dir", "save_every", "keep_last", "resume",
+                "on_nonfinite", "on_divergence", "divergence_factor", "best_metric", "compile_cache_dir",
+                "xla_checks", "trackers", "project", "run_name", "extra")
 
 
 def same_dataset(old: Any, new: Any) -> bool:

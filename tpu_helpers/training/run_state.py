@@ -10,6 +10,11 @@ rebuilds it from its config at the resume step. Checkpoints live in `<out_dir>/c
 identifies the run (model, data by resolved path and content fingerprint, batch, seed); resuming with a different
 identity is an error rather than a silent mix of two runs. What each setting does on resume: `resume_policy`.
 
+The best checkpoint: each checkpoint's manifest records the validation metrics of its step (when it is an
+evaluation step), and the manager keeps the best by `TrainConfig.best_metric` whatever `keep_last` says. `best()`
+names it; it is also recorded in run.json (`"best"`, rewritten when it changes) and in the run report, and
+`checkpoint_weights(step)` reads a checkpoint's model weights for an export.
+
 One run per out_dir: `resume_or_start` takes the directory's run lock (`run_lock.RunLock`) and `release_lock`
 (called when `fit` ends, however it ends) gives it back. Checkpoints that cannot be verified (a `.pt` without its
 manifest) are never overwritten or pruned silently: the run refuses to start until told, and `resume="force_new"`
@@ -56,13 +61,16 @@ class RunState:
         self.trainer = trainer
         cfg = trainer.config
         self.directory = Path(cfg.out_dir) / "checkpoints"
-        self.manager = CheckpointManager(self.directory, keep_last=cfg.keep_last, is_main=trainer.backend.is_main)
+        self.manager = CheckpointManager(self.directory, keep_last=cfg.keep_last, is_main=trainer.backend.is_main,
+                                         best_metric=cfg.best_metric)
         self.lock = RunLock(cfg.out_dir)
         self.run_identity = dict(run_identity or {})
         self.resumed_from: int | None = None
         self.resume_changes: list[str] = []
         self.set_aside: Path | None = None
         self.last_path: Path | None = None
+        self._identity: dict | None = None  # what run.json holds besides "best"
+        self._recorded_best: dict | None = None
 
     @property
     def identity(self) -> dict:
@@ -129,11 +137,11 @@ class RunState:
                 "resume=False; pass resume=True to continue that run, resume='force_new' to set them aside and "
                 "start over, or choose another out_dir"
             )
+        self._identity = identity
+        self._recorded_best = self.best()
         if t.backend.is_main:
             # What the run's trackers logged to (training/tracking.py) stays with the run it belongs to.
-            stored = self.manager.read_run_info() or {}
-            kept = {k: stored[k] for k in (TRACKED_RUN,) if k in stored}
-            self.manager.write_run_info({**identity, **kept})
+            self.manager.write_run_info(self._run_info())
         loaded = self.manager.load_latest() if latest is not None and cfg.resume is True else None
         self._check_same_start(loaded[0] if loaded else None)
         if loaded is None:
@@ -228,20 +236,58 @@ class RunState:
         t.backend.after_load(t.model, t.optimizer)
         t.load_progress_state(state)
 
+    # ---- the best checkpoint ---------------------------------------------------------------------------------
+    def best(self) -> dict | None:
+        """{"step", "path", "metric", "value"} of the best checkpoint by `best_metric`, or None."""
+        info = self.manager.best()
+        if info is None:
+            return None
+        name = self.manager.best_order[0]
+        return {"step": info.step, "path": str(info.path), "metric": name, "value": info.metric(name)}
+
+    def _run_info(self) -> dict:
+        """run.json: the run's identity, its best checkpoint, and the trackers' run as stored (tracked_run)."""
+        stored = self.manager.read_run_info() or {}
+        kept = {k: stored[k] for k in (TRACKED_RUN,) if k in stored}
+        return {**(self._identity or stored), **kept, "best": self._recorded_best}
+
+    def _record_best(self) -> None:
+        """run.json's "best" follows the manifests (rewritten after a save that changed it; main process only)."""
+        if not self.trainer.backend.is_main:
+            return
+        best = self.best()
+        if best != self._recorded_best:
+            self._recorded_best = best
+            self.manager.write_run_info(self._run_info())
+
+    def _metrics_at(self, step: int) -> dict:
+        """The validation metrics recorded at `step` (the loss and what eval callbacks added), for the manifest."""
+        record = next((e for e in reversed(self.trainer.history.eval) if e["step"] == step), None)
+        return {k: v for k, v in (record or {}).items() if k != "step"}
+
+    def checkpoint_weights(self, step: int) -> dict:
+        """The model weights checkpoint `step` holds, whole on the CPU (the trainable ones under LoRA), under the
+        plain model's names: what an export of that step writes. Reads no optimizer state from a sharded one."""
+        state = self.manager.load(step, mmap=True)  # a .pt's optimizer state stays on disk
+        handle = state.get("sharded")
+        return handle.read_whole(parts=("model",))["model"] if handle is not None else state["model"]
+
     def save(self) -> Path | None:
-        """Save a checkpoint unless the state is non-finite (then the good checkpoints stay as they are)."""
+        """Save a checkpoint unless the run diverged (then the good checkpoints stay as they are): a stop on a
+        nan/inf or a loss spike saves nothing more, and non-finite weights are never saved."""
         t = self.trainer
-        if t.diverged is not None and t.config.on_nonfinite == "stop":
-            return None  # the loss went nan/inf: the weights are not worth a checkpoint slot
+        if t.diverged is not None:
+            return None  # stopping on a divergence: the weights are not worth a checkpoint slot
         writer = self.sharded_writer()
+        meta = {"epoch": t.epoch, "metrics": self._metrics_at(t.step)}
 
         def save_here() -> tuple[Path | None, list[str]]:
             if writer is not None:
-                saved = self._save_sharded(writer)
+                saved = self._save_sharded(writer, meta)
                 return (None, saved) if isinstance(saved, list) else (saved, [])
             state = self.state_dict()
             bad = finite.nonfinite_tensors(state["model"])
-            return None if bad else self.manager.save(t.step, state, meta={"epoch": t.epoch}), bad
+            return None if bad else self.manager.save(t.step, state, meta=meta), bad
 
         # Every process learns whether the save worked: the main one failing alone (a full disk on host 0 of a
         # pod) must not leave the others waiting at their next collective.
@@ -251,9 +297,10 @@ class RunState:
                             f"{', ...' if len(bad) > 3 else ''})")
             return None
         self.last_path = saved
+        self._record_best()
         return self.last_path
 
-    def _save_sharded(self, writer: str) -> Path | list[str]:
+    def _save_sharded(self, writer: str, meta: dict) -> Path | list[str]:
         """A sharded checkpoint: each process writes its devices' shards (no gather onto one host)."""
         t = self.trainer
         model = self._unwrapped()
@@ -267,7 +314,7 @@ class RunState:
 
         size = sum(p.numel() * p.element_size() for p in model.parameters()) * 3  # weights + AdamW moments
         return self.manager.save_sharded(t.step, self._small_state(), write, writer=writer, size=size,
-                                         gather=t.backend.gather_objects, meta={"epoch": t.epoch})
+                                         gather=t.backend.gather_objects, meta=meta)
 
     def report(self, start_step: int, seconds: float) -> RunReport:
         t = self.trainer
@@ -293,6 +340,7 @@ class RunState:
             memory=t.backend.memory_info(),
             stop_reason=t.stop_reason,
             resume_changes=list(self.resume_changes),
+            best_checkpoint=self.best(),
         )
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import itertools
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -39,7 +38,7 @@ from tpu_helpers.config import ConfigError, TrainConfig
 from tpu_helpers.data import make_loader
 from tpu_helpers.diagnostics import XlaDetector
 from tpu_helpers.models.hf import set_gradient_checkpointing
-from tpu_helpers.training import finite
+from tpu_helpers.training import divergence, finite
 from tpu_helpers.training.batches import batch_loss
 from tpu_helpers.training.cadence import Cadence
 from tpu_helpers.training.history import History, RunReport
@@ -96,7 +95,11 @@ class Trainer:
             self.callbacks.append(self.tracking)
         self.timer = StepTimer()
         self.stop_reason: str | None = None  # set (e.g. by a signal handler) to end after the current step
-        self.diverged: str | None = None  # what went nan/inf, if anything (training/finite.py)
+        self.diverged: str | None = None  # the divergence this run stops on (finite.py, divergence.py), if any
+        self.divergence_warned: set[str] = set()  # kinds of divergence warned about ("warn" warns once per kind)
+        # A finite loss spike (training/divergence.py), checked on the losses the loop reads anyway.
+        self.spike_rule = divergence.SpikeRule(cfg.divergence_factor) if cfg.on_divergence != "off" else None
+        self.eval_metrics: dict[str, float] = {}  # what eval callbacks add to an evaluation (on_eval_end)
         blocks = cfg.gradient_checkpointing and self.backend.checkpoints_blocks(cfg.sharding)
         if cfg.gradient_checkpointing and not blocks:
             # The package GPT's set_gradient_checkpointing(fn), or a Hugging Face model's own hook (models/hf.py).
@@ -239,17 +242,20 @@ class Trainer:
         self.scheduler = make_scheduler(self.optimizer, self.config, step=self.step)
         self.backend.set_rng_state(state["rng"])
 
-    def on_divergence(self, what: str) -> None:
-        """A non-finite loss or weights: stop after this step (on_nonfinite="stop", `fit` then raises) or warn once
-        and go on ("warn"; non-finite weights are never saved either way)."""
-        if self.diverged is not None:
+    def on_divergence(self, what: str, *, kind: str = "nonfinite") -> None:
+        """A divergence: `kind` "nonfinite" (a nan/inf loss or weights; policy `on_nonfinite`) or "spike" (a finite
+        loss far above its reference, training/divergence.py; policy `on_divergence`). "stop": end after this step,
+        save nothing more, and `fit` raises TrainingDiverged; "warn": warn once per kind and go on (non-finite
+        weights are never saved either way)."""
+        policy = divergence.policy(self.config, kind)
+        if self.diverged is not None or kind in self.divergence_warned or policy == "off":
             return
-        self.diverged = what
-        if self.config.on_nonfinite == "stop":
+        if policy == "stop":
+            self.diverged = what
             self.stop_reason = f"diverged: {what}"
-        else:
-            warnings.warn(f"{what}; training goes on (on_nonfinite='warn') but non-finite weights are never saved",
-                          stacklevel=3)
+            return
+        self.divergence_warned.add(kind)
+        divergence.warn(what, kind)
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def fit(self) -> RunReport:
@@ -262,7 +268,7 @@ class Trainer:
                 report = self._fit()
             finally:
                 self.state.release_lock()  # one run per out_dir: held from resume_or_start to here
-        if self.diverged is not None and self.config.on_nonfinite == "stop":
+        if self.diverged is not None:
             raise finite.diverged_error(self, report)
         return report
 
@@ -271,7 +277,7 @@ class Trainer:
         self.state.resume_or_start()
         start_step, t_start = self.step, time.perf_counter()
         if self.step == 0 and self.val_loader is not None:
-            self.history.log_eval(0, self.evaluate())
+            self._evaluate_and_check()
         b.reset_metrics()
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not (self.progress and b.is_main),
                    desc="train", unit="step", dynamic_ncols=True)
@@ -296,8 +302,7 @@ class Trainer:
                 self.timer.sync(b.sync)
             bar.update(1)
             if self.cadence.is_eval_step(self.step):
-                val = self.evaluate()
-                self.history.log_eval(self.step, val)
+                val = self._evaluate_and_check()
                 if val is not None:
                     bar.set_postfix_str(f"val {val:.3f}", refresh=False)
             for cb in self.callbacks:
@@ -311,6 +316,15 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_fit_end(self, report)
         return report
+
+    def _evaluate_and_check(self) -> float | None:
+        """Evaluate, record the loss and the eval callbacks' metrics, and check the loss for a divergence."""
+        self.eval_metrics = {}
+        val = self.evaluate()
+        self.history.log_eval(self.step, val, **self.eval_metrics)
+        if val is not None:
+            divergence.check_loss(self, self.step, val, validation=True)
+        return val
 
     @staticmethod
     def _add_to_window(window: torch.Tensor, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> torch.Tensor:
@@ -332,12 +346,10 @@ class Trainer:
         seconds = max(time.perf_counter() - t0, 1e-9)
         loss_sum, norm_sum = window.tolist()
         loss = loss_sum / steps
-        problem = finite.nonfinite_loss(step, loss, first_step)
-        if problem:  # nan/inf: stop after this step, save nothing
-            self.on_divergence(problem)
         tok_s = steps * self.tokens_per_step / seconds
         norm = norm_sum / steps if self.config.grad_clip is not None else None
         self.history.log_train(step, loss=loss, lr=lr, tokens_per_s=tok_s, grad_norm=norm)
+        divergence.check_loss(self, step, loss, first_step=first_step)  # nan/inf or a spike: on_divergence
         for cb in self.callbacks:
             cb.on_log(self, self.history.train[-1])
         bar.set_postfix_str(f"loss {loss:.3f} | {tok_s:,.0f} tok/s", refresh=False)
