@@ -1,31 +1,32 @@
 # Two commands for a newcomer on a fresh machine (Python 3.11, no GPU needed):
 #   make run    set up the environment and run the quickstart notebook headlessly (outputs under runs/)
 #   make test   set up the environment and run the whole test suite
-# The virtual environment lives outside the clone, keyed by the requirements' hash, so a second call (or a
-# second clone) reuses it. Override its location with TPU_HELPERS_VENV_ROOT.
+# The virtual environment lives outside the clone, keyed by the lock file's hash, so a second call (or a second
+# clone) reuses it. Override its location with TPU_HELPERS_VENV_ROOT.
+# Also: make test-stacks (the Colab, Kaggle and core stacks, each in a venv of its own), make lock (re-resolve every
+# lock file; see stacks/stack_venv.py).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
-REQS := requirements-dev.txt
+LOCK := requirements-dev.lock
 VENV_ROOT ?= $(or $(TPU_HELPERS_VENV_ROOT),$(HOME)/.cache/tpu_helpers)
-REQ_HASH := $(shell sha256sum $(REQS) | cut -c1-12)
+export TPU_HELPERS_VENV_ROOT := $(VENV_ROOT)
+REQ_HASH := $(shell sha256sum $(LOCK) | cut -c1-12)
 VENV := $(VENV_ROOT)/venv-$(REQ_HASH)
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.complete
 TARGET ?= auto
 DEVICE ?=
 PYTEST_ARGS ?=
+STACKS ?= colab kaggle core
 
-.PHONY: setup browser run test lint clean-runs print-venv
+.PHONY: setup browser run test test-stacks lock lint clean-runs print-venv
 
 setup: $(STAMP)
 
-# The stamp is written last, so an interrupted install never looks complete: the next call rebuilds it.
+# Exactly the lock's versions (pip install --no-deps -r, then pip check: the lock is the whole closure). The stamp is
+# written last, so an interrupted install never looks complete: the next call rebuilds it.
 $(STAMP):
-	@echo ">> creating $(VENV) (first run only: torch + torch_xla are large, a few minutes)"
-	rm -rf $(VENV)
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r $(REQS)
-	touch $(STAMP)
+	@echo ">> creating $(VENV) from $(LOCK) (first run only: torch + torch_xla are large, a few minutes)"
+	$(PYTHON) stacks/stack_venv.py build dev --python $(PYTHON)
 
 # The browser test (tests/memory/test_panel_browser.py) drives Debian's chromium: Playwright cannot download its own
 # browser here. Installed once per machine where we are root with apt-get; elsewhere the test skips and says why
@@ -43,11 +44,23 @@ run: setup
 
 test: setup browser
 	PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-deps --no-build-isolation -e .
-	$(PY) -m ruff check tpu_helpers tests benchmarks
+	$(PY) -m ruff check tpu_helpers tests benchmarks stacks
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The stack profiles (tests/stacks/): each stack's venv is built from its lock on first use (Python 3.12 and 3.13 from
+# PATH or pyenv), then the tests drive it from the dev venv's pytest. STACKS=colab runs one.
+test-stacks: setup browser
+	PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	venvs=$$($(PYTHON) stacks/stack_venv.py paths $(STACKS)) && \
+	TPU_HELPERS_STACK_VENVS=$$venvs $(PY) -m pytest tests/stacks $(PYTEST_ARGS)
+
+# Re-resolve requirements-dev.lock and stacks/*.lock at the newest versions the ranges and pins allow (uv pip compile;
+# LOCK_ARGS=--keep keeps current pins where the inputs allow). Commit the locks with a green make test and test-stacks.
+lock:
+	$(PYTHON) stacks/stack_venv.py lock $(LOCK_ARGS)
+
 lint: setup
-	$(PY) -m ruff check tpu_helpers tests benchmarks
+	$(PY) -m ruff check tpu_helpers tests benchmarks stacks
 
 clean-runs:
 	rm -rf runs/

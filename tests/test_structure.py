@@ -82,7 +82,7 @@ def test_only_backend_knows_torch_xla_and_the_xla_environment():
 # The layer order of the package's parts (tpu_helpers/__init__.py says what each is for). A part may import only
 # parts of lower layers, at module level or inside a function; parts of one layer do not import each other.
 LAYERS = (
-    ("atomic_io", "hardware", "choices", "sharding", "callbacks"),
+    ("atomic_io", "hardware", "choices", "sharding", "callbacks", "extras"),
     ("config",),
     ("backend",),
     ("targets", "diagnostics", "data", "checkpoint"),

@@ -11,9 +11,10 @@ Parts by role, in their layer order: each part imports only parts listed before 
 function (tests/test_structure.py checks every import), so any part can be read, tested or replaced with only the
 parts below it in mind:
 
-    1. atomic_io, hardware, choices, sharding, callbacks   leaves: files never half-written, the accelerator catalog,
-                                                           the allowed values, the SHARDING value and its mesh, the
-                                                           hooks a run calls (no torch at import but `callbacks`' types)
+    1. atomic_io, hardware, choices, sharding, callbacks,  leaves: files never half-written, the accelerator catalog,
+       extras                                              the allowed values, the SHARDING value and its mesh, the
+                                                           hooks a run calls (no torch at import but `callbacks`' types),
+                                                           the pip extras and the error that names a missing one
     2. config                                              TrainConfig and notebook parameters
     3. backend                                             devices and the runtime: the only owner of torch_xla and
                                                            of the PJRT/XLA environment; placing a model for a SHARDING

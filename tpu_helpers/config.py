@@ -225,6 +225,9 @@ def _check_types(cfg: Any) -> None:
 
 # ---- notebook parameters ----------------------------------------------------------------------------------------
 _UPPER = re.compile(r"^[A-Z][A-Z0-9_]*$")
+# The setup cell's parameters, which every notebook that opens on Colab or Kaggle has (launch.platform.setup_notebook):
+# known to every notebook without being declared, stored in config.extra like any notebook-only parameter.
+SETUP_PARAMETERS: dict[str, type] = {"INSTALL": bool, "REPO_URL": str}
 
 
 def notebook_parameters(namespace: dict) -> dict[str, Any]:
@@ -245,7 +248,7 @@ def config_from_parameters(
     if base is not None and not isinstance(base, TrainConfig):
         raise TypeError(f"base must be a TrainConfig or None, got {type(base).__name__}")
     base = base or TrainConfig()
-    extra = extra or {}
+    extra = {**SETUP_PARAMETERS, **(extra or {})}
     for name, expected in extra.items():
         kinds = expected if isinstance(expected, tuple) else (expected,)
         if not _UPPER.match(name) or not all(isinstance(k, type) for k in kinds):

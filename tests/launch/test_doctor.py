@@ -12,7 +12,7 @@ import pytest
 from tests.backend.test_tpu_host import fake_proc, gce_gpu_vm, v5e_8, v6e_1
 from tests.support import NOTEBOOKS, ROOT
 from tpu_helpers.launch import runner
-from tpu_helpers.launch.doctor import FAIL, OK, SKIP, WARN, Host, doctor
+from tpu_helpers.launch.doctor import FAIL, INFO, OK, SKIP, WARN, Host, doctor
 
 VERSIONS = {"torch": "2.9.0", "torch_xla": "2.9.0", "libtpu": "0.0.21.1", "ipywidgets": "7.7.1",
             "jupyterlab_widgets": "1.1.11"}
@@ -25,7 +25,8 @@ def _host(tmp_path, sysfs, *, processes=None, thp="always madvise [never]", env=
     proc = fake_proc(tmp_path / "proc", processes or {})
     known = {**VERSIONS, **(versions or {})}
     return Host(sysfs_root=str(sysfs), proc_root=str(proc), lockfile=str(tmp_path / "libtpu_lockfile"),
-                env={"HOME": str(tmp_path), **(env or {})}, version=known.get, python=(3, 13, 5), **kw)
+                env={"HOME": str(tmp_path), **(env or {})}, version=known.get, python=kw.pop("python", (3, 13, 5)),
+                **kw)
 
 
 def _by_name(report):
@@ -47,9 +48,13 @@ def test_a_busy_tpu_host_gets_every_problem_with_its_fix(tmp_path):
     assert checks["hugepages"].status == WARN and "echo always >" in checks["hugepages"].fix
     assert checks["PJRT variables"].status == FAIL and "PJRT_DEVICE=CPU" in checks["PJRT variables"].detail
     assert checks["HBM free"].status == SKIP and "never starts one" in checks["HBM free"].detail
+    # No transformers, peft, tokenizers or safetensors on this host: the fine-tuning notebook's extra, with its line.
+    assert checks["fine-tuning"].status == WARN
+    assert checks["fine-tuning"].fix == ("pip install 'transformers<6,>=5.0' 'peft>=0.17' 'tokenizers>=0.21' "
+                                         "'safetensors>=0.4'")
     text = str(report)
     assert text.startswith("tpu_helpers doctor (platform: kaggle)")
-    assert text.count("fix: ") == 5 and "check(s) failed" in text
+    assert text.count("fix: ") == 6 and "check(s) failed" in text
 
 
 def test_a_ready_tpu_host_passes_and_reports_hbm_when_its_runtime_runs(tmp_path):
@@ -104,3 +109,48 @@ def test_runner_refuses_to_start_a_tpu_kernel_while_the_tpu_is_held(tmp_path, mo
     with pytest.raises(runner.RunError, match="pid 4242"):
         runner.run_notebook(NOTEBOOKS["colab_tpu"], target="colab-v6e-1", runs_dir=tmp_path / "runs")
     assert not (tmp_path / "runs").exists()
+
+
+HF = {"transformers": "5.15.0", "peft": "0.21.2", "tokenizers": "0.22.2", "safetensors": "0.7.0"}
+
+
+def test_kaggle_stack_with_its_2_8_pair_is_a_tested_stack(tmp_path):
+    host = _host(tmp_path, v5e_8(tmp_path / "sys"), thp="[always] madvise never", env={"PJRT_DEVICE": "TPU"},
+                 versions={"torch": "2.8.0+cu128", "torch_xla": "2.8.0", "libtpu": "0.0.17", **HF},
+                 python=(3, 12, 11), platform="kaggle")
+    checks = _by_name(doctor(host))
+    assert checks["torch/torch_xla"].status == OK and "(a tested pair)" in checks["torch/torch_xla"].detail
+    assert checks["stack"].status == OK and checks["stack"].detail.startswith("Kaggle: Python 3.12.11")
+    assert checks["stack"].detail.endswith("the tested kaggle stack")
+    assert checks["fine-tuning"].status == OK
+
+
+def test_an_untested_pair_is_flagged_with_the_line_that_installs_a_tested_one(tmp_path):
+    host = _host(tmp_path, v6e_1(tmp_path / "sys"), versions={"torch": "2.7.0", "torch_xla": "2.7.0", **HF},
+                 platform="local")
+    check = _by_name(doctor(host))["torch/torch_xla"]
+    assert check.status == WARN and "they match, but CI tests only 2.8.0 and 2.9.0" in check.detail
+    assert check.fix == "pip install 'torch==2.9.0' 'torch_xla[tpu]==2.9.0'"
+    stack = _by_name(doctor(host))["stack"]
+    assert stack.status == INFO and stack.detail.startswith("TPU VM: Python 3.13.5, torch 2.7.0, torch_xla 2.7.0")
+
+
+def test_a_colab_runtime_that_moved_on_is_named_with_what_differs(tmp_path):
+    host = _host(tmp_path, v6e_1(tmp_path / "sys"), env={"PJRT_DEVICE": "TPU"}, platform="colab",
+                 versions={**HF, "transformers": "5.16.0", "accelerate": "1.14.0", "datasets": "4.8.5"})
+    stack = _by_name(doctor(host))["stack"]
+    assert stack.status == INFO and stack.detail.startswith("Colab: Python 3.13.5, torch 2.9.0, torch_xla 2.9.0")
+    assert "differs from the tested colab stack" in stack.detail
+    assert "transformers 5.16.0 (tested: 5.15.0)" in stack.detail and "accelerate" not in stack.detail.split("in:")[1]
+
+
+def test_ipywidgets_7_under_ipykernel_7_is_flagged_with_its_fix(tmp_path):
+    host = _host(tmp_path, gce_gpu_vm(tmp_path / "sys"), platform="colab",
+                 versions={"torch_xla": None, "libtpu": None, "ipykernel": "7.4.0"})
+    check = _by_name(doctor(host))["ipywidgets"]
+    assert check.status == WARN and "do not render from ipykernel 7" in check.detail
+    assert check.fix.startswith("pip install 'ipykernel<7'")
+    (tmp_path / "second").mkdir()
+    ok = _host(tmp_path / "second", gce_gpu_vm(tmp_path / "sys2"), platform="colab",
+               versions={"torch_xla": None, "libtpu": None, "ipykernel": "6.31.0"})
+    assert _by_name(doctor(ok))["ipywidgets"].status == INFO

@@ -99,3 +99,45 @@ def test_setup_pjrt_turns_the_compile_cache_on_before_the_runtime_starts(tmp_pat
     got = script_result("compile_cache_runs", {"case": "setup_pjrt", "cache": str(tmp_path / "cache")})
     assert got == {"device": "CPU", "cache": str(tmp_path / "cache")}
     assert (tmp_path / "cache").is_dir()
+
+
+def test_setup_notebook_installs_only_what_that_notebook_lacks_and_says_so(tmp_path, monkeypatch):
+    pip = RecordingInstaller()
+    report = platform.setup_notebook("finetune_llm", installer=pip)  # this venv has everything: nothing to do
+    assert pip.calls == [] and report.installed == {} and report.missing == []
+    assert [*report.present] == ["transformers", "peft", "tokenizers", "safetensors", "datasets", "tqdm"]
+    text = str(report)
+    assert text.startswith("setup for finetune_llm on ") and "torch 2.9.0, torch_xla 2.9.0: ok" in text
+    assert text.endswith("installed: nothing (all present)")
+    # A runtime without peft (Colab's): only peft is asked for, with its range; install=False only says so.
+    real = platform._version
+    monkeypatch.setattr(platform, "_version", lambda dist: None if dist == "peft" else real(dist))
+    dry = platform.setup_notebook("finetune_llm", install=False, installer=pip)
+    assert pip.calls == [] and dry.missing == ["peft>=0.17"]
+    assert str(dry).splitlines()[-1] == "missing: peft>=0.17; install with: pip install 'peft>=0.17'"
+    report = platform.setup_notebook("finetune_llm", installer=pip)
+    assert pip.calls == [["peft>=0.17"]] and set(report.installed) == {"peft"}
+    assert platform.setup_notebook("quickstart", installer=pip).present == {"tqdm": real("tqdm")}
+    with pytest.raises(ValueError, match=r"notebook='finetune' is not one of \['batch_size_tuning', "):
+        platform.setup_notebook("finetune")
+    reqs = tmp_path / "reqs.txt"
+    reqs.write_text("tqdm>=1\n")
+    with pytest.raises(ValueError, match=r"finetune_llm needs \['transformers', .*which .*reqs.txt does not list"):
+        platform.notebook_requirements("finetune_llm", reqs)
+
+
+def test_every_notebook_has_its_needs_listed_with_ranges():
+    from tests.support import NOTEBOOKS
+
+    assert set(platform.NOTEBOOK_NEEDS) == set(NOTEBOOKS)
+    for name in NOTEBOOKS:
+        assert all(r.specifier for r in platform.notebook_requirements(name)), name
+
+
+def test_installs_pin_everything_the_runtime_has_except_what_is_asked_for():
+    pins = platform.installed_pins(exclude=["peft", "Transformers"])
+    names = {p.split("==")[0].lower().replace("_", "-") for p in pins}
+    assert "torch==2.9.0" in pins and any(p.lower().startswith("torch-xla==2.9.0") or
+                                          p.lower().startswith("torch_xla==2.9.0") for p in pins), pins[:20]
+    assert "peft" not in names and "transformers" not in names and "numpy" in names
+    assert len(names) == len(pins)  # one pin per distribution

@@ -76,10 +76,12 @@ def test_wrong_type_fails_in_the_validation_cell_and_writes_nothing(notebooks, t
     result, out_dir = _run(notebooks, tmp_path, "cpu", STEPS="ten")
     assert not result.ok
     assert "ConfigError: STEPS='ten' has type str; expected int" in result.error
-    # It failed in the first cell after the parameters, the one that validates them, and nothing else ran.
+    # It failed in the cell that validates the parameters (after the setup cell), and nothing after it ran.
     executed = nbformat.read(result.directory / "quickstart.ipynb", as_version=4)
     code = [c for c in executed.cells if c.cell_type == "code"]
     first = next(i for i, c in enumerate(code) if "injected-parameters" in c.metadata.get("tags", [])) + 1
+    assert "platform.setup_notebook(" in code[first].source  # the setup cell comes first: it needs no parameter check
+    first += 1
     failed = [i for i, c in enumerate(code) if any(o.get("output_type") == "error" for o in c.get("outputs", []))]
     assert failed == [first] and "th.config_from_parameters(globals())" in code[first].source
     assert all(c.get("execution_count") is None for c in code[first + 1:])

@@ -87,7 +87,8 @@ def test_failing_cell_exits_non_zero_naming_the_cell(tmp_path):
                            "xla-cpu-8", "-p", "GLOBAL_BATCH", "12", "-p", "DATASET", "embedded", "--runs-dir",
                            str(runs)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert re.search(r"FAILED: cell \d+ \(execution count 4\) failed: ConfigError: GLOBAL_BATCH=12 cannot be "
+    # Execution count 5: the parameters, papermill's injected cell, the setup cell, the doctor, then the plan.
+    assert re.search(r"FAILED: cell \d+ \(execution count 5\) failed: ConfigError: GLOBAL_BATCH=12 cannot be "
                      r"split over 8 chips", proc.stdout), proc.stdout
     assert "cell starts with: import tpu_helpers as th" in proc.stdout
     assert [p.name.endswith(".failed") for p in runs.iterdir()] == [True]

@@ -2,10 +2,12 @@
 
     from tpu_helpers.launch.doctor import doctor; print(doctor())
 
-Checks Python and package versions, the torch/torch_xla pair, libtpu, the TPU chips (by PCI device id) and their
-generation, whether another process holds the TPU, transparent hugepages on TPU hosts, free HBM (only when this
-process already runs the TPU: the doctor never starts a runtime, which would take the TPU from the notebook),
-whether the compile-cache directory is writable, the PJRT variables and the ipywidgets front-end. Each failing
+Checks Python and package versions, the platform's stack (Colab's TPU runtime, Kaggle's TPU image, a TPU VM)
+against the stacks CI tests, the torch/torch_xla pair (matching, and one of the tested pairs), libtpu, the extra the
+fine-tuning notebook needs, the TPU chips (by PCI device id) and their generation, whether another process holds the
+TPU, transparent hugepages on TPU hosts, free HBM (only when this process already runs the TPU: the doctor never
+starts a runtime, which would take the TPU from the notebook), whether the compile-cache directory is writable, the
+PJRT variables and the ipywidgets front-end (and ipykernel 7 under ipywidgets 7, which renders nothing). Each failing
 check prints the command that fixes it. `Host` says where to look, so tests run the checks on recorded trees.
 """
 
@@ -18,7 +20,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from tpu_helpers.backend import runtime_env, tpu_host
-from tpu_helpers.launch import platform
+from tpu_helpers.extras import EXTRAS
+from tpu_helpers.launch import platform, stacks
 
 OK, WARN, FAIL, INFO, SKIP = "ok", "warn", "FAIL", "info", "skip"
 PACKAGES = ("tpu_helpers", "torch", "torch_xla", "libtpu", "transformers", "peft", "datasets", "safetensors",
@@ -78,8 +81,12 @@ class DoctorReport:
 
 def _pair(host: Host, chips: int) -> list[Check]:
     pair = platform.TorchXlaPair(host.version("torch"), host.version("torch_xla"))
-    if pair.ok:
-        out = [Check("torch/torch_xla", OK, f"torch {pair.torch}, torch_xla {pair.torch_xla}")]
+    if pair.ok and pair.torch.split("+")[0] in stacks.TESTED_PAIRS:
+        out = [Check("torch/torch_xla", OK, f"torch {pair.torch}, torch_xla {pair.torch_xla} (a tested pair)")]
+    elif pair.ok:
+        out = [Check("torch/torch_xla", WARN, f"torch {pair.torch}, torch_xla {pair.torch_xla}: they match, but CI "
+                     f"tests only {' and '.join(stacks.TESTED_PAIRS)}; if something fails, install the tested pair "
+                     "(then restart the runtime)", stacks.PAIR_FIX)]
     elif pair.torch and not pair.torch_xla and not chips:
         out = [Check("torch/torch_xla", INFO, f"torch {pair.torch}; torch_xla not installed (needed for TPUs only)")]
     else:
@@ -96,6 +103,34 @@ def _pair(host: Host, chips: int) -> list[Check]:
     else:
         out.append(Check("libtpu", INFO, "not installed (needed on TPU hosts only)"))
     return out
+
+
+def _stack(host: Host, where: str, chips: int) -> Check:
+    """Which stack this is (the platform's, by name) and how it differs from the one CI tests for that platform."""
+    name = "tpuvm" if where == "local" and chips else where
+    label = stacks.PLATFORM_NAMES.get(name, name)
+    shown = ", ".join(f"{d} {host.version(d) or '-'}" for d in ("torch", "torch_xla", "transformers", "ipywidgets"))
+    py = ".".join(map(str, host.python))
+    profile = stacks.profile_for(where)
+    if profile is None:
+        return Check("stack", INFO, f"{label}: Python {py}, {shown} (CI tests the Colab and Kaggle stacks and the "
+                     f"dev set of requirements-dev.lock)")
+    diffs = profile.differences(host.version, host.python)
+    if not diffs:
+        return Check("stack", OK, f"{label}: Python {py}, {shown}: the tested {profile.name} stack")
+    return Check("stack", INFO, f"{label}: Python {py}, {shown}; differs from the tested {profile.name} stack "
+                 f"({profile.describe()}) in: {'; '.join(diffs)}")
+
+
+def _extras(host: Host) -> Check:
+    missing = [d for d in EXTRAS["hf"] if host.version(d) is None]
+    if not missing:
+        return Check("fine-tuning", OK, "the hf extra is installed: " + ", ".join(
+            f"{d} {host.version(d)}" for d in EXTRAS["hf"]))
+    ranges = {r.name: str(r) for r in platform.read_requirements(platform.colab_requirements())}
+    return Check("fine-tuning", WARN, f"{', '.join(missing)} not installed: the fine-tuning notebook (the hf extra) "
+                 "needs it; its setup cell installs it", "pip install " + " ".join(f"'{ranges.get(d, d)}'"
+                                                                                  for d in missing))
 
 
 def _lock(host: Host, chips: int) -> Check:
@@ -194,10 +229,16 @@ def _widgets(host: Host, where: str) -> Check:
     if kernel is None:
         return Check("ipywidgets", WARN, "not installed: the memory panel falls back to text",
                      "pip install ipywidgets")
+    major = kernel.split(".")[0]
+    ipykernel = host.version("ipykernel")
+    if major == "7" and ipykernel and int(ipykernel.split(".")[0]) >= 7:
+        # Seen in the browser test: ipywidgets 7.7's messages never reach the front-end from ipykernel 7.
+        return Check("ipywidgets", WARN, f"ipywidgets {kernel} with ipykernel {ipykernel}: ipywidgets 7 widgets do "
+                     "not render from ipykernel 7 (the panel stays blank)", "pip install 'ipykernel<7'  (or "
+                     "ipywidgets 8 where the front-end has it), then restart the kernel")
     if where in ("colab", "kaggle"):
         return Check("ipywidgets", INFO, f"ipywidgets {kernel}; {where.capitalize()} draws widgets with its own "
                      "front-end")
-    major = kernel.split(".")[0]
     lab, classic = host.version("jupyterlab_widgets"), host.version("widgetsnbextension")
     want = {"8": ("3", "4"), "7": ("1", "3")}.get(major)
     shown = f"ipywidgets {kernel}, jupyterlab_widgets {lab or '-'}, widgetsnbextension {classic or '-'}"
@@ -218,7 +259,9 @@ def doctor(host: Host | None = None) -> DoctorReport:
     py = ".".join(map(str, host.python))
     checks = [Check("python", OK if host.python >= (3, 10) else FAIL, py, "use Python 3.10 or newer")]
     checks.append(Check("packages", INFO, ", ".join(f"{p} {host.version(p) or '-'}" for p in PACKAGES)))
+    checks.append(_stack(host, where, len(chips)))
     checks += _pair(host, len(chips))
+    checks.append(_extras(host))
     checks.append(Check("TPU chips", OK if chips else INFO,
                         tpu_host.describe_chips(chips) if chips else "none on the PCI bus (GPU/CPU machine)"))
     checks += [_lock(host, len(chips)), _hugepages(host, len(chips)), _hbm(host, len(chips)),

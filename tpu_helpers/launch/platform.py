@@ -2,6 +2,7 @@
 installing what the runtime lacks, Google Drive, Kaggle's paths, and the PJRT environment.
 
     from tpu_helpers.launch import platform
+    print(platform.setup_notebook("finetune_llm"))    # a notebook's setup cell: the pair, and what it installed
     print(platform.check_torch_xla())                 # the pair, and the fix when it is missing or mismatched
     platform.install_missing()                        # pip-installs only what is absent; never torch/torch_xla
     out_dir, cache = platform.storage(config.out_dir, drive=True)   # Colab: checkpoints on Drive
@@ -18,21 +19,36 @@ XLA runtime starts and work where torch_xla is absent or broken.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import os
+import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
+from packaging.version import InvalidVersion, Version
 
 # A lone reinstall of either breaks the pair (torch_xla then fails at import with an undefined _XLAC symbol).
 PROTECTED = ("torch", "torch_xla", "torch-xla", "libtpu")
 DRIVE_MOUNT = "/content/drive"
 KAGGLE_WORKING = "/kaggle/working"
+# What each notebook needs beyond the core, by name in requirements-colab.txt (which holds the ranges). A notebook
+# opened on Colab or Kaggle installs just these, and only when absent: the fine-tuning notebook needs peft there.
+NOTEBOOK_NEEDS: dict[str, tuple[str, ...]] = {
+    "finetune_llm": ("transformers", "peft", "tokenizers", "safetensors", "datasets", "tqdm"),
+    "batch_size_tuning": ("ipywidgets", "tqdm"),
+    "colab_tpu": ("datasets", "tqdm"),
+    "tpuvm_v5e8": ("datasets", "tqdm"),
+    "gpu_fallback": ("datasets", "tqdm"),
+    "quickstart": ("tqdm",),
+    "xla_debugging": ("tqdm",),
+}
 
 
 class PlatformError(RuntimeError):
@@ -131,13 +147,18 @@ def read_requirements(path: str | Path) -> list[Requirement]:
 def missing_requirements(path: str | Path) -> list[str]:
     """Requirements of `path` that are absent or at a version outside their specifier (torch/torch_xla excluded:
     the runtime's own pair is kept; `check_torch_xla` reports on it)."""
+    return [str(r) for r in missing_requirements_of(read_requirements(path))]
+
+
+def missing_requirements_of(reqs: Sequence[Requirement]) -> list[Requirement]:
+    """Those of `reqs` absent or outside their specifier (torch/torch_xla/libtpu excluded)."""
     missing = []
-    for req in read_requirements(path):
+    for req in reqs:
         if req.name.lower().replace("-", "_") in {p.replace("-", "_") for p in PROTECTED}:
             continue
         installed = _version(req.name)
         if installed is None or (req.specifier and not req.specifier.contains(installed, prereleases=True)):
-            missing.append(str(req))
+            missing.append(req)
     return missing
 
 
@@ -146,13 +167,38 @@ def colab_requirements() -> Path:
     return Path(str(resources.files("tpu_helpers.launch").joinpath("requirements-colab.txt")))
 
 
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def installed_pins(exclude: Sequence[str] = ()) -> list[str]:
+    """`name==version` of every distribution this interpreter sees (the first of a name on sys.path), except
+    `exclude`: given to pip as constraints, so an install adds packages but moves none that the runtime ships."""
+    skip, pins = {_canonical(n) for n in exclude}, {}
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"]
+        if not name or _canonical(name) in skip or _canonical(name) in pins:
+            continue
+        try:
+            Version(dist.version)
+        except InvalidVersion:
+            continue
+        pins[_canonical(name)] = f"{name}=={dist.version}"
+    return sorted(pins.values())
+
+
 def pip_install(requirements: Sequence[str]) -> None:
-    """`python -m pip install -q REQ...` in this interpreter; PlatformError with pip's message when it fails."""
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", *requirements], capture_output=True,
-                          text=True)
+    """`python -m pip install -q REQ...` in this interpreter with every other installed package pinned where it is
+    (a constraints file); PlatformError with pip's message when it fails."""
+    names = [Requirement(r).name for r in requirements]
+    with tempfile.TemporaryDirectory() as tmp:
+        constraints = Path(tmp) / "installed.txt"
+        constraints.write_text("\n".join(installed_pins(exclude=names)) + "\n")
+        proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-c", str(constraints), *requirements],
+                              capture_output=True, text=True)
     if proc.returncode != 0:
-        raise PlatformError(f"pip install {' '.join(requirements)} failed ({proc.returncode}): "
-                            f"{proc.stderr.strip()[-1500:]}")
+        raise PlatformError(f"pip install {' '.join(requirements)} failed ({proc.returncode}), with every installed "
+                            f"package kept at its version: {proc.stderr.strip()[-1500:]}")
 
 
 def install_missing(path: str | Path | None = None, *, dry_run: bool = False,
@@ -167,6 +213,60 @@ def install_missing(path: str | Path | None = None, *, dry_run: bool = False,
     if missing and not dry_run:
         installer(missing)
     return missing
+
+
+def notebook_requirements(notebook: str, path: str | Path | None = None) -> list[Requirement]:
+    """The lines of requirements-colab.txt (or `path`) that `notebook` (a file stem, e.g. "finetune_llm") needs."""
+    if notebook not in NOTEBOOK_NEEDS:
+        raise ValueError(f"notebook={notebook!r} is not one of {sorted(NOTEBOOK_NEEDS)}")
+    reqs = {_canonical(r.name): r for r in read_requirements(colab_requirements() if path is None else path)}
+    absent = [n for n in NOTEBOOK_NEEDS[notebook] if _canonical(n) not in reqs]
+    if absent:
+        raise ValueError(f"{notebook} needs {absent}, which {path or 'requirements-colab.txt'} does not list")
+    return [reqs[_canonical(n)] for n in NOTEBOOK_NEEDS[notebook]]
+
+
+@dataclass
+class SetupReport:
+    """What `setup_notebook` found and did; the notebooks' setup cell prints it."""
+
+    notebook: str
+    platform: str
+    pair: TorchXlaPair
+    present: dict[str, str | None]  # needed and already installed: name -> version
+    installed: dict[str, str]  # installed by this call: name -> version
+    missing: list[str]  # needed, absent and not installed (install=False): requirement lines
+
+    def __str__(self) -> str:
+        py = ".".join(map(str, sys.version_info[:3]))
+        lines = [f"setup for {self.notebook} on {self.platform} (Python {py}): {self.pair}",
+                 "already here: " + (", ".join(f"{k} {v}" for k, v in self.present.items()) or "-")]
+        if self.installed:
+            lines.append("installed: " + ", ".join(f"{k} {v}" for k, v in self.installed.items())
+                         + " (every other package kept at its version)")
+        if self.missing:
+            lines.append("missing: " + ", ".join(self.missing) + "; install with: pip install "
+                         + " ".join(f"'{m}'" for m in self.missing))
+        if not self.installed and not self.missing:
+            lines.append("installed: nothing (all present)")
+        return "\n".join(lines)
+
+
+def setup_notebook(notebook: str, *, install: bool = True,
+                   installer: Callable[[Sequence[str]], None] = pip_install) -> SetupReport:
+    """Each notebook's setup cell: check the torch/torch_xla pair (never changed here) and install what `notebook`
+    needs and this runtime lacks, keeping every installed package at its version. `install=False` only reports.
+    `installer` receives the requirement lines (tests pass a recorder)."""
+    reqs = notebook_requirements(notebook)
+    wanted = missing_requirements_of(reqs)
+    present = {r.name: _version(r.name) for r in reqs if r not in wanted}
+    installed: dict[str, str] = {}
+    if wanted and install:
+        installer([str(r) for r in wanted])
+        importlib.invalidate_caches()  # what was installed into this running kernel is importable at once
+        installed = {r.name: _version(r.name) or "?" for r in wanted}
+    return SetupReport(notebook, platform_name(), check_torch_xla(), present, installed,
+                       [] if install else [str(r) for r in wanted])
 
 
 def mount_drive(mount_point: str = DRIVE_MOUNT) -> Path:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from tpu_helpers.config import ConfigError
+from tpu_helpers.extras import require_extra
 
 TINY = "tiny"
 # The attention implementation models load with: eager, by the numbers of benchmarks/attention_impl.py (tiny
@@ -53,6 +54,7 @@ def resolve_model_source(model: str, cache_dir: str | os.PathLike | None = None)
 def load_causal_lm(model: str, *, dtype: torch.dtype | None = None, attn_implementation: str | None = DEFAULT_ATTN,
                    cache_dir: str | os.PathLike | None = None) -> tuple[torch.nn.Module, Any]:
     """(model, tokenizer) through the Auto classes; the tokenizer gets a pad token (eos) when it has none."""
+    require_extra("hf", "loading a Hugging Face model (tpu_helpers.models.hf)", ("transformers", "tokenizers"))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_model_source(model, cache_dir)

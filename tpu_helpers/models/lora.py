@@ -25,6 +25,7 @@ import torch
 
 from tpu_helpers.backend.units import plain_name
 from tpu_helpers.config import ConfigError
+from tpu_helpers.extras import require_extra
 
 
 def linear_names(model: torch.nn.Module) -> list[str]:
@@ -52,6 +53,7 @@ def parse_targets(model: torch.nn.Module, targets: str | list[str]) -> list[str]
 def add_lora(model: torch.nn.Module, *, r: int = 8, alpha: int = 16, dropout: float = 0.0,
              targets: str | list[str] = "q_proj,k_proj,v_proj,o_proj") -> torch.nn.Module:
     """A peft LoRA model: base weights frozen, adapters trainable."""
+    require_extra("hf", "LoRA adapters (tpu_helpers.models.lora)", ("peft", "transformers"))
     from peft import LoraConfig, get_peft_model
 
     if r < 1:

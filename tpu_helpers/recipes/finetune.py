@@ -45,6 +45,7 @@ from tpu_helpers.data.sft import (
     prompts_and_answers,
     record_form,
 )
+from tpu_helpers.extras import require_extra
 from tpu_helpers.hardware import format_bytes
 from tpu_helpers.memory.hf_plan import (
     gathered_bytes_per_param,
@@ -60,6 +61,10 @@ from tpu_helpers.recipes.teacher_cache import cache_results, cache_summary, job_
 from tpu_helpers.sharding import is_sharded, mesh_shape
 from tpu_helpers.training.causal_lm import CausalLMTrainer, DistillTrainer, check_same_vocab
 from tpu_helpers.training.distill import CachedDistillTrainer
+
+# Here, not at the first from_pretrained: without transformers/peft the notebook stops at its first cell, saying what
+# to install, instead of after the memory plan with a bare ImportError.
+require_extra("hf", "fine-tuning (tpu_helpers.recipes.finetune)")
 
 
 @dataclass
