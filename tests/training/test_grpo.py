@@ -142,6 +142,17 @@ def test_kill_and_resume_continues_the_same_run_bit_for_bit(tmp_path):
            [{k: r.get(k) for k in keys} for r in resumed.history.train]
 
 
+def test_a_policy_gradient_loss_near_zero_is_no_divergence(tmp_path):
+    """The GRPO surrogate loss is centred near 0 and changes sign: a ratio to its median says nothing, so the spike
+    rule (training/divergence.py) does not watch it; nan/inf still stop. This run's loss went 0.002 -> 0.009 by step
+    7 and the rule stopped it there with TrainingDiverged."""
+    job = _job(tmp_path, method="full", lr=5e-3, steps=40, batch_size=4, num_generations=8, max_new_tokens=2,
+               log_every=1, save_every=100, max_records=64, rewards="tests.training.test_grpo:odd_first_character")
+    assert job.config.on_divergence == "stop"
+    report = job.train()
+    assert report.steps == 40 and job.trainer.diverged is None
+
+
 def test_bad_grpo_input_names_the_value(tmp_path):
     with pytest.raises(ConfigError, match=r"NUM_GENERATIONS=1 must be >= 2"):
         config_from_parameters({"NUM_GENERATIONS": 1}, base=GRPOConfig())

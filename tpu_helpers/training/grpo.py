@@ -108,6 +108,9 @@ def score_completions(tokenizer: Any, rewards: dict[str, Reward], records: Seque
 class GRPOTrainer(Trainer):
     """GRPO over `prompts` (a `data.rl.PromptDataset`); see the module docstring."""
 
+    # Its loss is the clipped surrogate, centred near 0 and of either sign: no spike rule on it (nan/inf still stop).
+    watches_loss_spikes = False
+
     def __init__(self, model: torch.nn.Module, prompts: Any, *, tokenizer: Any, records: Sequence[dict],
                  rewards: dict[str, Reward], num_generations: int, max_new_tokens: int, sampling: Sampling,
                  kl_beta: float = 0.04, clip_eps: float = 0.2, num_iterations: int = 1,

@@ -56,6 +56,10 @@ LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 class Trainer:
     """Base training loop. Override `configure_optimizer`, `compute_loss`, `train_step` or `evaluate`."""
 
+    # The finite spike rule suits a loss bounded below that falls (cross entropy); a variant whose loss is not
+    # (a centred policy-gradient surrogate) sets this False and keeps the nan/inf checks.
+    watches_loss_spikes = True
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -98,7 +102,8 @@ class Trainer:
         self.diverged: str | None = None  # the divergence this run stops on (finite.py, divergence.py), if any
         self.divergence_warned: set[str] = set()  # kinds of divergence warned about ("warn" warns once per kind)
         # A finite loss spike (training/divergence.py), checked on the losses the loop reads anyway.
-        self.spike_rule = divergence.SpikeRule(cfg.divergence_factor) if cfg.on_divergence != "off" else None
+        self.spike_rule = (divergence.SpikeRule(cfg.divergence_factor)
+                           if cfg.on_divergence != "off" and self.watches_loss_spikes else None)
         self.eval_metrics: dict[str, float] = {}  # what eval callbacks add to an evaluation (on_eval_end)
         blocks = cfg.gradient_checkpointing and self.backend.checkpoints_blocks(cfg.sharding)
         if cfg.gradient_checkpointing and not blocks:
