@@ -106,17 +106,19 @@ def write_temp(path: Path, produce: Callable[[SinkWriter], None]) -> tuple[Path,
     return tmp, writer
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers (and a rerun after a crash) see the old or new file only."""
+def atomic_write_bytes(path: str | Path, data: bytes) -> SinkWriter:
+    """Write ``data`` to ``path`` so that readers (and a rerun after a crash) see the old or new file only. Returns
+    the writer, which counted the bytes (``size``) and hashed them (``sha``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp, _ = write_temp(path, lambda w: w.write(data))
+    tmp, writer = write_temp(path, lambda w: w.write(data))
     try:
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+    return writer
 
 
 def atomic_write_text(path: str | Path, text: str, encoding: str = "utf-8") -> None:

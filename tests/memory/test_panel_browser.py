@@ -55,6 +55,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def serve_jupyter(argv: list[str], root: Path, env: dict, what: str, token_flag: str):
+    """Start a Jupyter server (`argv` + port, token, root options) in `root`, wait until its API answers, and yield
+    (base url, token); terminate it afterwards. Its log is `root/server.log`, quoted when it does not start."""
+    port, token = _free_port(), secrets.token_hex(16)
+    log = open(root / "server.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([*argv, "--no-browser", "--ip=127.0.0.1", f"--port={port}", f"{token_flag}={token}",
+                             f"--ServerApp.root_dir={root}", "--allow-root"],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise AssertionError(f"{what} did not start:\n{(root / 'server.log').read_text()[-3000:]}") \
+                        from None
+                time.sleep(0.3)
+        yield base, token
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     """A JupyterLab server over a parameterised copy of the tuning notebook: (base url, token, notebook, chromium)."""
@@ -81,32 +111,9 @@ def lab(tmp_path_factory):
            "JUPYTER_CONFIG_DIR": str(home / "config"), "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
            "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"), "JUPYTERLAB_WORKSPACES_DIR": str(home / "ws"),
            "MPLBACKEND": "agg"}
-    port, token = _free_port(), secrets.token_hex(16)
-    log = open(root / "lab.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1",
-                             f"--port={port}", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
-                             "--allow-root", "--LabApp.expose_app_in_browser=True"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.time() > deadline:
-                    raise AssertionError(f"JupyterLab did not start:\n{(root / 'lab.log').read_text()[-3000:]}") \
-                        from None
-                time.sleep(0.3)
+    argv = [sys.executable, "-m", "jupyterlab", "--LabApp.expose_app_in_browser=True"]
+    for base, token in serve_jupyter(argv, root, env, "JupyterLab", "--IdentityProvider.token"):
         yield base, token, "tuning.ipynb", chromium
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 def _artifacts() -> Path:

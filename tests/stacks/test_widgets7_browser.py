@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
-import subprocess
 import time
-import urllib.request
 
 import pytest
 
-from tests.memory.test_panel_browser import PARAMS, _artifacts, _changed, _chromium, _free_port, _state
+from tests.memory.test_panel_browser import PARAMS, _artifacts, _changed, _chromium, _state, serve_jupyter
 from tests.stacks.conftest import stack
 from tests.stacks.venvs import ROOT
 
@@ -65,31 +62,8 @@ def classic(tmp_path_factory):
     home = root / "jupyter"
     env = colab.env(JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_RUNTIME_DIR=str(home / "runtime"),
                     JUPYTER_DATA_DIR=str(home / "data"))
-    port, token = _free_port(), secrets.token_hex(16)
-    log = open(root / "server.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([colab.python, "-m", "nbclassic", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-                             f"--ServerApp.token={token}", f"--ServerApp.root_dir={root}", "--allow-root"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.time() > deadline:
-                    raise AssertionError(f"nbclassic did not start:\n{(root / 'server.log').read_text()[-3000:]}") \
-                        from None
-                time.sleep(0.3)
+    for base, token in serve_jupyter([colab.python, "-m", "nbclassic"], root, env, "nbclassic", "--ServerApp.token"):
         yield base, token, "tuning.ipynb", chromium
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 def test_panel_renders_with_ipywidgets_7_in_the_classic_notebook(classic):

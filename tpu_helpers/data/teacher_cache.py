@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from tpu_helpers.atomic_io import atomic_write_text, fsync_dir, sha256_file, write_temp
+from tpu_helpers.atomic_io import atomic_write_bytes, atomic_write_text, sha256_file
 from tpu_helpers.config import ConfigError
 
 FORMAT = 1
@@ -228,13 +228,7 @@ def _write_shard(path: Path, i: int, rows: Dataset, topk_fn: TopKFn, start: int,
                "row_index": torch.arange(start, stop, dtype=torch.int64)}
     data = save(tensors, metadata={"first_row": str(start)})  # one key: the header of several is in no fixed order
     target = path / shard_name(i)
-    tmp, writer = write_temp(target, lambda w: w.write(data))
-    try:
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path)
+    writer = atomic_write_bytes(target, data)
     return {"index": i, "file": target.name, "first_row": start, "rows": stop - start, "bytes": writer.size,
             "sha256": writer.sha.hexdigest()}
 
