@@ -42,6 +42,7 @@ KAGGLE_WORKING = "/kaggle/working"
 # opened on Colab or Kaggle installs just these, and only when absent: the fine-tuning notebook needs peft there.
 NOTEBOOK_NEEDS: dict[str, tuple[str, ...]] = {
     "finetune_llm": ("transformers", "peft", "tokenizers", "safetensors", "datasets", "tqdm"),
+    "grpo_llm": ("transformers", "peft", "tokenizers", "safetensors", "datasets", "tqdm"),
     "batch_size_tuning": ("ipywidgets", "tqdm"),
     "colab_tpu": ("datasets", "tqdm"),
     "tpuvm_v5e8": ("datasets", "tqdm"),
