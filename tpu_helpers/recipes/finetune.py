@@ -25,7 +25,6 @@ model on v5e chips. Checkpoints and exports keep the unwrapped model's names, so
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -33,7 +32,6 @@ from typing import Any
 
 import torch
 
-from tpu_helpers.atomic_io import atomic_write_text
 from tpu_helpers.backend.units import block_params
 from tpu_helpers.choices import EXPORT_WEIGHTS, FINETUNE_METHODS, QAT_SCHEMES, check_choice
 from tpu_helpers.config import ConfigError, TrainConfig
@@ -57,6 +55,7 @@ from tpu_helpers.memory.report import memory_report
 from tpu_helpers.memory.sharded import shard_estimate
 from tpu_helpers.models import hf, lora, qat
 from tpu_helpers.recipes.base import Recipe
+from tpu_helpers.recipes.exports import export_weights, write_exports
 from tpu_helpers.recipes.teacher_cache import cache_results, cache_summary, job_teacher_cache
 from tpu_helpers.sharding import is_sharded, mesh_shape
 from tpu_helpers.training.causal_lm import CausalLMTrainer, DistillTrainer, check_same_vocab
@@ -343,56 +342,11 @@ class Finetune(Recipe):
         `weights` (default EXPORT): "best" exports the best checkpoint's weights (TrainConfig.best_metric, the
         lowest validation loss by default) when training evaluated and saved one, else the last ones; "last" the
         weights training ended with. The live model is not changed; `self.exported` says which were taken."""
-        cfg = self.config
-        out = Path(out_dir or cfg.out_dir)
         model = self.trainer.model if "trainer" in self.__dict__ else self.model
-        merged = cfg.export_merged if merged is None else merged
-        taken, self.exported = self._export_weights(weights or cfg.export, model)
-        # Every process reads the weights to the host (on a pod a sharded tensor's read runs on all hosts); the
-        # main one writes.
-        state = lora.export_state(model, weights=taken) if merged or lora.is_peft(model) else {}
-        raw = qat.base_state(model) if cfg.qat else None
-        base_fq = qat.fake_quantized_state(model) if cfg.qat and merged else None
-        if base_fq is not None and not lora.is_peft(model):
-            state, base_fq = base_fq, None  # full QAT: the merged model is the fake-quantized weights
-        self.backend.barrier()
-        paths: dict[str, str] = {}
-        if not self.backend.is_main:
-            return paths
-        if lora.is_peft(model):
-            paths["adapter"] = str(lora.export_adapter(model, out / "adapter", state=state))
-            self.tokenizer.save_pretrained(out / "adapter")
-        if merged:
-            paths["merged"] = str(lora.export_merged(model, self.tokenizer, out / "merged", base_source=self.source,
-                                                     state=state, base_state=base_fq,
-                                                     dtype=torch.bfloat16 if cfg.qat else torch.float32))
-        if cfg.qat:
-            paths["quantized"] = str(qat.export_quantized(model, self.tokenizer, out / "quantized", cfg.qat,
-                                                          cfg.qat_group_size, state=raw))
-        atomic_write_text(out / "finetune.json", json.dumps({**self.config.to_dict(), "paths": paths,
-                                                             "weights": self.exported}, indent=1, default=str))
-        return paths
-
-    def _export_weights(self, choice: str, model: torch.nn.Module) -> tuple[dict | None, dict]:
-        """(checkpoint weights to export, or None for the live model's; what was taken, for finetune.json)."""
-        check_choice("export", choice, EXPORT_WEIGHTS)
-        trainer = self.__dict__.get("trainer")
-        step = trainer.step if trainer is not None else 0
-        if choice == "best" and self.config.qat and not lora.is_peft(model):
-            # Full QAT: the quantized and merged exports read the trained base from the live model.
-            return None, {"weights": "last", "step": step, "asked": "best",
-                          "why": "full fine-tuning under QAT exports the weights training ended with"}
-        if choice == "best":
-            best = trainer.state.best() if trainer is not None else None
-            if best is not None:
-                # The best is the last step: the live weights are the same, and need no read from disk.
-                taken = trainer.state.checkpoint_weights(best["step"]) if best["step"] != step else None
-                return taken, {"weights": "best", **best}
-            metric = self.config.best_metric
-            why = ("no training ran in this job" if trainer is None else "best_metric=None" if metric is None else
-                   f"no checkpoint recorded {metric} (no evaluation at a save step)")
-            return None, {"weights": "last", "step": step, "asked": "best", "why": why}
-        return None, {"weights": "last", "step": step}
+        taken, self.exported = export_weights(self.config, self.__dict__.get("trainer"), model,
+                                              weights or self.config.export)
+        return write_exports(self, model, Path(out_dir or self.config.out_dir),
+                             self.config.export_merged if merged is None else merged, taken)
 
     # ---- 7. results --------------------------------------------------------------------------------------------
     def tracked_results(self, results: dict) -> dict:
