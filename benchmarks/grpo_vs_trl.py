@@ -91,7 +91,7 @@ def run_trl(args) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from tpu_helpers.data.rl import prompt_text, sum_records
-    from tpu_helpers.training.rewards import answer_reward
+    from tpu_helpers.algorithms.rewards import answer_reward
 
     gen: list[float] = []
     transformers.GenerationMixin.generate = _timed(transformers.GenerationMixin.generate, gen)

@@ -88,8 +88,8 @@ LAYERS = (
     ("targets", "diagnostics", "data", "checkpoint"),
     ("models",),
     ("training",),
-    ("memory",),
-    ("recipes",),
+    ("algorithms", "memory"),
+    ("recipes", "panel"),
     ("launch",),
     ("__main__", "train", "__init__"),  # entry points: `python -m tpu_helpers`, the CLI shim, the lazy names
 )

@@ -23,7 +23,8 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field, fields
-from typing import Any
+import warnings
+from typing import Any, ClassVar
 
 from tpu_helpers.choices import (
     DEVICES,
@@ -46,6 +47,18 @@ __all__ = ["ConfigError", "TrainConfig", "config_from_parameters", "notebook_par
 
 @dataclass
 class TrainConfig:
+    # Fields a recipe's config renamed: {old name: new name}. An old notebook parameter (a papermill `-p` of an
+    # older notebook) still works, with a warning; the constructor names the new field.
+    renamed: ClassVar[dict[str, str]] = {}
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> TrainConfig:
+        # Before the dataclass __init__: an unknown keyword is a ConfigError naming the config that has it (another
+        # recipe's setting, a renamed one), not a bare "unexpected keyword argument".
+        unknown = sorted(set(kwargs) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ConfigError(unknown_fields_message(cls, unknown))
+        return super().__new__(cls)
+
     # device and precision
     device: str = "auto"  # auto | tpu | cuda | cpu | xla
     fallback: bool = False  # when the requested device is missing: warn and use the next best instead of failing
@@ -167,17 +180,35 @@ class TrainConfig:
             raise ConfigError(f"run_name={self.run_name!r} must have no surrounding spaces, slashes or newlines")
 
     def replace(self, **changes: Any) -> TrainConfig:
-        unknown = sorted(set(changes) - {f.name for f in fields(self)})
-        if unknown:
-            raise ConfigError(f"unknown {type(self).__name__} field(s) {unknown}; known: "
-                              f"{sorted(f.name for f in fields(self))}")
-        return dataclasses.replace(self, **changes)
+        return dataclasses.replace(self, **changes)  # an unknown field fails in __new__, naming where it belongs
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
 _PROJECT = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def _config_classes(root: type = TrainConfig) -> list[type]:
+    out = [root]
+    for sub in root.__subclasses__():
+        out += _config_classes(sub)
+    return out
+
+
+def unknown_fields_message(cls: type, names: list[str]) -> str:
+    """Why `names` are no fields of `cls`: renamed (and to what), another recipe's setting (which config holds it),
+    or unknown; then the fields `cls` has."""
+    said = []
+    for name in names:
+        if name in cls.renamed:
+            said.append(f"{name!r} is now {cls.renamed[name]!r}")
+            continue
+        owners = sorted({c.__name__ for c in _config_classes() if name in {f.name for f in fields(c)}})
+        said.append(f"{name!r} is a setting of {' and '.join(owners)}, not of {cls.__name__}" if owners
+                    else f"{name!r} is no setting")
+    return (f"unknown {cls.__name__} field(s) {names}: {'; '.join(said)}. {cls.__name__}'s fields: "
+            f"{', '.join(sorted(f.name for f in fields(cls)))}")
 
 
 def _positive(name: str, value: int) -> None:
@@ -256,10 +287,22 @@ def config_from_parameters(
                               "values a type or a tuple of types, e.g. {'MOUNT_DRIVE': bool}")
     known = {f.name.upper() for f in fields(base) if f.name != "extra"}
     params = notebook_parameters(namespace)
+    for old, new in type(base).renamed.items():
+        if old.upper() in params and old.upper() not in known:
+            if new.upper() in params:
+                raise ConfigError(f"{old.upper()} and {new.upper()} are both set: {old.upper()} is the old name of "
+                                  f"{new.upper()}; keep {new.upper()} only")
+            warnings.warn(f"{old.upper()} is now {new.upper()} ({type(base).__name__}); the old name still works "
+                          "for now", FutureWarning, stacklevel=2)
+            params[new.upper()] = params.pop(old.upper())
     unknown = sorted(set(params) - known - set(extra))
     if unknown:
+        owners = {n: sorted({c.__name__ for c in _config_classes() if n.lower() in {f.name for f in fields(c)}})
+                  for n in unknown}
+        where = "; ".join(f"{n} is a setting of {' and '.join(o)}" for n, o in owners.items() if o)
         allowed = ", ".join(sorted(known | set(extra)))
-        raise ConfigError(f"unknown notebook parameter(s) {unknown}; allowed: {allowed}")
+        raise ConfigError(f"unknown notebook parameter(s) {unknown}; allowed: {allowed}"
+                          f"{f'. {where}, not of {type(base).__name__}' if where else ''}")
     changes: dict[str, Any] = {}
     extras = dict(base.extra)
     for name, value in params.items():

@@ -19,7 +19,7 @@ from tpu_helpers.data.teacher_cache import (
     cache_status,
     open_teacher_cache,
 )
-from tpu_helpers.training.distill import TeacherTopK, teacher_topk
+from tpu_helpers.algorithms.distill import TeacherTopK, teacher_topk
 
 VOCAB, K = 64, 8
 

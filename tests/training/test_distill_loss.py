@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from tpu_helpers.training.causal_lm import DistillTrainer
-from tpu_helpers.training.distill import CachedDistillTrainer, teacher_topk, topk_kd_sum
+from tpu_helpers.algorithms.sft import DistillTrainer
+from tpu_helpers.algorithms.distill import CachedDistillTrainer, teacher_topk, topk_kd_sum
 
 
 def _lm(seed: int) -> Qwen2ForCausalLM:

@@ -14,7 +14,7 @@ from tests.support import StopAt
 from tpu_helpers.callbacks import Callback
 from tpu_helpers.config import ConfigError, config_from_parameters
 from tpu_helpers.recipes.grpo import GRPO, GRPOConfig
-from tpu_helpers.training.grpo import completion_logps, group_advantages
+from tpu_helpers.algorithms.grpo import completion_logps, group_advantages
 
 
 def _config(tmp_path, device="cpu", **overrides):

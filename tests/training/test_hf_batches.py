@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.support import tiny_config
 from tpu_helpers.training.batches import batch_loss
-from tpu_helpers.training.causal_lm import CausalLMTrainer
+from tpu_helpers.algorithms.sft import CausalLMTrainer
 from tpu_helpers.training.trainer import Trainer
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tpu_helpers.config import ConfigError
-from tpu_helpers.training.rewards import (
+from tpu_helpers.algorithms.rewards import (
     BUILTIN,
     extract_answer,
     normalize_answer,

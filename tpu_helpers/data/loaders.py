@@ -158,3 +158,12 @@ def make_loader(
         # its worker seed from the global torch RNG, which shifts the dropout stream and breaks exact resume.
         generator=torch.Generator().manual_seed(seed),
     )
+
+
+def fixed_batches(stop: int, rows: int, start: int = 0) -> Iterator[tuple[list[int], int]]:
+    """Indices of [start, stop) in batches of exactly `rows`, with how many of each are real: the last batch is
+    padded by repeating its last index, because on XLA a short last batch would be a graph of its own."""
+    for first in range(start, stop, rows):
+        idx = list(range(first, min(first + rows, stop)))
+        real = len(idx)
+        yield idx + [idx[-1]] * (rows - real), real

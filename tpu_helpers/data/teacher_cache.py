@@ -41,6 +41,7 @@ from torch.utils.data import Dataset
 
 from tpu_helpers.atomic_io import atomic_write_bytes, atomic_write_text, sha256_file
 from tpu_helpers.config import ConfigError
+from tpu_helpers.data.loaders import fixed_batches
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -85,9 +86,9 @@ def cache_identity(*, teacher: str, teacher_hash: str, tokenizer: Any, vocab_siz
     """What a cache is for; two caches with equal identities hold the same numbers (up to the device's rounding).
     seq_len is the rows' width."""
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ConfigError(f"TOP_K={k!r} must be an integer >= 1")
+        raise ConfigError(f"TEACHER_TOP_K={k!r} must be an integer >= 1")
     if k > vocab_size:
-        raise ConfigError(f"TOP_K={k} is larger than the vocabulary ({vocab_size} tokens); use at most {vocab_size} "
+        raise ConfigError(f"TEACHER_TOP_K={k} is larger than the vocabulary ({vocab_size} tokens); use at most {vocab_size} "
                           "(the whole vocabulary: an exact copy of the teacher's distribution)")
     if not temperature > 0:
         raise ConfigError(f"temperature={temperature!r} must be > 0")
@@ -144,10 +145,7 @@ def _write_manifest(path: Path, manifest: dict) -> None:
 
 def _batches(rows: Dataset, start: int, stop: int, batch_size: int):
     """Dict batches of exactly `batch_size` rows over [start, stop): the last one padded with its last row."""
-    for b in range(start, stop, batch_size):
-        idx = list(range(b, min(b + batch_size, stop)))
-        real = len(idx)
-        idx += [idx[-1]] * (batch_size - real)
+    for idx, real in fixed_batches(stop, batch_size, start):
         items = [rows[i] for i in idx]
         yield {key: torch.stack([torch.as_tensor(item[key]) for item in items]) for key in items[0]}, real
 

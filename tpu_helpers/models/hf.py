@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from tpu_helpers.config import ConfigError
+from tpu_helpers.data.loaders import fixed_batches
 from tpu_helpers.extras import require_extra
 
 TINY = "tiny"
@@ -120,14 +121,21 @@ def eos_ids(tokenizer: Any) -> list[int]:
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
+def first_stop(row: list[int], stop: set[int]) -> int:
+    """The index of the first stop token of a completion's tokens, or its length when it has none."""
+    return next((i for i, t in enumerate(row) if t in stop), len(row))
+
+
+def completion_lengths(rows: list[list[int]], stop_ids: list[int]) -> list[int]:
+    """Tokens of each completion up to and including its first stop token (all of them when it has none)."""
+    stop = set(stop_ids)
+    return [min(first_stop(row, stop) + 1, len(row)) for row in rows]
+
+
 def completion_texts(tokenizer: Any, rows: list[list[int]]) -> list[str]:
     """The text of each completion: its tokens before the first EOS, special tokens left out."""
     stop = set(eos_ids(tokenizer))
-    out = []
-    for row in rows:
-        end = next((i for i, t in enumerate(row) if t in stop), len(row))
-        out.append(tokenizer.decode(row[:end], skip_special_tokens=True))
-    return out
+    return [tokenizer.decode(row[:first_stop(row, stop)], skip_special_tokens=True) for row in rows]
 
 
 def generate(model: torch.nn.Module, tokenizer: Any, prompts: list, *, device: Any, sync: Any = None,
@@ -144,11 +152,8 @@ def generate(model: torch.nn.Module, tokenizer: Any, prompts: list, *, device: A
     width = prompt_len or max(len(e) for e in enc)
     total = cache_bucket(width + max_new_tokens)
     out: list[str] = []
-    for start in range(0, len(enc), batch_size):
-        chunk = enc[start:start + batch_size]
-        n = len(chunk)
-        chunk = chunk + [chunk[-1]] * (batch_size - n)  # a fixed batch: a short last chunk would be a new graph
-        batch = left_pad(chunk, width, tokenizer.pad_token_id)
+    for idx, n in fixed_batches(len(enc), batch_size):
+        batch = left_pad([enc[i] for i in idx], width, tokenizer.pad_token_id)
         gen = generate_ids(model, batch.ids.to(device), batch.mask.to(device), max_new_tokens=max_new_tokens,
                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, sync=sync,
                            cache_len=total)

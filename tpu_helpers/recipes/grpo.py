@@ -6,51 +6,50 @@
     report = job.train()                 # training.grpo.GRPOTrainer on the package Trainer
     after = job.samples(); job.plot(); paths = job.export()   # reward, length, KL, loss; adapter + merged model
 
-A `Finetune` (`recipes.finetune`) in what it shares: MODEL, METHOD "lora" (a fresh adapter on the start model, whose
-adapter-disabled self is the KL reference) or "full" (every weight; the reference a frozen copy), LORA_*, the
-trainer settings, checkpoints, exports. What GRPO adds:
+A sibling of fine-tuning on the shared Hugging Face job (`recipes.hf_job`): MODEL, METHOD "lora" (a fresh adapter
+on the start model, whose adapter-disabled self is the KL reference) or "full" (every weight; the reference a frozen
+copy), LORA_*, the trainer settings, checkpoints, exports. What GRPO adds (its config's own fields; the algorithm's
+settings go to the trainer whole as `algorithms.grpo.GRPOSettings`, checked there once):
 
 - START_FROM, the model the policy starts from and the KL stays near: None (MODEL as it is), "sft" (the offline
   default: MODEL briefly fine-tuned here on the generated instruction task, SFT_STEPS steps, in OUT_DIR/sft, once),
   a PEFT adapter directory (merged into MODEL), a directory written by save_pretrained, or a fine-tuning run's
   OUT_DIR (its merged/ export, else its adapter/). `job.source` is that model's directory.
 - DATASET of prompts with reference answers (`data.rl`: "sums", generated; a file or hub set with PROMPT_FIELD and
-  ANSWER_FIELD), REWARDS (`training.rewards`: built-in names or import paths), NUM_GENERATIONS, MAX_PROMPT_LEN,
+  ANSWER_FIELD), REWARDS (`algorithms.rewards`: built-in names or import paths), NUM_GENERATIONS, MAX_PROMPT_LEN,
   MAX_NEW_TOKENS, TEMPERATURE/TOP_K/TOP_P, KL_BETA, CLIP_EPS, NUM_ITERATIONS. BATCH_SIZE counts prompts per chip
   and step; each brings NUM_GENERATIONS rows (split over GRAD_ACCUM micro-batches).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from tpu_helpers.algorithms.grpo import GRPOSettings, GRPOTrainer, score_completions
+from tpu_helpers.algorithms.rewards import DEFAULT_FORMAT, resolve_rewards
 from tpu_helpers.config import ConfigError
+from tpu_helpers.data.loaders import fixed_batches
 from tpu_helpers.data.rl import SUMS, build_prompt_dataset, load_prompt_records
 from tpu_helpers.memory.grpo_plan import grpo_estimate
-from tpu_helpers.memory.hf_plan import gathered_bytes_per_param, meta_model
-from tpu_helpers.memory.report import memory_report
-from tpu_helpers.memory.sharded import shard_estimate, sharding_plan
 from tpu_helpers.models import hf, lora
-from tpu_helpers.models.generation import Sampling, generate_ids
+from tpu_helpers.models.generation import generate_ids
+from tpu_helpers.models.hf import eos_ids
 from tpu_helpers.recipes.finetune import Finetune, FinetuneConfig
-from tpu_helpers.sharding import mesh_shape
-from tpu_helpers.training.grpo import GRPOTrainer, score_completions
-from tpu_helpers.training.rewards import DEFAULT_FORMAT, resolve_rewards
+from tpu_helpers.recipes.hf_job import HFJob, HFJobConfig
 
 SFT = "sft"
 
 
 @dataclass
-class GRPOConfig(FinetuneConfig):
-    """`FinetuneConfig` plus the GRPO settings, each a notebook parameter of the same UPPER_CASE name. BATCH_SIZE
-    is prompts per chip and step; TEMPERATURE is the sampling temperature; SEQ_LEN follows from MAX_PROMPT_LEN +
-    MAX_NEW_TOKENS."""
+class GRPOConfig(HFJobConfig):
+    """`HFJobConfig` plus GRPO's own settings, each a notebook parameter of the same UPPER_CASE name. BATCH_SIZE
+    is prompts per chip and step; TEMPERATURE, TOP_K and TOP_P are the sampling's; SEQ_LEN follows from
+    MAX_PROMPT_LEN + MAX_NEW_TOKENS."""
 
     dataset: str = SUMS  # "sums" (generated, offline), a local .jsonl/.json/.csv/.parquet, or a hub name
     start_from: str | None = SFT  # None | "sft" (brief SFT here first) | adapter dir | model dir | fine-tuning OUT_DIR
@@ -62,10 +61,9 @@ class GRPOConfig(FinetuneConfig):
     format_pattern: str = DEFAULT_FORMAT  # the regex of the "format" reward
     num_generations: int = 8
     max_prompt_len: int = 32
-    max_new_tokens: int = 4
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
+    temperature: float = 1.0  # sampling
+    top_k: int = 0  # sampling: the k likeliest tokens (0: all)
+    top_p: float = 1.0  # sampling: within this probability mass (1.0: all)
     kl_beta: float = 0.04
     clip_eps: float = 0.2
     num_iterations: int = 1  # optimizer steps per generation batch (the old log-probabilities kept)
@@ -77,37 +75,28 @@ class GRPOConfig(FinetuneConfig):
     save_every: int = 100
     out_dir: str = "runs/grpo"
 
+    recipe: ClassVar[str] = "GRPO"
+
     def __post_init__(self) -> None:
-        self.seq_len = self.max_prompt_len + self.max_new_tokens if isinstance(self.max_prompt_len, int) and \
-            isinstance(self.max_new_tokens, int) else self.seq_len
-        if self.method not in ("lora", "full"):  # before the fine-tuning checks: no distillation settings apply
-            raise ConfigError(f"METHOD={self.method!r} is not one of ('lora', 'full') for GRPO")
+        if isinstance(self.max_prompt_len, int) and isinstance(self.max_new_tokens, int):
+            self.seq_len = self.max_prompt_len + self.max_new_tokens
         super().__post_init__()
-        if self.num_generations < 2:
-            raise ConfigError(f"NUM_GENERATIONS={self.num_generations!r} must be >= 2: advantages are relative to "
-                              "the other answers to the same prompt")
-        if not self.temperature > 0:
-            raise ConfigError(f"TEMPERATURE={self.temperature!r} must be > 0: GRPO samples several different "
-                              "answers per prompt (about 1.0)")
-        Sampling(self.temperature, self.top_k, self.top_p)  # checks TOP_K and TOP_P
-        for name in ("max_prompt_len", "num_iterations", "sft_steps"):
+        self.grpo.check_split(self.batch_size, self.grad_accum)  # builds the settings: their checks, once
+        for name in ("max_prompt_len", "sft_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 1")
-        if not (math.isfinite(self.kl_beta) and self.kl_beta >= 0):
-            raise ConfigError(f"kl_beta={self.kl_beta!r} must be a finite number >= 0 (0: no reference model)")
-        if not 0 < self.clip_eps < 1:
-            raise ConfigError(f"clip_eps={self.clip_eps!r} must be between 0 and 1")
-        rows = self.batch_size * self.num_generations
-        if rows % self.grad_accum:
-            raise ConfigError(f"grad_accum={self.grad_accum} must divide batch_size x num_generations = {rows}")
         if self.start_from not in (None, SFT) and not Path(self.start_from).expanduser().is_dir():
             raise ConfigError(f"START_FROM={self.start_from!r} is not {SFT!r}, None, nor a directory (a PEFT adapter, "
                               "a save_pretrained model, or a fine-tuning run's OUT_DIR)")
         resolve_rewards(self.rewards, format_pattern=self.format_pattern)  # an unknown name fails here
 
     @property
-    def sampling(self) -> Sampling:
-        return Sampling(self.temperature, self.top_k, self.top_p)
+    def grpo(self) -> GRPOSettings:
+        """The algorithm's settings, as the trainer takes them."""
+        return GRPOSettings(num_generations=self.num_generations, max_new_tokens=self.max_new_tokens,
+                            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, kl_beta=self.kl_beta,
+                            clip_eps=self.clip_eps, num_iterations=self.num_iterations,
+                            prompt_field=self.prompt_field, answer_field=self.answer_field)
 
 
 def check_context(config: Any, max_prompt_len: int, max_new_tokens: int) -> None:
@@ -118,60 +107,30 @@ def check_context(config: Any, max_prompt_len: int, max_new_tokens: int) -> None
                           "(config.max_position_embeddings)")
 
 
-class GRPO(Finetune):
+class GRPO(HFJob):
     """One GRPO job; its parts load on first use (see the module docstring)."""
 
     config_class = GRPOConfig
     config: GRPOConfig
+    plan_what = "GRPO"
 
-    # `source` is the model GRPO starts from (and exports merge into): MODEL, or what START_FROM makes of it.
     @property
     def source(self) -> str:
+        """The model GRPO starts from (and exports merge into): MODEL, or what START_FROM makes of it."""
         return self.start_source
 
-    @source.setter
-    def source(self, value: str) -> None:
-        self.model_source = value  # MODEL, resolved (Finetune.__init__ sets it)
-
     # ---- 1. memory plan -------------------------------------------------------------------------------------------
-    def _estimate_inputs(self) -> tuple[Any, dict]:
-        from transformers import AutoConfig
+    def model_config(self) -> Any:
+        config = super().model_config()
+        check_context(config, self.config.max_prompt_len, self.config.max_new_tokens)
+        return config
 
+    def estimate(self, model_config: Any, model: torch.nn.Module):
+        """One chip's memory for generating B x G answers and the optimizer step over them."""
         cfg = self.config
-        config = AutoConfig.from_pretrained(self.model_source)
-        check_context(config, cfg.max_prompt_len, cfg.max_new_tokens)
-        return config, dict(num_generations=cfg.num_generations, max_prompt_len=cfg.max_prompt_len,
-                            max_new_tokens=cfg.max_new_tokens, method=cfg.method, lora_r=cfg.lora_r,
-                            lora_targets=cfg.lora_targets if cfg.lora_targets == "all-linear"
-                            else cfg.lora_targets.split(","), precision=self.backend.precision,
-                            gradient_checkpointing=cfg.gradient_checkpointing, grad_accum=cfg.grad_accum,
-                            kl_beta=cfg.kl_beta)
-
-    def plan(self, hardware: Any = None, *, chips: int | None = None):
-        """One chip's memory for generating B x G answers and the optimizer step over them, under SHARDING."""
-        config, kwargs = self._estimate_inputs()
-        model = meta_model(config)
-        fsdp = mesh_shape(self.config.sharding, chips or self.chips)[1]
-        from tpu_helpers.backend.units import block_params
-
-        block, width = block_params(model), gathered_bytes_per_param(self.config.method, self.backend.precision)
-
-        def estimate(prompts: int):
-            return shard_estimate(grpo_estimate(config, prompts, model=model, **kwargs), fsdp, block_params=block,
-                                  bytes_per_param=width)
-
-        return memory_report(estimate, self.config.batch_size, hardware or self.backend.hardware)
-
-    def sharding_plan(self, hardware: Any = None, *, chips: int | None = None):
-        config, kwargs = self._estimate_inputs()
-        model = meta_model(config)
-        from tpu_helpers.backend.units import block_params
-
-        return sharding_plan(lambda b: grpo_estimate(config, b, model=model, **kwargs), self.config.batch_size,
-                             chips=chips or self.chips, hardware=hardware or self.backend.hardware,
-                             block_params=block_params(model), params=sum(p.numel() for p in model.parameters()),
-                             bytes_per_param=gathered_bytes_per_param(self.config.method, self.backend.precision),
-                             what="GRPO")
+        kwargs = dict(self.plan_options(), num_generations=cfg.num_generations, max_prompt_len=cfg.max_prompt_len,
+                      max_new_tokens=cfg.max_new_tokens, kl_beta=cfg.kl_beta)
+        return lambda prompts: grpo_estimate(model_config, prompts, model=model, **kwargs)
 
     # ---- 2. the start model and the policy ------------------------------------------------------------------------
     @cached_property
@@ -219,16 +178,8 @@ class GRPO(Finetune):
         job.train()
         return job.export()["merged"]
 
-    @cached_property
-    def _loaded(self) -> tuple[torch.nn.Module, Any]:
-        cfg = self.config
-        model, tokenizer = hf.load_causal_lm(self.source, dtype=self._dtype(), attn_implementation=cfg.attn_implementation)
-        check_context(model.config, cfg.max_prompt_len, cfg.max_new_tokens)
-        if cfg.uses_lora:
-            torch.manual_seed(cfg.seed)
-            model = lora.add_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
-                                  targets=cfg.lora_targets)
-        return model, tokenizer
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        check_context(model.config, self.config.max_prompt_len, self.config.max_new_tokens)
 
     @cached_property
     def reference(self) -> torch.nn.Module | None:
@@ -236,22 +187,32 @@ class GRPO(Finetune):
         cfg = self.config
         if cfg.uses_lora or cfg.kl_beta == 0:
             return None
-        ref, _ = hf.load_causal_lm(self.source, attn_implementation=cfg.attn_implementation,
-                                   dtype=torch.bfloat16 if self.backend.precision == "bf16" else None)
-        return ref
+        return self.load(self.source, frozen=True)[0]
 
     # ---- 3. prompts -----------------------------------------------------------------------------------------------
     @cached_property
     def _data(self) -> tuple[Any, Any, dict, list[dict]]:
         cfg = self.config
-        records = load_prompt_records(cfg.dataset, max_records=cfg.max_records)
-        if not records:
-            raise ConfigError(f"DATASET={cfg.dataset!r} has no records")
+        records = self.read_records(load_prompt_records)
         data, stats = build_prompt_dataset(self.tokenizer, records, max_prompt_len=cfg.max_prompt_len,
                                            prompt_field=cfg.prompt_field, answer_field=cfg.answer_field,
                                            system_prompt=cfg.system_prompt)
         held = load_prompt_records(SUMS, split="test") if cfg.dataset == SUMS else records[:64]
         return data, records, stats, held
+
+    @property
+    def train_data(self) -> Any:
+        return self._data[0]
+
+    @property
+    def data_stats(self) -> dict:
+        """Prompts kept and skipped, left-padded to MAX_PROMPT_LEN."""
+        return self._data[2]
+
+    @property
+    def held_out(self) -> list[dict]:
+        """Records with reference answers for `samples` (the generated set's held-out prompts)."""
+        return self._data[3]
 
     @property
     def records(self) -> list[dict]:
@@ -274,23 +235,20 @@ class GRPO(Finetune):
         held, _ = build_prompt_dataset(self.tokenizer, records, max_prompt_len=cfg.max_prompt_len,
                                        prompt_field=cfg.prompt_field, answer_field=cfg.answer_field,
                                        system_prompt=cfg.system_prompt)
-        rows = cfg.batch_size * cfg.num_generations * max(1, self.backend.num_replicas // self.backend.world_size)
+        rows = cfg.grpo.rows(cfg.batch_size) * max(1, b.num_replicas // b.world_size)  # the rollout's shape
         model = self._model_on_device()
         before = b.metrics().get("compilations", 0)
         tokens: list[list[int]] = []
-        for start in range(0, len(held), rows):
-            real = list(range(start, min(start + rows, len(held))))
-            idx = real + [real[-1]] * (rows - len(real))  # a fixed batch: a short last one would be new graphs
-            key = torch.tensor([cfg.seed, -1 - start], dtype=torch.long).to(b.device)
+        for idx, real in fixed_batches(len(held), rows):
+            key = torch.tensor([cfg.seed, -1 - idx[0]], dtype=torch.long).to(b.device)
             with b.autocast():
                 gen = generate_ids(model, held.input_ids[idx].to(b.device), held.attention_mask[idx].to(b.device),
-                                   max_new_tokens=cfg.max_new_tokens, eos_token_id=hf.eos_ids(self.tokenizer),
-                                   pad_token_id=self.tokenizer.pad_token_id, sampling=cfg.sampling, seed=key,
+                                   max_new_tokens=cfg.max_new_tokens, eos_token_id=eos_ids(self.tokenizer),
+                                   pad_token_id=self.tokenizer.pad_token_id, sampling=cfg.grpo.sampling, seed=key,
                                    sync=b.sync)
-            tokens += b.to_cpu(gen.ids).tolist()[:len(real)]
+            tokens += b.to_cpu(gen.ids).tolist()[:real]
         kept = [records[i] for i in held.index.tolist()]
-        scored = score_completions(self.tokenizer, self.rewards, kept, tokens, max_new_tokens=cfg.max_new_tokens,
-                                   prompt_field=cfg.prompt_field, answer_field=cfg.answer_field)
+        scored = score_completions(self.tokenizer, self.rewards, kept, tokens, cfg.grpo)
         total = scored["total"]
         table = [{"prompt": p if isinstance(p, str) else p[-1]["content"], "answer": r.get(cfg.answer_field),
                   "completion": c, "reward": t}
@@ -315,13 +273,8 @@ class GRPO(Finetune):
                 "max_new_tokens": cfg.max_new_tokens}
 
     def make_trainer(self) -> GRPOTrainer:
-        cfg = self.config
         return GRPOTrainer(self.model, self.train_data, tokenizer=self.tokenizer, records=self.records,
-                           rewards=self.rewards, num_generations=cfg.num_generations,
-                           max_new_tokens=cfg.max_new_tokens, sampling=cfg.sampling, kl_beta=cfg.kl_beta,
-                           clip_eps=cfg.clip_eps, num_iterations=cfg.num_iterations, ref_model=self.reference,
-                           prompt_field=cfg.prompt_field, answer_field=cfg.answer_field,
-                           run_identity=self.run_identity(), save_trainable_only=cfg.uses_lora,
+                           rewards=self.rewards, settings=self.config.grpo, ref_model=self.reference,
                            **self.trainer_options())
 
     # ---- 6. results -----------------------------------------------------------------------------------------------
@@ -356,4 +309,4 @@ class GRPO(Finetune):
     def results(self, *, before: dict | None = None, after: dict | None = None, **extra: Any) -> dict:
         reward = {"before": before["reward"] if before else None, "after": after["reward"] if after else None}
         return super().results(before=before, after=after, reward=reward, curves=self.curves(),
-                               generation_seconds=sum(self.trainer.rollout_seconds), **extra)
+                               data=self.data_stats, generation_seconds=sum(self.trainer.rollout_seconds), **extra)

@@ -1,10 +1,14 @@
 """GRPO (group relative policy optimization) on the package's Trainer: sample G answers per prompt, reward them in
 Python, and push the policy towards the answers that beat their group.
 
+    settings = GRPOSettings(num_generations=8, max_new_tokens=128, temperature=1.0, kl_beta=0.04)  # checked once
     trainer = GRPOTrainer(model, prompts, config=cfg, tokenizer=tok, records=records,
-                          rewards=resolve_rewards("answer,format"), num_generations=8, max_new_tokens=128,
-                          sampling=Sampling(temperature=1.0), kl_beta=0.04)
+                          rewards=resolve_rewards("answer,format"), settings=settings)
     report = trainer.fit()          # resume, signals, the run lock, the XLA detector and MFU as for SFT
+
+The algorithm's settings (`GRPOSettings`) are apart from the model, the data and the run's `TrainConfig` (as in
+Tunix): the recipe's config (`recipes.grpo.GRPOConfig`) builds them from its notebook parameters, and the trainer
+takes them whole.
 
 Each generation step (the first of every `num_iterations` optimizer steps) takes B prompts from the loader
 (`data.rl.PromptDataset`: left-padded to MAX_PROMPT_LEN) and:
@@ -12,7 +16,7 @@ Each generation step (the first of every `num_iterations` optimizer steps) takes
    sampling stream keyed on (seed, generation index), so a resumed run samples the same answers);
 2. reads the completions and the rows' record indices to the host in one transfer (the step's only read,
    declared through `Cadence.read_every`, so the XLA detector expects it), decodes them and calls the rewards
-   (`training.rewards`) with each record's fields;
+   (`algorithms.rewards`) with each record's fields;
 3. normalises the summed reward within each group, A = (r - mean) / (std + 1e-4) (std with Bessel's correction,
    as TRL), and, with `kl_beta` > 0, computes the reference's log-probabilities of the completions: under LoRA the
    same model with the adapter disabled (no second copy of the weights), otherwise `ref_model`, a frozen copy (bf16
@@ -34,21 +38,80 @@ share of clipped tokens, and the seconds spent generating and rewarding.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from tpu_helpers.algorithms.rewards import Reward, score
 from tpu_helpers.config import ConfigError
 from tpu_helpers.models import lora
+from tpu_helpers.data.rl import prompt_and_answer
 from tpu_helpers.models.generation import Sampling, generate_ids
-from tpu_helpers.models.hf import completion_texts, eos_ids
+from tpu_helpers.models.hf import completion_lengths, completion_texts, eos_ids
 from tpu_helpers.training.cadence import Cadence
-from tpu_helpers.training.rewards import Reward, score
 from tpu_helpers.training.trainer import Trainer
 
 _RESERVED = ("prompts", "completions", "completion_tokens", "max_new_tokens")
+
+
+@dataclass(frozen=True)
+class GRPOSettings:
+    """What GRPO does, apart from the model, the data and the run (`TrainConfig`): each field is checked here, once.
+
+    num_generations: answers sampled per prompt (the group; >= 2); max_new_tokens: tokens per answer;
+    temperature / top_k / top_p: the sampling (temperature > 0: a group of identical greedy answers teaches
+    nothing); kl_beta: weight of the k3 KL to the reference (0: no reference); clip_eps: the ratio's clip;
+    num_iterations: optimizer steps per batch of sampled answers; prompt_field / answer_field: the record fields
+    the rewards read.
+    """
+
+    num_generations: int = 8
+    max_new_tokens: int = 4
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    kl_beta: float = 0.04
+    clip_eps: float = 0.2
+    num_iterations: int = 1
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+
+    def __post_init__(self) -> None:
+        n = self.num_generations
+        if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+            raise ConfigError(f"num_generations={n!r} must be an integer >= 2: advantages are relative to the other "
+                              "answers to the same prompt")
+        if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
+            raise ConfigError(f"temperature={self.temperature!r} must be > 0: GRPO samples several different answers "
+                              "per prompt (about 1.0); 0 would sample greedily, every answer in a group the same")
+        self.sampling  # noqa: B018 (checks top_k and top_p)
+        for name in ("max_new_tokens", "num_iterations"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be an integer >= 1")
+        if not (math.isfinite(self.kl_beta) and self.kl_beta >= 0):
+            raise ConfigError(f"kl_beta={self.kl_beta!r} must be a finite number >= 0 (0: no reference model)")
+        if not 0 < self.clip_eps < 1:
+            raise ConfigError(f"clip_eps={self.clip_eps!r} must be between 0 and 1")
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.temperature, self.top_k, self.top_p)
+
+    def rows(self, prompts: int) -> int:
+        """Rows (sampled answers) of `prompts` prompts: B x G."""
+        return prompts * self.num_generations
+
+    def check_split(self, batch_size: int, grad_accum: int) -> None:
+        """The B x G rows of a step must split evenly into `grad_accum` micro-batches (one graph per step)."""
+        rows = self.rows(batch_size)
+        if rows % grad_accum:
+            raise ConfigError(f"grad_accum={grad_accum} must divide batch_size x num_generations = {rows} (the rows "
+                              "of one step's micro-batches)")
 
 
 def group_advantages(rewards: torch.Tensor, group: int, eps: float = 1e-4) -> torch.Tensor:
@@ -87,18 +150,16 @@ def completion_logps(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tens
 
 
 def score_completions(tokenizer: Any, rewards: dict[str, Reward], records: Sequence[dict], rows: list[list[int]],
-                      *, max_new_tokens: int, prompt_field: str = "prompt", answer_field: str = "answer") -> dict:
+                      settings: GRPOSettings) -> dict:
     """Decode completion token rows (one per record) and score them with every reward: {"total", "rewards"
     ({name: values}), "prompts", "completions", "completion_tokens"}; each record's fields go to the rewards."""
-    from tpu_helpers.data.rl import prompt_and_answer
-
     texts = completion_texts(tokenizer, rows)
-    stop = set(eos_ids(tokenizer))
-    lengths = [next((i + 1 for i, t in enumerate(row) if t in stop), len(row)) for row in rows]
-    pairs = [prompt_and_answer(r, prompt_field=prompt_field, answer_field=answer_field) for r in records]
+    lengths = completion_lengths(rows, eos_ids(tokenizer))
+    pairs = [prompt_and_answer(r, prompt_field=settings.prompt_field, answer_field=settings.answer_field)
+             for r in records]
     fields: dict[str, Any] = {k: [r.get(k) for r in records] for k in sorted({k for r in records for k in r})
                               if k not in _RESERVED}
-    fields.update(answer=[a for _, a in pairs], completion_tokens=lengths, max_new_tokens=max_new_tokens)
+    fields.update(answer=[a for _, a in pairs], completion_tokens=lengths, max_new_tokens=settings.max_new_tokens)
     prompts = [p for p, _ in pairs]
     scores = score(rewards, prompts, texts, fields)
     total = [sum(values) for values in zip(*scores.values(), strict=True)]
@@ -112,32 +173,19 @@ class GRPOTrainer(Trainer):
     watches_loss_spikes = False
 
     def __init__(self, model: torch.nn.Module, prompts: Any, *, tokenizer: Any, records: Sequence[dict],
-                 rewards: dict[str, Reward], num_generations: int, max_new_tokens: int, sampling: Sampling,
-                 kl_beta: float = 0.04, clip_eps: float = 0.2, num_iterations: int = 1,
-                 ref_model: torch.nn.Module | None = None, answer_field: str = "answer",
-                 prompt_field: str = "prompt", **kwargs: Any) -> None:
-        if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < 2:
-            raise ConfigError(f"NUM_GENERATIONS={num_generations!r} must be an integer >= 2: advantages are "
-                              "relative to the other answers to the same prompt")
-        if sampling.greedy:
-            raise ConfigError("TEMPERATURE=0 samples greedily: every answer in a group would be the same; GRPO needs "
-                              "TEMPERATURE > 0 (about 1.0)")
+                 rewards: dict[str, Reward], settings: GRPOSettings, ref_model: torch.nn.Module | None = None,
+                 **kwargs: Any) -> None:
         if not rewards:
             raise ConfigError("REWARDS is empty: GRPO needs at least one reward function")
         super().__init__(model, prompts, None, **kwargs)
         cfg = self.config
-        rows = cfg.batch_size * num_generations
-        if rows % cfg.grad_accum:
-            raise ConfigError(f"GRAD_ACCUM={cfg.grad_accum} must divide BATCH_SIZE x NUM_GENERATIONS = {rows} "
-                              "(the rows of one step's micro-batches)")
+        settings.check_split(cfg.batch_size, cfg.grad_accum)
+        self.settings = settings
         self.tokenizer, self.records, self.rewards = tokenizer, list(records), dict(rewards)
-        self.num_generations, self.max_new_tokens, self.sampling = num_generations, max_new_tokens, sampling
-        self.kl_beta, self.clip_eps, self.num_iterations = float(kl_beta), float(clip_eps), num_iterations
-        self.prompt_field, self.answer_field = prompt_field, answer_field
         # The first of every num_iterations steps reads the sampled tokens: declared, so the detector expects it.
-        self.cadence = Cadence.from_config(cfg, read_every=num_iterations)
+        self.cadence = Cadence.from_config(cfg, read_every=settings.num_iterations)
         self.ref_model = None
-        if kl_beta > 0 and not lora.is_peft(model):
+        if settings.kl_beta > 0 and not lora.is_peft(model):
             if ref_model is None:
                 raise ConfigError("kl_beta > 0 without LoRA needs ref_model, a frozen copy of the starting model")
             ref_model.requires_grad_(False).eval()
@@ -153,28 +201,29 @@ class GRPOTrainer(Trainer):
 
     @property
     def tokens_per_step(self) -> int:
-        seq = self.train_loader.dataset.input_ids.shape[1] + self.max_new_tokens if self.train_loader else 0
-        return self.config.batch_size * self.num_generations * self.backend.num_replicas * seq
+        seq = self.train_loader.dataset.input_ids.shape[1] + self.settings.max_new_tokens if self.train_loader else 0
+        return self.settings.rows(self.config.batch_size) * self.backend.num_replicas * seq
 
     # ---- generation and rewards ---------------------------------------------------------------------------------
     def make_rollout(self, batch: dict) -> dict:
         """Generate, read, reward and score one batch of prompts (see the module docstring); ends with a sync."""
-        b, g, n = self.backend, self.num_generations, self.max_new_tokens
+        b, g, n = self.backend, self.settings.num_generations, self.settings.max_new_tokens
         t0 = time.perf_counter()
         ids = batch["input_ids"].repeat_interleave(g, 0)
         mask = batch["attention_mask"].repeat_interleave(g, 0)
         # The sampling stream: a function of the seed and the generation index, sent as data (no recompile).
-        key = torch.tensor([self.config.seed, self.step // self.num_iterations], dtype=torch.long).to(b.device)
+        key = torch.tensor([self.config.seed, self.step // self.settings.num_iterations],
+                           dtype=torch.long).to(b.device)
         with b.autocast():
             gen = generate_ids(self.model, ids, mask, max_new_tokens=n, eos_token_id=eos_ids(self.tokenizer),
-                               pad_token_id=self.tokenizer.pad_token_id, sampling=self.sampling, seed=key,
+                               pad_token_id=self.tokenizer.pad_token_id, sampling=self.settings.sampling, seed=key,
                                sync=b.sync)
         host = b.to_cpu({"ids": gen.ids, "index": batch["index"]})  # the step's one read
         rewards, stats = self.score(host["ids"].tolist(), host["index"].tolist())
         rollout = {"ids": torch.cat([ids, gen.ids], 1), "mask": torch.cat([mask, gen.mask], 1),
                    "completion_mask": gen.mask, "old_logp": gen.logprobs,
                    "advantages": group_advantages(torch.tensor(rewards), g).to(b.device)}
-        if self.kl_beta > 0:
+        if self.settings.kl_beta > 0:
             with torch.no_grad(), b.autocast():
                 rollout["ref_logp"] = self.reference_logps(rollout["ids"], rollout["mask"])
         b.sync()  # the reference's forward in a graph of its own: the optimizer step's graph never changes
@@ -184,10 +233,9 @@ class GRPOTrainer(Trainer):
 
     def score(self, rows: list[list[int]], indices: list[int]) -> tuple[list[float], dict]:
         """The summed reward of each completion (token rows) of the records at `indices`, and what is logged."""
-        g = self.num_generations
+        g = self.settings.num_generations
         records = [self.records[i] for i in indices for _ in range(g)]
-        scored = score_completions(self.tokenizer, self.rewards, records, rows, max_new_tokens=self.max_new_tokens,
-                                   prompt_field=self.prompt_field, answer_field=self.answer_field)
+        scored = score_completions(self.tokenizer, self.rewards, records, rows, self.settings)
         total, lengths = scored["total"], scored["completion_tokens"]
         groups = torch.tensor(total).reshape(-1, g)
         stats = {"reward": sum(total) / len(total), "reward_std": float(groups.std(1).mean()),
@@ -200,7 +248,7 @@ class GRPOTrainer(Trainer):
     @torch.no_grad()
     def reference_logps(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The reference's log-probabilities of the completions: the adapter-disabled model under LoRA."""
-        n, t = self.max_new_tokens, self.sampling.temperature
+        n, t = self.settings.max_new_tokens, self.settings.temperature
         if self.ref_model is not None:
             return completion_logps(self.ref_model, ids, mask, n, t)
         with self.raw_model.disable_adapter():
@@ -209,18 +257,18 @@ class GRPOTrainer(Trainer):
     # ---- the optimizer step ---------------------------------------------------------------------------------------
     def policy_loss(self, rollout: dict, rows: slice, count: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(loss, KL sum, clipped-token sum) of the rows `rows` of `rollout`, the loss over `count` tokens."""
-        n = self.max_new_tokens
-        logp = completion_logps(self.model, rollout["ids"][rows], rollout["mask"][rows], n, self.sampling.temperature)
-        old = logp.detach() if self.num_iterations == 1 else rollout["old_logp"][rows]
+        n = self.settings.max_new_tokens
+        logp = completion_logps(self.model, rollout["ids"][rows], rollout["mask"][rows], n, self.settings.temperature)
+        old = logp.detach() if self.settings.num_iterations == 1 else rollout["old_logp"][rows]
         ref = rollout["ref_logp"][rows] if "ref_logp" in rollout else None
         loss_sum, kl_sum, clipped = grpo_terms(logp, old, ref, rollout["advantages"][rows],
-                                               rollout["completion_mask"][rows], clip_eps=self.clip_eps,
-                                               kl_beta=self.kl_beta)
+                                               rollout["completion_mask"][rows], clip_eps=self.settings.clip_eps,
+                                               kl_beta=self.settings.kl_beta)
         return loss_sum / count, kl_sum, clipped
 
     def train_step(self, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor | None]:
         b, accum = self.backend, self.config.grad_accum
-        if self.step % self.num_iterations == 0 or self.rollout is None:
+        if self.step % self.settings.num_iterations == 0 or self.rollout is None:
             self.rollout = self.make_rollout(next(batches))
         r = self.rollout
         rows = r["ids"].shape[0] // accum
@@ -260,7 +308,7 @@ class GRPOTrainer(Trainer):
 
     def progress_state(self) -> dict:
         # Mid-way through num_iterations the next steps reuse this rollout: it is part of the run's state.
-        keep = self.rollout if self.step % self.num_iterations else None
+        keep = self.rollout if self.step % self.settings.num_iterations else None
         return {**super().progress_state(), "grpo_rollout": keep, "grpo_log": list(self._host_log)}
 
     def load_progress_state(self, state: dict) -> None:

@@ -1,0 +1,233 @@
+"""Distillation: a student trained against a frozen teacher run in every step, or against a cache of the
+teacher's top-k written once; the settings, the losses, the teacher's top-k and the two trainers.
+
+    settings = DistillSettings(temperature=2.0, alpha=0.5)           # checked once, taken whole by the trainers
+    trainer = DistillTrainer(student, train, val, config=cfg, teacher=teacher, settings=settings)
+    cache = open_teacher_cache(path, identity, backend=backend, rows=train, k=128, temperature=1.0,
+                               batch_size=16, load_teacher=load)     # opened, or built from the teacher when missing
+    trainer = CachedDistillTrainer(student, cache.attach(train), val, config=cfg, settings=settings)
+
+Both mix the hard-label loss with the soft one: alpha * CE + (1 - alpha) * T^2 * KL(teacher || student), summed
+over target tokens and averaged over the step's target tokens (`sft.CausalLMTrainer`).
+
+Live (`DistillTrainer`): the teacher (bf16 on TPU, eval mode) runs in the same compiled step; the KL over the whole
+vocabulary is written with elementwise ops (`xla_safe_kl_div`: XLA has no kl_div kernel).
+
+Cached (`CachedDistillTrainer`): the teacher runs once, over the data, instead of in every step: the step holds
+neither its weights nor its logits, only k ids and log-probabilities per position (k = 128 of a 152k vocabulary is
+0.08% of the teacher's logits). The KL is over k + 1 buckets: the teacher's k tokens and the rest of the vocabulary
+as one "tail" bucket. Teacher side: the cached log-probabilities at temperature T and the log of its remaining
+mass, both exact. Student side: log_softmax(logits / T) gathered at the teacher's ids, and its own tail
+log(1 - sum of those k probabilities). With k = the vocabulary this is the live trainer's full-softmax KL (the
+tail is empty and left out). Everything is gather, topk and elementwise ops, which XLA lowers (no host read).
+Validation batches carry no teacher: the validation loss is the student's own next-token loss, the held-out figure
+to compare with the teacher's or with another run's.
+
+`open_teacher_cache` opens a complete cache, verified shard by shard and checked against the run (tokenizer,
+seq_len, the training rows by fingerprint, k, temperature, and the teacher by name, by weight hash when it is
+loaded anyway), or builds a missing or partial one (the shards already written are verified and kept) from the
+teacher on the run's backend, one compiled graph for all batches (`TeacherTopK`), then lets the teacher go.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tpu_helpers.algorithms.sft import CausalLMTrainer, lm_logits
+from tpu_helpers.config import ConfigError
+from tpu_helpers.data.teacher_cache import TeacherCache, build_teacher_cache, cache_status
+from tpu_helpers.diagnostics.safe_ops import xla_safe_kl_div
+from tpu_helpers.models import lora
+from tpu_helpers.training.batches import causal_lm_loss_sum
+
+# log of the smallest tail mass the student's side keeps: below it (its top-k holds all the mass in float32) the
+# log would be -inf and its gradient nan; the teacher's tail there is as small, so the term is ~0 either way.
+_TAIL_FLOOR = 1e-30
+TEACHER_KEYS = ("teacher_ids", "teacher_logp", "teacher_tail")
+ROWS_PER_SHARD = 256  # 256 MiB per shard at 1024 tokens x top-128 in float32: one file per chip's share and more
+
+
+@dataclass(frozen=True)
+class DistillSettings:
+    """The distillation loss's settings, checked once here: the softmax temperature T of the soft loss and the
+    weight alpha of the hard-label loss (the soft one gets 1 - alpha)."""
+
+    temperature: float = 2.0
+    alpha: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature > 0):
+            raise ConfigError(f"distill_temperature={self.temperature!r} must be a finite number > 0")
+        if not (isinstance(self.alpha, (int, float)) and 0.0 <= self.alpha <= 1.0):
+            raise ConfigError(f"distill_alpha={self.alpha!r} must be between 0 and 1")
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "alpha", float(self.alpha))
+
+    def mix(self, hard: torch.Tensor, soft: torch.Tensor) -> torch.Tensor:
+        """alpha * hard-label loss + (1 - alpha) * soft loss (the soft one already scaled by T^2)."""
+        return self.alpha * hard + (1.0 - self.alpha) * soft
+
+
+def check_same_vocab(student: torch.nn.Module, teacher: torch.nn.Module, teacher_name: str = "teacher") -> None:
+    sv = student.get_output_embeddings().weight.shape[0]
+    tv = teacher.get_output_embeddings().weight.shape[0]
+    if sv != tv:
+        raise ConfigError(f"TEACHER={teacher_name!r} has a vocabulary of {tv} tokens and the student {sv}; "
+                          "distillation compares logits token by token, so both must share one tokenizer "
+                          "(e.g. a larger model of the same family)")
+
+
+def frozen_teacher(teacher: torch.nn.Module, backend: Any) -> torch.nn.Module:
+    """The teacher frozen, in eval mode, bf16 where the backend computes in bf16, on the backend's device. Not a
+    submodule of the student: its weights stay out of the optimizer and the checkpoints."""
+    teacher.requires_grad_(False).eval()
+    if backend.precision == "bf16":
+        teacher = teacher.to(torch.bfloat16)
+    return backend.move_model(teacher)
+
+
+def teacher_topk(logits: torch.Tensor, k: int, temperature: float = 1.0
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids (..., k) int32, log-probabilities (..., k), log of the remaining mass (...)) at temperature T.
+
+    The remaining mass is the log-sum-exp of the other tokens' log-probabilities (exact, not 1 - sum, which loses
+    a tail below float32's resolution); -inf when k is the whole vocabulary.
+    """
+    vocab = logits.shape[-1]
+    if not 1 <= k <= vocab:
+        raise ConfigError(f"TEACHER_TOP_K={k} must be between 1 and the vocabulary size {vocab}")
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    top, ids = logp.topk(k, dim=-1)
+    if k == vocab:
+        tail = torch.full_like(top[..., 0], float("-inf"))
+    else:
+        tail = logp.scatter(-1, ids, float("-inf")).logsumexp(-1)
+    return ids.to(torch.int32), top, tail
+
+
+def topk_kd_sum(logits: torch.Tensor, ids: torch.Tensor, t_logp: torch.Tensor, t_tail: torch.Tensor,
+                labels: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Sum over target tokens of T^2 * KL(teacher's top-k + tail || student's), float32.
+
+    `logits` (B, S, V) the student's; `ids`, `t_logp` (B, S, k) and `t_tail` (B, S) the teacher's at every
+    position; position p predicts token p + 1, so positions up to S - 1 count where labels[:, 1:] != -100.
+    """
+    t = float(temperature)
+    ids, t_logp, t_tail = ids[:, :-1].long(), t_logp[:, :-1].float(), t_tail[:, :-1].float()
+    s_logp = torch.log_softmax(logits[:, :-1].float() / t, dim=-1)
+    s_top = s_logp.gather(-1, ids)
+    kl = (torch.exp(t_logp) * (t_logp - s_top)).sum(-1)
+    if ids.shape[-1] < logits.shape[-1]:
+        # The student's mass outside the teacher's k tokens, as log(1 - sum); floored so it stays finite.
+        s_tail = torch.log((-torch.expm1(s_top.logsumexp(-1))).clamp(min=_TAIL_FLOOR))
+        kl = kl + torch.exp(t_tail) * (t_tail - s_tail)
+    keep = labels[:, 1:] != -100
+    return (kl * keep).sum() * (t * t)
+
+
+class TeacherTopK:
+    """The teacher on the backend as a `topk_fn` for `build_teacher_cache`: a batch of CPU rows in, the top-k out.
+
+    Every batch has the builder's fixed shape, so on XLA one graph serves the whole cache; the results are read to
+    the host once per batch (they are the product). The teacher is frozen, in eval mode, in bf16 where the backend
+    computes in bf16.
+    """
+
+    def __init__(self, teacher: torch.nn.Module, backend: Any, *, k: int, temperature: float = 1.0) -> None:
+        temperature = DistillSettings(temperature).temperature  # the one check of a temperature
+        vocab = teacher.get_output_embeddings().weight.shape[0]
+        if not isinstance(k, int) or not 1 <= k <= vocab:
+            raise ConfigError(f"TEACHER_TOP_K={k!r} must be between 1 and the teacher's vocabulary of {vocab} tokens")
+        self.backend, self.k, self.temperature = backend, k, temperature
+        self.model = frozen_teacher(teacher, backend)
+
+    @torch.no_grad()
+    def __call__(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b = self.backend
+        batch = b.to_device(batch)
+        with b.autocast():
+            logits = lm_logits(self.model, batch)
+        out = teacher_topk(logits, self.k, self.temperature)
+        b.sync()
+        return b.to_cpu(out)
+
+
+class DistillTrainer(CausalLMTrainer):
+    """Loss = alpha * hard-label CE + (1 - alpha) * T^2 * soft CE against a frozen teacher, per target token."""
+
+    def __init__(self, *args: Any, teacher: torch.nn.Module, settings: DistillSettings,
+                 teacher_name: str = "teacher", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        check_same_vocab(self.raw_model, teacher, teacher_name)
+        self.settings = settings
+        self.teacher = frozen_teacher(teacher, self.backend)
+
+    def loss_sum(self, batch: dict) -> torch.Tensor:
+        logits = lm_logits(self.model, batch)
+        hard = causal_lm_loss_sum(logits, batch["labels"])
+        with torch.no_grad():
+            t_logits = lm_logits(self.teacher, batch)
+        t = self.settings.temperature
+        s_logp = torch.log_softmax(logits[:, :-1].float() / t, dim=-1)
+        t_logp = torch.log_softmax(t_logits[:, :-1].float() / t, dim=-1)
+        # Per position KL(teacher || student), summed over the vocabulary, kept only at target tokens.
+        kl = xla_safe_kl_div(s_logp, t_logp, reduction="none", log_target=True).sum(-1)
+        soft = (kl * (batch["labels"][:, 1:] != -100)).sum() * (t * t)
+        return self.settings.mix(hard, soft)
+
+
+class CachedDistillTrainer(CausalLMTrainer):
+    """Loss = alpha * hard-label CE + (1 - alpha) * T^2 * top-k KL against the cached teacher, per target token.
+
+    Training batches carry `teacher_ids`, `teacher_logp`, `teacher_tail` (`TeacherCache.attach`); batches without
+    them (validation) get the hard-label loss alone.
+    """
+
+    def __init__(self, *args: Any, settings: DistillSettings, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.settings = settings
+
+    def loss_sum(self, batch: dict) -> torch.Tensor:
+        logits = lm_logits(self.model, batch)
+        hard = causal_lm_loss_sum(logits, batch["labels"])
+        if "teacher_ids" not in batch:
+            return hard
+        vocab = logits.shape[-1]
+        if batch["teacher_ids"].shape[-1] > vocab:
+            raise ConfigError(f"the teacher cache has top-{batch['teacher_ids'].shape[-1]} per position, more than "
+                              f"the student's vocabulary of {vocab} tokens: it was made for another tokenizer")
+        soft = topk_kd_sum(logits, batch["teacher_ids"], batch["teacher_logp"], batch["teacher_tail"],
+                           batch["labels"], self.settings.temperature)
+        return self.settings.mix(hard, soft)
+
+
+def open_teacher_cache(path: str, identity: dict, *, backend: Any, rows: Any, k: int, temperature: float,
+                       batch_size: int, load_teacher: Callable[[], torch.nn.Module] | None,
+                       teacher_name: str = "") -> TeacherCache:
+    """The teacher cache at `path`, checked against `identity` (`data.teacher_cache.cache_identity` of this run);
+    built first from `load_teacher()` when missing or partial (see the module docstring). The teacher is a local
+    here: once the cache is written nothing holds it, and training never does."""
+    ignore: tuple[str, ...] = ()
+    if cache_status(path) != "complete":
+        if load_teacher is None:
+            raise ConfigError(f"TEACHER_CACHE={path!r} holds no finished cache and TEACHER=None: give TEACHER (a model "
+                              "with the student's tokenizer) to build it, or point TEACHER_CACHE to a built one")
+        teacher = load_teacher()
+        identity = {**identity, "teacher_hash": lora.base_fingerprint(teacher, teacher_name)["base_hash"]}
+        topk = TeacherTopK(teacher, backend, k=k, temperature=temperature)
+        del teacher
+        if backend.is_main:
+            build_teacher_cache(path, rows, topk, identity=identity, batch_size=batch_size,
+                                rows_per_shard=ROWS_PER_SHARD)
+        backend.barrier()
+    else:
+        ignore = ("teacher_hash",) + (() if teacher_name else ("teacher",))
+    cache = TeacherCache(path)
+    cache.check(identity, ignore=ignore)
+    return cache

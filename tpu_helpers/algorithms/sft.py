@@ -1,0 +1,59 @@
+"""Supervised fine-tuning of causal language models fed dict batches (input_ids, attention_mask, labels).
+
+    trainer = CausalLMTrainer(model, train, val, config=cfg)            # a Hugging Face AutoModelForCausalLM
+
+A small override of `Trainer` (pytorch/xla-examples style); nothing else changes (XLA hygiene, resume, signals).
+The loss of an optimizer step is the sum of the token losses of all its micro-batches divided by the number of
+target tokens (labels != -100) in all of them, counted on the device: with gradient accumulation and uneven prompt
+lengths every target token weighs the same, as in one big batch; no host read. The distillation trainers
+(`algorithms.distill`) change only `loss_sum`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from tpu_helpers.training.batches import bad_batch, causal_lm_loss_sum, target_tokens
+from tpu_helpers.training.trainer import Trainer
+
+
+def _check_lm_batch(batch: Any) -> None:
+    if not (isinstance(batch, dict) and "input_ids" in batch and "labels" in batch):
+        raise bad_batch(batch, " (a causal LM trainer needs 'input_ids' and 'labels')")
+
+
+def lm_logits(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """The model's logits of a dict batch. Packed rows (data/sft.py) carry position_ids and no attention mask: the
+    model masks per example."""
+    return model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                 position_ids=batch.get("position_ids")).logits
+
+
+class CausalLMTrainer(Trainer):
+    """Token-averaged next-token loss over a whole optimizer step, for models returning `.logits`."""
+
+    def loss_sum(self, batch: dict) -> torch.Tensor:
+        """Summed token loss of one micro-batch (float32)."""
+        return causal_lm_loss_sum(lm_logits(self.model, batch), batch["labels"])
+
+    def compute_loss(self, batch: Any) -> torch.Tensor:
+        _check_lm_batch(batch)
+        return self.loss_sum(batch) / target_tokens(batch["labels"]).clamp(min=1)
+
+    def train_step(self, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        b = self.backend
+        micro = [next(batches) for _ in range(self.config.grad_accum)]
+        for batch in micro:
+            _check_lm_batch(batch)
+        # All micro-batches are on the device already (one graph per step): count their target tokens first.
+        count = sum(target_tokens(batch["labels"]) for batch in micro).clamp(min=1).float()
+        total = None
+        for batch in micro:
+            with b.autocast():
+                loss = self.loss_sum(batch) / count
+            b.backward(loss)
+            total = loss.detach() if total is None else total + loss.detach()
+        return total, self.apply_gradients()

@@ -1,0 +1,336 @@
+"""The Hugging Face job every HF recipe shares: the model, its tokenizer and LoRA, the data's records, the memory
+plan, held-out samples, and the adapter and merged exports. Fine-tuning (`recipes.finetune`) and GRPO
+(`recipes.grpo`) are siblings on it; each adds only its own settings and parts.
+
+    class MyJob(HFJob):                       # a new HF recipe: a config of its own fields, then its parts
+        config_class = MyConfig               # MyConfig(HFJobConfig): MODEL, METHOD, LORA_*, EXPORT, ... are shared
+        def estimate(self, model_config, meta): ...   # batch -> MemoryEstimate for the plan
+        def make_trainer(self): ...            # its algorithm's trainer (tpu_helpers.algorithms)
+
+What a job's parts are, all built on first use (no call-order traps): `model` and `tokenizer` (from `source`, the
+model the job trains from; `prepare_model` adds what a recipe puts on the base before LoRA, e.g. QAT), `plan()`
+and `sharding_plan()` (from the model's config alone: nothing large allocated), `records` (DATASET read once),
+`export()` (the PEFT adapter under LoRA, a merged safetensors model; `write_exports` is where a recipe adds its
+own files). The checks of the shared fields are here, once; a field of another recipe's config is refused by name
+(`config.unknown_fields_message`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from tpu_helpers.atomic_io import atomic_write_text
+from tpu_helpers.backend.units import block_params
+from tpu_helpers.choices import EXPORT_WEIGHTS, check_choice
+from tpu_helpers.config import ConfigError, TrainConfig
+from tpu_helpers.extras import require_extra
+from tpu_helpers.hardware import format_bytes
+from tpu_helpers.memory.hf_plan import gathered_bytes_per_param, meta_model
+from tpu_helpers.memory.report import MemoryEstimate, memory_report
+from tpu_helpers.memory.sharded import shard_estimate, sharding_plan
+from tpu_helpers.models import hf, lora
+from tpu_helpers.recipes.base import Recipe
+from tpu_helpers.sharding import is_sharded, mesh_shape
+
+# Here, not at the first from_pretrained: without transformers/peft the notebook stops at its first cell, saying what
+# to install, instead of after the memory plan with a bare ImportError.
+require_extra("hf", "Hugging Face jobs (tpu_helpers.recipes: fine-tuning, GRPO)")
+
+
+@dataclass
+class HFJobConfig(TrainConfig):
+    """`TrainConfig` plus what every Hugging Face recipe has, each a notebook parameter of the same UPPER_CASE name.
+    The tokenizer is MODEL's own; DATASET is the recipe's data."""
+
+    preset: str = "tiny"  # unused here (the GPT's size); kept small so nothing large is implied
+    model: str = hf.TINY  # hub name, local dir written by save_pretrained, or "tiny" (offline, built locally)
+    method: str = "lora"  # lora | full (a recipe may allow more: `methods`)
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj"  # comma-separated linear names, or "all-linear"
+    max_records: int | None = None
+    attn_implementation: str = hf.DEFAULT_ATTN  # sdpa | eager (see models/hf.py for the measured figures)
+    export_merged: bool = True
+    export: str = "best"  # best: the best checkpoint's weights (lowest validation loss) when training evaluated | last
+    num_samples: int = 8  # held-out prompts shown before and after training
+    max_new_tokens: int = 4  # tokens generated per answer
+
+    methods: ClassVar[tuple[str, ...]] = ("lora", "full")
+    recipe: ClassVar[str] = "a Hugging Face job"  # how messages name the recipe
+
+    def __post_init__(self) -> None:
+        # The run's identity names the tokenizer: for a Hugging Face model it is the model's own.
+        self.tokenizer = self.model if isinstance(self.model, str) else self.tokenizer
+        super().__post_init__()
+        if self.method not in self.methods:
+            raise ConfigError(f"method={self.method!r} is not one of {self.methods} for {self.recipe}")
+        check_choice("export", self.export, EXPORT_WEIGHTS)
+        if self.lora_r < 0:
+            raise ConfigError(f"lora_r={self.lora_r!r} must be >= 1 (or 0 for full distillation)")
+        if self.method == "lora" and self.lora_r < 1:
+            raise ConfigError(f"lora_r={self.lora_r!r} must be >= 1 with method='lora'")
+        if self.max_records is not None and self.max_records < 1:
+            raise ConfigError(f"max_records={self.max_records!r} must be >= 1, or None for all")
+        for name in ("num_samples", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 1")
+
+    @property
+    def uses_lora(self) -> bool:
+        return self.method == "lora"
+
+    @property
+    def trained(self) -> str:
+        """What the step trains, as the memory plan counts it: "lora" (adapters on a frozen base) or "full"."""
+        return "lora" if self.uses_lora else "full"
+
+    @property
+    def lora_target_list(self) -> str | list[str]:
+        return self.lora_targets if self.lora_targets == "all-linear" else self.lora_targets.split(",")
+
+
+class HFJob(Recipe):
+    """The shared half of a Hugging Face recipe (see the module docstring); a recipe supplies `estimate`,
+    `make_trainer` and its data."""
+
+    config_class: type[TrainConfig] = HFJobConfig
+    config: HFJobConfig
+
+    def __init__(self, config: HFJobConfig, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        self.model_source = hf.resolve_model_source(config.model)  # MODEL, resolved
+        self.exported: dict | None = None  # which weights the last export() took (the best checkpoint's or the last)
+
+    @property
+    def source(self) -> str:
+        """The model this job trains from and exports merge into: MODEL here (GRPO's START_FROM may change it)."""
+        return self.model_source
+
+    @property
+    def chips(self) -> int:
+        """The chips this run spans: the SPMD program's devices on XLA, the torchrun processes elsewhere."""
+        return max(self.backend.device_count, self.backend.world_size)
+
+    # ---- 1. memory plan (config only) ----------------------------------------------------------------------------
+    def model_config(self) -> Any:
+        """MODEL's Hugging Face config: all the plan reads (a recipe checks its own limits against it here)."""
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.model_source)
+
+    def estimate(self, model_config: Any, model: torch.nn.Module) -> Callable[[int], MemoryEstimate]:
+        """batch -> one chip's data-parallel MemoryEstimate of this recipe's step (`model`: on the meta device)."""
+        raise NotImplementedError(f"{type(self).__name__} must define estimate()")
+
+    def plan_options(self) -> dict:
+        """The estimate's keyword arguments every HF recipe shares."""
+        cfg = self.config
+        return dict(method=cfg.method, lora_r=cfg.lora_r,
+                    lora_targets=cfg.lora_target_list, precision=self.backend.precision,
+                    gradient_checkpointing=cfg.gradient_checkpointing, grad_accum=cfg.grad_accum)
+
+    plan_what = "training"  # what the sharding advice calls the step
+
+    def _planned(self) -> tuple[Callable[[int], MemoryEstimate], torch.nn.Module, int]:
+        config = self.model_config()
+        model = meta_model(config)
+        return self.estimate(config, model), model, gathered_bytes_per_param(self.plan_options()["method"],
+                                                                             self.backend.precision)
+
+    def plan(self, hardware: Any = None, *, chips: int | None = None):
+        """The memory report of one step per chip under this run's SHARDING over its chips (fsdp: 1/N of the
+        weights, gradients and optimizer state plus one gathered block)."""
+        estimate, model, width = self._planned()
+        fsdp = mesh_shape(self.config.sharding, chips or self.chips)[1]
+        block = block_params(model)
+        return memory_report(lambda b: shard_estimate(estimate(b), fsdp, block_params=block, bytes_per_param=width),
+                             self.config.batch_size, hardware or self.backend.hardware)
+
+    def sharding_plan(self, hardware: Any = None, *, chips: int | None = None):
+        """Per-chip memory under data parallel and FSDP over 2, 4, ... chips (`tpu_helpers.memory.sharded`)."""
+        estimate, model, width = self._planned()
+        return sharding_plan(estimate, self.config.batch_size, chips=chips or self.chips,
+                             hardware=hardware or self.backend.hardware, block_params=block_params(model),
+                             params=sum(p.numel() for p in model.parameters()), bytes_per_param=width,
+                             what=self.plan_what)
+
+    def sharding_advice(self, hardware: Any = None, *, chips: int | None = None) -> str:
+        """What SHARDING needs per chip here and what the other choices would ("" on a single chip)."""
+        chips = chips or self.chips
+        if chips == 1:
+            return ""
+        plan = self.sharding_plan(hardware, chips=chips)
+        fsdp = mesh_shape(self.config.sharding, chips)[1]
+        choice = plan.per_chip.get("data" if fsdp == 1 else f"fsdp x{fsdp}")
+        mine = f"SHARDING={self.config.sharding!r}: about {format_bytes(choice.peak_bytes)} per chip. " if choice else ""
+        return f"{mine}{plan.advice()}\n{plan.table()}"
+
+    # ---- 2. model ----------------------------------------------------------------------------------------------
+    def _dtype(self) -> torch.dtype | None:
+        # A frozen base in bf16 on TPU; trained weights stay fp32 (bf16 autocast computes in bf16 anyway).
+        return torch.bfloat16 if self.backend.precision == "bf16" and self.config.uses_lora else None
+
+    def load(self, source: str, *, frozen: bool = False) -> tuple[torch.nn.Module, Any]:
+        """(model, tokenizer) of `source` with this job's attention; `frozen`: a model that only runs forward (a
+        teacher, a reference), bf16 where the step computes in bf16."""
+        dtype = (torch.bfloat16 if self.backend.precision == "bf16" else None) if frozen else self._dtype()
+        return hf.load_causal_lm(source, dtype=dtype, attn_implementation=self.config.attn_implementation)
+
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        """What a recipe puts on the loaded base before LoRA (QAT's fake quantizers); nothing by default. A
+        recipe's own checks of the loaded model go here too."""
+
+    @cached_property
+    def _loaded(self) -> tuple[torch.nn.Module, Any]:
+        cfg = self.config
+        model, tokenizer = self.load(self.source)
+        self.prepare_model(model)
+        if cfg.uses_lora:
+            torch.manual_seed(cfg.seed)  # the adapters' initial values depend on the seed only
+            model = lora.add_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                                  targets=cfg.lora_targets)
+        return model, tokenizer
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model being trained (peft-wrapped under LoRA), loaded on first use."""
+        return self._loaded[0]
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._loaded[1]
+
+    def parameter_summary(self) -> dict:
+        m = self.model
+        total = sum(p.numel() for p in m.parameters())
+        trainable = sum(p.numel() for p in m.parameters() if p.requires_grad)
+        return {"parameters": total, "trainable": trainable, "trainable_share": trainable / total}
+
+    def _model_on_device(self) -> torch.nn.Module:
+        """The model placed for samples: as training places it once the trainer exists, or when it is sharded
+        because it may not fit one chip whole (the trainer does that placing); else moved to the device."""
+        if self.has_trainer or (is_sharded(self.config.sharding) and self.chips > 1):
+            return self.trainer.model
+        return self.backend.move_model(self.model)
+
+    # ---- 3. data -----------------------------------------------------------------------------------------------
+    def read_records(self, load: Callable[..., list[dict]]) -> list[dict]:
+        """DATASET's records through the recipe's reader `load(dataset, max_records=)`; none is an error."""
+        cfg = self.config
+        records = load(cfg.dataset, max_records=cfg.max_records)
+        if not records:
+            raise ConfigError(f"DATASET={cfg.dataset!r} has no records")
+        return records
+
+    # ---- 4. training -------------------------------------------------------------------------------------------
+    def run_identity(self) -> dict:
+        """What the checkpoints are of, beyond TrainConfig's identity: the method, model and adapters."""
+        cfg = self.config
+        ident = {"method": cfg.method, "model_source": self.source, "lora_r": cfg.lora_r if cfg.uses_lora else 0,
+                 "lora_targets": cfg.lora_targets if cfg.uses_lora else ""}
+        if cfg.uses_lora:
+            ident.update(lora.base_fingerprint(self.model, self.source))
+        return ident
+
+    def trainer_options(self) -> dict[str, Any]:
+        # Under LoRA a checkpoint holds the adapters and their optimizer state only (run_state.py).
+        return {**super().trainer_options(), "run_identity": self.run_identity(),
+                "save_trainable_only": self.config.uses_lora}
+
+    # ---- 5. export ---------------------------------------------------------------------------------------------
+    def export(self, out_dir: str | Path | None = None, *, merged: bool | None = None,
+               weights: str | None = None) -> dict[str, str]:
+        """The PEFT adapter directory (LoRA) and a merged safetensors model, each written atomically.
+
+        `weights` (default EXPORT): "best" exports the best checkpoint's weights (TrainConfig.best_metric, the
+        lowest validation loss by default) when training evaluated and saved one, else the last ones; "last" the
+        weights training ended with. The live model is not changed; `self.exported` says which were taken."""
+        trainer = self.trainer if self.has_trainer else None
+        model = trainer.model if trainer is not None else self.model
+        taken, self.exported = self.export_weights(trainer, model, weights or self.config.export)
+        out = Path(out_dir or self.config.out_dir)
+        paths = self.write_exports(model, out, self.config.export_merged if merged is None else merged, taken)
+        if self.backend.is_main:
+            atomic_write_text(out / "finetune.json", json.dumps(
+                {**self.config.to_dict(), "paths": paths, "weights": self.exported}, indent=1, default=str))
+        return paths
+
+    def export_weights(self, trainer: Any, model: torch.nn.Module, choice: str) -> tuple[dict | None, dict]:
+        """(checkpoint weights to export, or None for the live model's; what was taken, for finetune.json)."""
+        check_choice("export", choice, EXPORT_WEIGHTS)
+        step = trainer.step if trainer is not None else 0
+        if choice == "best":
+            best = trainer.state.best() if trainer is not None else None
+            if best is not None:
+                # The best is the last step: the live weights are the same, and need no read from disk.
+                taken = trainer.state.checkpoint_weights(best["step"]) if best["step"] != step else None
+                return taken, {"weights": "best", **best}
+            metric = self.config.best_metric
+            why = ("no training ran in this job" if trainer is None else "best_metric=None" if metric is None else
+                   f"no checkpoint recorded {metric} (no evaluation at a save step)")
+            return None, {"weights": "last", "step": step, "asked": "best", "why": why}
+        return None, {"weights": "last", "step": step}
+
+    def write_exports(self, model: torch.nn.Module, out: Path, merged: bool, taken: dict | None) -> dict[str, str]:
+        """Write the adapter (LoRA), the merged model and a recipe's own exports (`merged_base`, `extra_exports`)
+        from `model` (or the checkpoint weights `taken`) under `out`; returns their paths (empty on processes other
+        than the main one, which still take part in reading the weights: on a pod a sharded tensor's read runs on
+        all hosts)."""
+        state = lora.export_state(model, weights=taken) if merged or lora.is_peft(model) else {}
+        base, dtype = self.merged_base(model, merged)
+        if base is not None and not lora.is_peft(model):
+            state, base = base, None  # no adapter: the merged model is that base itself
+        write_extra = self.extra_exports(model)
+        self.backend.barrier()
+        paths: dict[str, str] = {}
+        if not self.backend.is_main:
+            return paths
+        if lora.is_peft(model):
+            paths["adapter"] = str(lora.export_adapter(model, out / "adapter", state=state))
+            self.tokenizer.save_pretrained(out / "adapter")
+        if merged:
+            paths["merged"] = str(lora.export_merged(model, self.tokenizer, out / "merged", base_source=self.source,
+                                                     state=state, base_state=base, dtype=dtype))
+        if write_extra is not None:
+            paths.update(write_extra(out))
+        return paths
+
+    def merged_base(self, model: torch.nn.Module, merged: bool) -> tuple[dict | None, torch.dtype]:
+        """(the base weights the merged export takes instead of the source's, or None; its dtype). A recipe whose
+        training changed what the base computes (QAT) says so here."""
+        return None, torch.float32
+
+    def extra_exports(self, model: torch.nn.Module) -> Callable[[Path], dict[str, str]] | None:
+        """A recipe's own exports: what it reads from `model` now (every process), as a function the main process
+        calls with the output directory after the adapter and merged model; None for none."""
+        return None
+
+    # ---- 6. results --------------------------------------------------------------------------------------------
+    @property
+    def has_trainer(self) -> bool:
+        """Whether the trainer exists yet (`trainer` builds it on first use; samples and exports before training
+        must not)."""
+        return "trainer" in self.__dict__
+
+    def tracked_results(self, results: dict) -> dict:
+        """The samples before and after training as tables, for the trackers (a recipe adds its scores)."""
+        tables = {f"samples/{when}": (results.get(f"samples_{when}") or {}).get("rows") or []
+                  for when in ("before", "after")}
+        return {"tables": tables, "values": {}}
+
+    def results(self, *, before: dict | None = None, after: dict | None = None, paths: dict | None = None,
+                plan: Any = None, **extra: Any) -> dict:
+        """The run's results plus the samples before and after, the exports, the plan and the sharding."""
+        return super().results(
+            samples_before=before, samples_after=after, exports=paths or {},
+            parameters=self.parameter_summary(), plan=plan.to_dict() if plan is not None else None,
+            sharding={"sharding": self.config.sharding, "chips": self.chips, "mesh": list(self.backend.mesh_shape)},
+            export_weights=self.exported, **extra)
