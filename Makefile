@@ -28,7 +28,7 @@ $(STAMP):
 	@echo ">> creating $(VENV) from $(LOCK) (first run only: torch + torch_xla are large, a few minutes)"
 	$(PYTHON) stacks/stack_venv.py build dev --python $(PYTHON)
 
-# The browser test (tests/memory/test_panel_browser.py) drives Debian's chromium: Playwright cannot download its own
+# The browser test (tests/panel/test_panel_browser.py) drives Debian's chromium: Playwright cannot download its own
 # browser here. Installed once per machine where we are root with apt-get; elsewhere the test skips and says why
 # (under CI=true it fails instead).
 browser:

@@ -90,8 +90,8 @@ def run_trl(args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from tpu_helpers.data.rl import prompt_text, sum_records
     from tpu_helpers.algorithms.rewards import answer_reward
+    from tpu_helpers.data.rl import prompt_text, sum_records
 
     gen: list[float] = []
     transformers.GenerationMixin.generate = _timed(transformers.GenerationMixin.generate, gen)

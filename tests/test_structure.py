@@ -150,7 +150,7 @@ def test_the_layer_checker_sees_what_it_must():
         "from tpu_helpers.training.trainer import Trainer\n"                  # upward at module level
         "def f():\n    import tpu_helpers.launch.runner\n"                  # upward inside a function
         "class C:\n    def g(self):\n        from ..recipes import base\n"  # upward, relative
-        "importlib.import_module('tpu_helpers.memory.panel')\n"             # upward, by name
+        "importlib.import_module('tpu_helpers.panel.tuning')\n"             # upward, by name
         "from tpu_helpers.data import corpus\n"                             # sideways: same layer
     )
     found = layer_violations(planted, "tpu_helpers.checkpoint.manager")

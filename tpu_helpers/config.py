@@ -22,8 +22,8 @@ import math
 import re
 import types
 import typing
-from dataclasses import dataclass, field, fields
 import warnings
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from tpu_helpers.choices import (

@@ -4,7 +4,7 @@
     python -m tpu_helpers targets          # lists them
 
 `launch.platform.auto_target()` picks one for this machine. The batch runner (`launch.runner`)
-applies them, and the tuning panel (`memory.choices`) reads the notebooks' configurations from them, so the two
+applies them, and the tuning panel (`panel.options`) reads the notebooks' configurations from them, so the two
 cannot drift apart: hence this module sits below both, needing only `backend.runtime_env`.
 """
 

@@ -105,8 +105,8 @@ def test_packed_loss_equals_the_examples_one_per_row():
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from tpu_helpers.data.sft import pack_examples
     from tpu_helpers.algorithms.sft import CausalLMTrainer
+    from tpu_helpers.data.sft import pack_examples
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

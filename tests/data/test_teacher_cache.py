@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import Subset
 
 from tests.support import XLA_BACKEND
+from tpu_helpers.algorithms.distill import TeacherTopK, teacher_topk
 from tpu_helpers.backend import get_backend
 from tpu_helpers.config import ConfigError
 from tpu_helpers.data.teacher_cache import (
@@ -19,7 +20,6 @@ from tpu_helpers.data.teacher_cache import (
     cache_status,
     open_teacher_cache,
 )
-from tpu_helpers.algorithms.distill import TeacherTopK, teacher_topk
 
 VOCAB, K = 64, 8
 

@@ -12,7 +12,7 @@ import pytest
 
 from tests.support import ROOT
 from tpu_helpers.config import ConfigError, TrainConfig
-from tpu_helpers.launch.train import config_from_args, torchrun_command
+from tpu_helpers.launch.cli import config_from_args, torchrun_command
 
 
 def test_flags_map_to_config_fields_and_bad_values_name_the_field():
@@ -74,7 +74,7 @@ def test_a_device_that_cannot_be_used_is_one_error_line_not_a_traceback(capsys):
     import torch
 
     from tpu_helpers.backend import tpu_chip_count
-    from tpu_helpers.launch.train import main
+    from tpu_helpers.launch.cli import main
 
     if tpu_chip_count() or torch.cuda.is_available():
         pytest.skip("an accelerator is attached")
@@ -84,7 +84,7 @@ def test_a_device_that_cannot_be_used_is_one_error_line_not_a_traceback(capsys):
 
 
 def test_a_sharding_this_run_cannot_take_is_one_error_line(capsys, tmp_path):
-    from tpu_helpers.launch.train import main
+    from tpu_helpers.launch.cli import main
 
     # A 2-D mesh needs XLA SPMD; on the CPU (or under torchrun) only "data" and "fsdp" exist.
     args = ["--device", "cpu", "--preset", "tiny", "--dataset", "embedded", "--max_chars", "20000", "--seq_len", "32", "--batch_size", "2",

@@ -48,7 +48,7 @@ def test_bad_model_inputs_name_the_value(tmp_path, tiny_lm_dir):
 
 
 def test_teacher_with_another_vocabulary_is_refused(tiny_lm_dir):
-    from tpu_helpers.algorithms.sft import check_same_vocab
+    from tpu_helpers.algorithms.distill import check_same_vocab
 
     model, tok = hf.load_causal_lm(str(tiny_lm_dir))
     other = build_tiny_model(tok, vocab_size=600)

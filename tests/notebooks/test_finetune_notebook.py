@@ -102,7 +102,7 @@ def test_finetune_notebook_distils_from_a_teacher_cache_with_int4_qat(notebooks,
 
     cache = tmp_path / "cache"
     results, out_dir = _run(notebooks, tmp_path, "cpu", METHOD="distill", TEACHER="tiny", TEACHER_CACHE=str(cache),
-                            TOP_K=32, QAT="int4")
+                            TEACHER_TOP_K=32, QAT="int4")
     report = results["report"]
     assert report["steps"] == 40 and report["final_val_loss"] < report["first_val_loss"] - 0.5, report
     assert results["teacher_cache"]["k"] == 32 and results["teacher_cache"]["bytes"] > 0

@@ -29,9 +29,9 @@ def main() -> None:
     backend = get_backend("xla", spmd=False)
     settings = {**dict(device="xla", method="distill", teacher="tiny", batch_size=8, seq_len=32, lr=3e-3,
                        warmup_steps=1, eval_every=10_000, eval_batches=2, log_every=1, save_every=10_000,
-                       max_records=400, steps=steps, xla_checks="off", temperature=1.0), **args}
+                       max_records=400, steps=steps, xla_checks="off", distill_temperature=1.0), **args}
     result = {}
-    for name, extra in (("live", {}), ("cached", {"teacher_cache": str(out / "cache"), "top_k": top_k})):
+    for name, extra in (("live", {}), ("cached", {"teacher_cache": str(out / "cache"), "teacher_top_k": top_k})):
         job = Finetune(FinetuneConfig(**{**settings, **extra, "out_dir": str(out / name)}), backend=backend,
                        progress=False)
         if job.config.uses_cache:

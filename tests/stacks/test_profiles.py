@@ -108,8 +108,8 @@ def check_finetune_results(out, device: str) -> dict:
 def test_tuning_panel_logic_and_widget_view(profile_venv: StackVenv):
     code = """
 import json, ipywidgets
-from tpu_helpers.memory.panel import TuningPanel
-from tpu_helpers.memory.widgets import PanelView
+from tpu_helpers.panel.tuning import TuningPanel
+from tpu_helpers.panel.widgets import PanelView
 panel = TuningPanel(preset="small", seq_len=1024, batch_size=36, hardware="v5e", chips=8)
 out = {"ipywidgets": ipywidgets.__version__, "before": panel.verdict()["headline"], "suggestion": panel.suggestion().text}
 panel.apply_suggestion()
@@ -131,8 +131,8 @@ print(json.dumps(out))
     assert got["before"] == "DOES NOT FIT" and "largest batch 9/chip" in got["suggestion"], got
     assert got["after"] == "FITS" and got["batch"] == 9, got
     # Every control the view builds under the dev stack's ipywidgets 8 is built under the stack's too.
-    from tpu_helpers.memory.panel import TuningPanel
-    from tpu_helpers.memory.widgets import PanelView
+    from tpu_helpers.panel.tuning import TuningPanel
+    from tpu_helpers.panel.widgets import PanelView
 
     controls = sorted(PanelView(TuningPanel(preset="small", hardware="v5e", chips=8)).controls)
     assert len(controls) >= 15 and got["view"] == {"batch": 4, "chart_changed": True, "rendered": True,

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from tests.memory.test_panel_browser import PARAMS, _artifacts, _changed, _chromium, _state, serve_jupyter
+from tests.panel.test_panel_browser import PARAMS, _artifacts, _changed, _chromium, _state, serve_jupyter
 from tests.stacks.conftest import stack
 from tests.stacks.venvs import ROOT
 

@@ -10,8 +10,13 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from tpu_helpers.algorithms.sft import DistillTrainer
-from tpu_helpers.algorithms.distill import CachedDistillTrainer, teacher_topk, topk_kd_sum
+from tpu_helpers.algorithms.distill import (
+    CachedDistillTrainer,
+    DistillSettings,
+    DistillTrainer,
+    teacher_topk,
+    topk_kd_sum,
+)
 
 
 def _lm(seed: int) -> Qwen2ForCausalLM:
@@ -44,7 +49,7 @@ def test_distill_loss_matches_torch_kl_div_and_soft_cross_entropy(t, alpha):
     labels[2, 9:] = -100  # padding
     mask[2, 9:] = 0
     batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
-    fake_self = SimpleNamespace(model=student, teacher=teacher, temperature=t, alpha=alpha)
+    fake_self = SimpleNamespace(model=student, teacher=teacher, settings=DistillSettings(t, alpha))
     got = DistillTrainer.loss_sum(fake_self, batch)
     got_grads = torch.autograd.grad(got, list(student.parameters()))
     s_logits = student(input_ids=ids, attention_mask=mask).logits
@@ -79,9 +84,9 @@ def _with_cache(batch, teacher, k, t):
 def test_topk_kd_with_the_whole_vocabulary_equals_live_distillation_values_and_gradients(t, alpha):
     student, teacher = _lm(0), _lm(1).eval()
     batch = _batch()
-    live = DistillTrainer.loss_sum(SimpleNamespace(model=student, teacher=teacher, temperature=t, alpha=alpha), batch)
+    live = DistillTrainer.loss_sum(SimpleNamespace(model=student, teacher=teacher, settings=DistillSettings(t, alpha)), batch)
     live_grads = torch.autograd.grad(live, list(student.parameters()))
-    cached = CachedDistillTrainer.loss_sum(SimpleNamespace(model=student, temperature=t, alpha=alpha),
+    cached = CachedDistillTrainer.loss_sum(SimpleNamespace(model=student, settings=DistillSettings(t, alpha)),
                                            _with_cache(batch, teacher, 64, t))
     grads = torch.autograd.grad(cached, list(student.parameters()))
     torch.testing.assert_close(cached, live, rtol=1e-5, atol=1e-5)
@@ -111,6 +116,6 @@ def test_topk_kd_is_the_kl_over_the_top_k_and_one_tail_bucket():
             want = want + (p * (p.log() - q.log())).sum()
     torch.testing.assert_close(got, want * t * t, rtol=1e-5, atol=1e-5)
     # Validation batches carry no teacher: the hard-label loss alone.
-    hard = CachedDistillTrainer.loss_sum(SimpleNamespace(model=student, temperature=t, alpha=0.3), batch)
+    hard = CachedDistillTrainer.loss_sum(SimpleNamespace(model=student, settings=DistillSettings(t, 0.3)), batch)
     torch.testing.assert_close(hard, F.cross_entropy(student(**batch).logits[:, :-1].flatten(0, 1),
                                                      batch["labels"][:, 1:].flatten(), reduction="sum"))

@@ -86,7 +86,7 @@ def _gpt(data, cfg, callbacks=()) -> Trainer:
 def test_the_lr50_command_stops_at_the_first_blow_up_and_saves_nothing_diverged(tmp_path, capsys, device) -> None:
     """The command from the report: validation loss 5.5 -> 185 at step 10. It used to finish with exit 0 and only
     diverged checkpoints; now it stops at step 10, before that step's save, with the values in the error."""
-    from tpu_helpers.launch.train import main
+    from tpu_helpers.launch.cli import main
 
     if device == "xla" and XLA_BACKEND is None:
         pytest.skip("torch_xla is not installed")

@@ -17,7 +17,7 @@ from tpu_helpers.recipes.finetune import Finetune, FinetuneConfig
 def _job(tmp_path, device, backend=None, **overrides):
     base = dict(device=device, steps=8, batch_size=8, seq_len=32, lr=3e-3, warmup_steps=2, eval_every=4,
                 eval_batches=2, log_every=4, save_every=4, out_dir=str(tmp_path / "run"), xla_checks="strict",
-                method="distill", teacher="tiny", teacher_cache=str(tmp_path / "cache"), top_k=32, max_records=400)
+                method="distill", teacher="tiny", teacher_cache=str(tmp_path / "cache"), teacher_top_k=32, max_records=400)
     return Finetune(FinetuneConfig(**{**base, **overrides}), backend=backend, progress=False)
 
 
@@ -66,8 +66,8 @@ def test_recovery_lora_from_the_cache_narrows_the_int4_gap(tmp_path):
     unquantized = Finetune(FinetuneConfig(method="lora", model=source, out_dir=str(tmp_path / "fp"), **common),
                            progress=False).trainer.evaluate()
     recovery = Finetune(FinetuneConfig(
-        method="distill", model=source, teacher=source, teacher_cache=str(tmp_path / "cache"), top_k=32, qat="int4",
-        lora_r=8, lora_targets="all-linear", distill_alpha=0.0, temperature=1.0, steps=30,
+        method="distill", model=source, teacher=source, teacher_cache=str(tmp_path / "cache"), teacher_top_k=32, qat="int4",
+        lora_r=8, lora_targets="all-linear", distill_alpha=0.0, distill_temperature=1.0, steps=30,
         out_dir=str(tmp_path / "recovery"), **{**common, "eval_every": 30, "lr": 1e-2}), progress=False)
     report = recovery.train()
     quantized, recovered = report.first_val_loss, report.final_val_loss  # step 0: the adapters start at zero
@@ -98,20 +98,20 @@ def test_bad_cache_and_qat_settings_are_clear_errors(tmp_path):
         config_from_parameters({"QAT": "int4", "QAT_GROUP_SIZE": 1}, base=FinetuneConfig())
     with pytest.raises(ConfigError, match=r"TEACHER_CACHE='c' is a directory for METHOD='distill'.*METHOD='lora'"):
         config_from_parameters({"TEACHER_CACHE": "c"}, base=FinetuneConfig())
-    with pytest.raises(ConfigError, match=r"TOP_K=0 must be an integer >= 1"):
-        config_from_parameters({"METHOD": "distill", "TEACHER": "tiny", "TOP_K": 0}, base=FinetuneConfig())
+    with pytest.raises(ConfigError, match=r"TEACHER_TOP_K=0 must be an integer >= 1"):
+        config_from_parameters({"METHOD": "distill", "TEACHER": "tiny", "TEACHER_TOP_K": 0}, base=FinetuneConfig())
     with pytest.raises(ConfigError, match=r"QAT_GROUP_SIZE=64 does not divide the input width of gate_proj \(96\)"):
         _ = _job(tmp_path, "cpu", qat="int4", qat_group_size=64).model
     with pytest.raises(ConfigError, match=r"TOP_K=1000 is larger than the vocabulary \(512 tokens\)"):
-        _ = _job(tmp_path, "cpu", top_k=1000).teacher_cache
+        _ = _job(tmp_path, "cpu", teacher_top_k=1000).teacher_cache
     assert not (tmp_path / "cache").exists()  # refused before any teacher ran
     with pytest.raises(ConfigError, match=r"holds no finished cache and TEACHER=None"):
         _ = _job(tmp_path, "cpu", teacher=None).teacher_cache
-    _job(tmp_path, "cpu", top_k=8).teacher_cache  # noqa: B018 (built)
+    _job(tmp_path, "cpu", teacher_top_k=8).teacher_cache  # noqa: B018 (built)
     with pytest.raises(ConfigError, match=r"TEACHER_CACHE=.* made for other data or settings: .*seq_len: 32 in the "
                                           r"cache, 48 here"):
-        _ = _job(tmp_path, "cpu", top_k=8, seq_len=48).teacher_cache
+        _ = _job(tmp_path, "cpu", teacher_top_k=8, seq_len=48).teacher_cache
     with pytest.raises(ConfigError, match=r"data \(fingerprint of the tokenized rows\): '\w+' in the cache"):
-        _ = _job(tmp_path, "cpu", top_k=8, max_records=300).teacher_cache
+        _ = _job(tmp_path, "cpu", teacher_top_k=8, max_records=300).teacher_cache
     with pytest.raises(ConfigError, match=r"top-k: 8 in the cache, 16 here"):
-        _ = _job(tmp_path, "cpu", top_k=16).teacher_cache
+        _ = _job(tmp_path, "cpu", teacher_top_k=16).teacher_cache

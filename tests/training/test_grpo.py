@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from tests.support import StopAt
+from tpu_helpers.algorithms.grpo import completion_logps, group_advantages
 from tpu_helpers.callbacks import Callback
 from tpu_helpers.config import ConfigError, config_from_parameters
 from tpu_helpers.recipes.grpo import GRPO, GRPOConfig
-from tpu_helpers.algorithms.grpo import completion_logps, group_advantages
 
 
 def _config(tmp_path, device="cpu", **overrides):
@@ -172,7 +172,7 @@ def test_bad_grpo_input_names_the_value(tmp_path):
     with pytest.raises(ConfigError, match=r"TEMPERATURE=0.0 must be > 0"):
         config_from_parameters({"TEMPERATURE": 0}, base=GRPOConfig())
     with pytest.raises(ConfigError, match=r"METHOD='distill' is not one of \('lora', 'full'\) for GRPO"):
-        GRPOConfig(method="distill", teacher="tiny")
+        config_from_parameters({"METHOD": "distill"}, base=GRPOConfig())
     with pytest.raises(ConfigError, match=r"START_FROM='/nowhere' is not 'sft', None, nor a directory"):
         config_from_parameters({"START_FROM": "/nowhere"}, base=GRPOConfig())
     job = _job(tmp_path, max_prompt_len=200, max_new_tokens=100)

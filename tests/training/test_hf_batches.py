@@ -8,8 +8,8 @@ from torch.utils.data import Dataset
 from transformers import AutoModelForCausalLM
 
 from tests.support import tiny_config
-from tpu_helpers.training.batches import batch_loss
 from tpu_helpers.algorithms.sft import CausalLMTrainer
+from tpu_helpers.training.batches import batch_loss
 from tpu_helpers.training.trainer import Trainer
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from tpu_helpers.config import ConfigError
 from tpu_helpers.algorithms.rewards import (
     BUILTIN,
     extract_answer,
@@ -12,6 +11,7 @@ from tpu_helpers.algorithms.rewards import (
     resolve_rewards,
     score,
 )
+from tpu_helpers.config import ConfigError
 
 
 def test_answers_compare_as_numbers_and_gsm8k_references_are_read_after_the_hashes():

@@ -48,8 +48,8 @@ import torch
 
 from tpu_helpers.algorithms.rewards import Reward, score
 from tpu_helpers.config import ConfigError
-from tpu_helpers.models import lora
 from tpu_helpers.data.rl import prompt_and_answer
+from tpu_helpers.models import lora
 from tpu_helpers.models.generation import Sampling, generate_ids
 from tpu_helpers.models.hf import completion_lengths, completion_texts, eos_ids
 from tpu_helpers.training.cadence import Cadence
@@ -83,8 +83,8 @@ class GRPOSettings:
     def __post_init__(self) -> None:
         n = self.num_generations
         if isinstance(n, bool) or not isinstance(n, int) or n < 2:
-            raise ConfigError(f"num_generations={n!r} must be an integer >= 2: advantages are relative to the other "
-                              "answers to the same prompt")
+            raise ConfigError(f"num_generations={n!r} must be >= 2 (an integer): advantages are relative to the "
+                              "other answers to the same prompt")
         if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
             raise ConfigError(f"temperature={self.temperature!r} must be > 0: GRPO samples several different answers "
                               "per prompt (about 1.0); 0 would sample greedily, every answer in a group the same")

@@ -23,7 +23,7 @@ from __future__ import annotations
 import shlex
 
 from tpu_helpers.config import ConfigError, TrainConfig
-from tpu_helpers.launch.train import train_flags
+from tpu_helpers.launch.cli import train_flags
 
 __all__ = ["host_writes", "pod_command", "pod_mesh"]
 

@@ -1,6 +1,6 @@
 """The tuning panel's probe: the largest batch that really runs on the device the notebook runs on.
 
-A mixin of :class:`tpu_helpers.memory.panel.TuningPanel` (kept apart from the panel's figures)::
+A mixin of :class:`tpu_helpers.panel.tuning.TuningPanel` (kept apart from the panel's figures)::
 
     panel.probe_start(backend)        # where the probe starts: the estimate for this device
     panel.probe(backend)              # build the configured GPT here and find the largest batch that runs
@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from tpu_helpers.memory.choices import split_batch
+from tpu_helpers.panel.options import split_batch
 from tpu_helpers.memory.report import largest_fitting_batch
 
 

@@ -1,6 +1,6 @@
 """The tuning panel's logic (no browser), its ipywidgets view, and the tuning notebook under papermill.
 
-The browser view of the same panel is tests/memory/test_panel_browser.py.
+The browser view of the same panel is tests/panel/test_panel_browser.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from tests.support import NOTEBOOKS
 from tpu_helpers.backend import get_backend
 from tpu_helpers.hardware import lookup
 from tpu_helpers.memory import analytic_estimate, largest_fitting_batch
-from tpu_helpers.memory.choices import (
+from tpu_helpers.panel.options import (
     NOTEBOOK_PRESETS,
     chips_text,
     cost_text,
@@ -22,7 +22,7 @@ from tpu_helpers.memory.choices import (
     nearest_slice,
     slice_sizes,
 )
-from tpu_helpers.memory.panel import TuningPanel
+from tpu_helpers.panel.tuning import TuningPanel
 from tpu_helpers.memory.probe import probe_batch_size
 from tpu_helpers.memory.traced import gpt_batch, step_trainer
 from tpu_helpers.models.gpt import GPT, gpt_config
@@ -272,7 +272,7 @@ def test_panel_probe_starts_from_the_estimate_for_the_device_it_runs_on():
 
 
 def test_widget_controls_drive_the_panel():
-    from tpu_helpers.memory.widgets import PanelView
+    from tpu_helpers.panel.widgets import PanelView
 
     panel = TuningPanel(preset="small", seq_len=1024, batch_size=8, hardware="v5e", chips=8)
     view = PanelView(panel)
@@ -303,7 +303,7 @@ def test_colab_gets_its_custom_widget_manager_only_with_ipywidgets_8(monkeypatch
 
     import ipywidgets
 
-    from tpu_helpers.memory.widgets import enable_colab_widgets
+    from tpu_helpers.panel.widgets import enable_colab_widgets
 
     monkeypatch.delenv("COLAB_RELEASE_TAG", raising=False)
     assert enable_colab_widgets() == "not colab"

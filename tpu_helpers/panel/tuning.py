@@ -1,4 +1,4 @@
-"""The batch-size tuning panel's logic, in plain Python (the ipywidgets view is ``tpu_helpers.memory.widgets``).
+"""The batch-size tuning panel's logic, in plain Python (the ipywidgets view is ``tpu_helpers.panel.widgets``).
 
 :class:`TuningPanel` holds the choices (model, sequence length, per-chip batch, grad_accum or a global batch,
 precision, pure_bf16 weights, gradient checkpointing, optimizer, target hardware, slice size and SHARDING, assumed
@@ -19,7 +19,7 @@ marked stale::
     panel.probe(backend)                  # the largest batch that really runs on this device (panel_probe.py)
 
 ``panel.show_static()`` prints the figures and draws the chart (papermill runs); the controls are the view's,
-``tpu_helpers.memory.widgets.PanelView(panel, backend).show()``.
+``tpu_helpers.panel.widgets.PanelView(panel, backend).show()``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from tpu_helpers.memory.analytic import (
     param_counts,
     resolve_config,
 )
-from tpu_helpers.memory.choices import (
+from tpu_helpers.panel.options import (
     check_chips,
     check_panel_sharding,
     chips_text,
@@ -49,11 +49,11 @@ from tpu_helpers.memory.choices import (
     precision_warning,
     preset_settings,
 )
-from tpu_helpers.memory.figure import figure_png, memory_figure
-from tpu_helpers.memory.panel_probe import ProbeMixin
+from tpu_helpers.panel.figure import figure_png, memory_figure
+from tpu_helpers.panel.background import ProbeMixin
 from tpu_helpers.memory.report import MemoryEstimate, MemoryReport, memory_report, resolve_hardware
 from tpu_helpers.memory.sharded import ShardingPlan, shard_estimate, sharding_plan
-from tpu_helpers.memory.suggest import Suggestion, suggest
+from tpu_helpers.panel.suggest import Suggestion, suggest
 from tpu_helpers.models.gpt import PRESETS, flops_per_token
 
 

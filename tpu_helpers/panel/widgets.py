@@ -1,4 +1,4 @@
-"""The batch-size tuning panel as ipywidgets: a thin view over :class:`tpu_helpers.memory.panel.TuningPanel`.
+"""The batch-size tuning panel as ipywidgets: a thin view over :class:`tpu_helpers.panel.tuning.TuningPanel`.
 
     panel = TuningPanel(preset="small", seq_len=1024, hardware="v5e", chips=8)
     view = PanelView(panel, backend).show()
@@ -23,7 +23,7 @@ from typing import Any
 
 from tpu_helpers.choices import OPTIMIZERS, PRECISIONS
 from tpu_helpers.hardware import CATALOG
-from tpu_helpers.memory.choices import (
+from tpu_helpers.panel.options import (
     GPT_SIZES,
     NOTEBOOK_PRESETS,
     chips_text,
@@ -33,9 +33,9 @@ from tpu_helpers.memory.choices import (
     sharding_options,
     slice_sizes,
 )
-from tpu_helpers.memory.figure import figure_png
-from tpu_helpers.memory.panel import TuningPanel
-from tpu_helpers.memory.panel_io import panel_from_config, save_tuning_results
+from tpu_helpers.panel.figure import figure_png
+from tpu_helpers.panel.tuning import TuningPanel
+from tpu_helpers.panel.saving import panel_from_config, save_tuning_results
 from tpu_helpers.memory.report import resolve_hardware
 from tpu_helpers.models.gpt import PRESETS
 

@@ -10,7 +10,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from tpu_helpers.memory.panel import TuningPanel
+from tpu_helpers.panel.tuning import TuningPanel
 
 
 def panel_from_config(config) -> TuningPanel:

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from tpu_helpers.memory.choices import (
+from tpu_helpers.panel.options import (
     check_panel_sharding,
     chips_text,
     max_fsdp,

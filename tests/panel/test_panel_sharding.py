@@ -12,8 +12,8 @@ import pytest
 from tpu_helpers.hardware import format_bytes, lookup
 from tpu_helpers.memory import analytic_estimate, largest_fitting_batch
 from tpu_helpers.memory.analytic import block_params, param_counts, resolve_config
-from tpu_helpers.memory.choices import keep_sharding, sharding_options
-from tpu_helpers.memory.panel import TuningPanel
+from tpu_helpers.panel.options import keep_sharding, sharding_options
+from tpu_helpers.panel.tuning import TuningPanel
 from tpu_helpers.memory.sharded import sharding_plan
 
 XL = dict(preset="medium", n_layer=48, n_head=25, n_embd=1600)  # GPT-2 XL's sizes on the medium preset's vocab
@@ -147,7 +147,7 @@ def test_the_notebook_preset_of_the_v5e8_with_fsdp():
 
 
 def test_the_widget_sharding_control_drives_the_panel():
-    from tpu_helpers.memory.widgets import PanelView
+    from tpu_helpers.panel.widgets import PanelView
 
     _, plan = xl_plan()
     panel = xl_panel()
