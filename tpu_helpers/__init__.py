@@ -22,8 +22,12 @@ parts below it in mind:
                                                            corpus, tokenizers, loaders, SFT rows; crash-safe files
     5. models                                              the GPT, Hugging Face loading and generation, LoRA
     6. training                                            the loop and what a run needs around it
-    7. memory                                              estimates, the probe (of the trainer's step), the panel
-    8. recipes                                             whole jobs: GPT pretraining, fine-tuning, GRPO, the XLA demo
+    7. algorithms, memory                                  SFT, distillation, GRPO and rewards on the loop (each
+                                                           with its settings as one checked object); estimates and
+                                                           the probe (of the trainer's step)
+    8. recipes, panel                                      whole jobs: GPT pretraining, the Hugging Face job and its
+                                                           siblings fine-tuning and GRPO, the XLA demo; the
+                                                           batch-size tuning panel
     9. launch                                              papermill runs, CLI, platform setup, multichip, doctor
 
 The names below load their module on first use (PEP 562), so `import tpu_helpers.hardware` or

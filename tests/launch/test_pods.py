@@ -14,8 +14,8 @@ from tpu_helpers.backend.base import Backend
 from tpu_helpers.checkpoint import CheckpointManager
 from tpu_helpers.config import ConfigError, TrainConfig
 from tpu_helpers.launch import multichip
-from tpu_helpers.launch.pods import host_writes, pod_command, pod_mesh
 from tpu_helpers.launch.cli import config_from_args
+from tpu_helpers.launch.pods import host_writes, pod_command, pod_mesh
 from tpu_helpers.training.trainer import Trainer
 
 

@@ -12,9 +12,9 @@ import pytest
 from tpu_helpers.hardware import format_bytes, lookup
 from tpu_helpers.memory import analytic_estimate, largest_fitting_batch
 from tpu_helpers.memory.analytic import block_params, param_counts, resolve_config
+from tpu_helpers.memory.sharded import sharding_plan
 from tpu_helpers.panel.options import keep_sharding, sharding_options
 from tpu_helpers.panel.tuning import TuningPanel
-from tpu_helpers.memory.sharded import sharding_plan
 
 XL = dict(preset="medium", n_layer=48, n_head=25, n_embd=1600)  # GPT-2 XL's sizes on the medium preset's vocab
 QWEN2_15B = dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,

@@ -14,6 +14,9 @@ from tests.support import NOTEBOOKS
 from tpu_helpers.backend import get_backend
 from tpu_helpers.hardware import lookup
 from tpu_helpers.memory import analytic_estimate, largest_fitting_batch
+from tpu_helpers.memory.probe import probe_batch_size
+from tpu_helpers.memory.traced import gpt_batch, step_trainer
+from tpu_helpers.models.gpt import GPT, gpt_config
 from tpu_helpers.panel.options import (
     NOTEBOOK_PRESETS,
     chips_text,
@@ -23,9 +26,6 @@ from tpu_helpers.panel.options import (
     slice_sizes,
 )
 from tpu_helpers.panel.tuning import TuningPanel
-from tpu_helpers.memory.probe import probe_batch_size
-from tpu_helpers.memory.traced import gpt_batch, step_trainer
-from tpu_helpers.models.gpt import GPT, gpt_config
 from tpu_helpers.targets import TARGETS
 
 

@@ -11,7 +11,7 @@ from tpu_helpers.config import ConfigError, config_from_parameters
 from tpu_helpers.recipes.finetune import Finetune, FinetuneConfig
 from tpu_helpers.recipes.grpo import GRPO, GRPOConfig
 
-REWARD = "tests.training.test_grpo:odd_first_character"  # a reward an untrained model's answers vary on
+REWARD = "tests.algorithms.test_grpo:odd_first_character"  # a reward an untrained model's answers vary on
 
 # The first 3 training losses of each job below, recorded on the CPU (fp32) with the code before the restructuring
 # (commit 8a2b209: GRPOConfig a subclass of FinetuneConfig, the algorithms under training/). Exact: the same job

@@ -15,8 +15,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from tpu_helpers.panel.options import split_batch
 from tpu_helpers.memory.report import largest_fitting_batch
+from tpu_helpers.panel.options import split_batch
 
 
 class ProbeMixin:

@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from tpu_helpers.memory.report import largest_fitting_batch, resolve_hardware
 from tpu_helpers.panel.options import (
     check_panel_sharding,
     chips_text,
@@ -22,7 +23,6 @@ from tpu_helpers.panel.options import (
     split_batch,
     widest_sharding,
 )
-from tpu_helpers.memory.report import largest_fitting_batch, resolve_hardware
 
 
 @dataclass(frozen=True)

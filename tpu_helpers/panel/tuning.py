@@ -38,6 +38,11 @@ from tpu_helpers.memory.analytic import (
     param_counts,
     resolve_config,
 )
+from tpu_helpers.memory.report import MemoryEstimate, MemoryReport, memory_report, resolve_hardware
+from tpu_helpers.memory.sharded import ShardingPlan, shard_estimate, sharding_plan
+from tpu_helpers.models.gpt import PRESETS, flops_per_token
+from tpu_helpers.panel.background import ProbeMixin
+from tpu_helpers.panel.figure import figure_png, memory_figure
 from tpu_helpers.panel.options import (
     check_chips,
     check_panel_sharding,
@@ -49,12 +54,7 @@ from tpu_helpers.panel.options import (
     precision_warning,
     preset_settings,
 )
-from tpu_helpers.panel.figure import figure_png, memory_figure
-from tpu_helpers.panel.background import ProbeMixin
-from tpu_helpers.memory.report import MemoryEstimate, MemoryReport, memory_report, resolve_hardware
-from tpu_helpers.memory.sharded import ShardingPlan, shard_estimate, sharding_plan
 from tpu_helpers.panel.suggest import Suggestion, suggest
-from tpu_helpers.models.gpt import PRESETS, flops_per_token
 
 
 @dataclass

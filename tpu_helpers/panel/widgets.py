@@ -23,6 +23,9 @@ from typing import Any
 
 from tpu_helpers.choices import OPTIMIZERS, PRECISIONS
 from tpu_helpers.hardware import CATALOG
+from tpu_helpers.memory.report import resolve_hardware
+from tpu_helpers.models.gpt import PRESETS
+from tpu_helpers.panel.figure import figure_png
 from tpu_helpers.panel.options import (
     GPT_SIZES,
     NOTEBOOK_PRESETS,
@@ -33,11 +36,8 @@ from tpu_helpers.panel.options import (
     sharding_options,
     slice_sizes,
 )
-from tpu_helpers.panel.figure import figure_png
-from tpu_helpers.panel.tuning import TuningPanel
 from tpu_helpers.panel.saving import panel_from_config, save_tuning_results
-from tpu_helpers.memory.report import resolve_hardware
-from tpu_helpers.models.gpt import PRESETS
+from tpu_helpers.panel.tuning import TuningPanel
 
 __all__ = ["PanelView", "TuningPanel", "enable_colab_widgets", "panel_from_config", "save_tuning_results"]
 

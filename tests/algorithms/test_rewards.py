@@ -43,10 +43,10 @@ def by_path(prompts, completions, answer):
 
 
 def test_any_callable_by_import_path_gets_the_fields_it_names():
-    r = resolve_rewards(["tests.training.test_rewards:by_path", "tests.training.test_rewards.by_path"][:1])
+    r = resolve_rewards(["tests.algorithms.test_rewards:by_path", "tests.algorithms.test_rewards.by_path"][:1])
     got = score(r, ["p", "q"], ["12", "3"], {"answer": ["10", "10"], "completion_tokens": [2, 1], "other": [1, 2]})
-    assert got == {"tests.training.test_rewards:by_path": [1.0, 0.0]}
-    assert list(resolve_rewards("tests.training.test_rewards.by_path")) == ["tests.training.test_rewards.by_path"]
+    assert got == {"tests.algorithms.test_rewards:by_path": [1.0, 0.0]}
+    assert list(resolve_rewards("tests.algorithms.test_rewards.by_path")) == ["tests.algorithms.test_rewards.by_path"]
 
 
 def test_bad_rewards_are_errors_naming_them():

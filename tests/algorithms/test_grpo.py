@@ -94,7 +94,7 @@ def test_strict_xla_grpo_with_checkpointing_reads_only_for_rewards_logs_and_save
     counters = _Counters()
     job = _job(tmp_path, "xla", backend=XLA_BACKEND, callbacks=[counters], steps=7, log_every=1, save_every=4,
                num_iterations=2, gradient_checkpointing=True, grad_accum=2,
-               rewards="answer,tests.training.test_grpo:odd_first_character")
+               rewards="answer,tests.algorithms.test_grpo:odd_first_character")
     report = job.train()  # xla_checks="strict": a recompilation or an undeclared host read after warm-up raises
     steps = counters.steps
     assert all(s["compilations"] == 0 for k, s in steps.items() if k > 2), steps
@@ -108,7 +108,7 @@ def test_strict_xla_grpo_with_checkpointing_reads_only_for_rewards_logs_and_save
     assert report.xla["problems"] == [] and report.xla["cpu_fallback_ops"] == {}
     records = job.history.train
     assert records[0]["kl"] == 0.0 and records[-1]["kl"] > 0  # policy == reference before the first update
-    assert {"reward", "reward/answer", "reward/tests.training.test_grpo:odd_first_character", "completion_tokens",
+    assert {"reward", "reward/answer", "reward/tests.algorithms.test_grpo:odd_first_character", "completion_tokens",
             "clip_fraction", "generate_s"} <= set(records[0])
     # The reference is the start model itself (the adapter disabled): its log-probabilities of the last rollout.
     from transformers import AutoModelForCausalLM
@@ -152,7 +152,7 @@ def test_the_reward_rises_and_a_surrogate_loss_near_zero_is_no_divergence(tmp_pa
 
     job = _job(tmp_path, "xla", backend=XLA_BACKEND, method="full", lr=5e-3, steps=40, batch_size=4,
                num_generations=8, max_new_tokens=2, log_every=1, save_every=100, max_records=64,
-               rewards="tests.training.test_grpo:odd_first_character")
+               rewards="tests.algorithms.test_grpo:odd_first_character")
     assert job.config.on_divergence == "stop"
     report = job.train()
     assert report.steps == 40 and job.trainer.diverged is None
