@@ -92,6 +92,6 @@ def test_each_host_loads_its_share_and_only_host_0_writes(tmp_path):
 
     for backend, name in ((host1, "host1"), (Backend("fp32"), "host0")):
         job = Pretrain(TrainConfig(out_dir=str(tmp_path / name)), backend=backend)
-        job.trainer, job.report = SimpleNamespace(history=History(), tracking=None), SimpleNamespace(to_dict=dict)
+        job._trainer, job.report = SimpleNamespace(history=History(), tracking=None), SimpleNamespace(to_dict=dict)
         job.save_results()
     assert not (tmp_path / "host1").exists() and (tmp_path / "host0" / "results.json").exists()

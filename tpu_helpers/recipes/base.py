@@ -12,7 +12,6 @@ is a small subclass: `make_trainer` (and the parts it needs) plus what its noteb
 
 from __future__ import annotations
 
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -45,17 +44,25 @@ class Recipe:
         self.progress = progress
         self.callbacks = list(callbacks or [])
         self.report: RunReport | None = None
+        self._trainer: Trainer | None = None
 
     # ---- training ----------------------------------------------------------------------------------------------
-    @cached_property
+    @property
     def trainer(self) -> Trainer:
         """The trainer, made on first use (by `train`, or earlier by whatever needs the placed model)."""
-        trainer = self.make_trainer()
-        if trainer.tracking is not None:
-            # The tracked run gets the memory plan as config and stays open for `save_results`' tables.
-            trainer.tracking.describe(memory_plan=self._tracked_plan())
-            trainer.tracking.hold_open = True
-        return trainer
+        if self._trainer is None:
+            trainer = self.make_trainer()
+            if trainer.tracking is not None:
+                # The tracked run gets the memory plan as config and stays open for `save_results`' tables.
+                trainer.tracking.describe(memory_plan=self._tracked_plan())
+                trainer.tracking.hold_open = True
+            self._trainer = trainer
+        return self._trainer
+
+    @property
+    def has_trainer(self) -> bool:
+        """Whether the trainer exists yet: what runs before training (samples, exports) must not build it."""
+        return self._trainer is not None
 
     def _tracked_plan(self) -> dict | None:
         plan = getattr(self, "plan", None)

@@ -314,12 +314,6 @@ class HFJob(Recipe):
         return None
 
     # ---- 6. results --------------------------------------------------------------------------------------------
-    @property
-    def has_trainer(self) -> bool:
-        """Whether the trainer exists yet (`trainer` builds it on first use; samples and exports before training
-        must not)."""
-        return "trainer" in self.__dict__
-
     def tracked_results(self, results: dict) -> dict:
         """The samples before and after training as tables, for the trackers (a recipe adds its scores)."""
         tables = {f"samples/{when}": (results.get(f"samples_{when}") or {}).get("rows") or []
