@@ -55,7 +55,7 @@ from tpu_helpers.data.sft import (
 from tpu_helpers.data.teacher_cache import cache_identity
 from tpu_helpers.memory.hf_plan import hf_finetune_estimate
 from tpu_helpers.models import hf, lora, qat
-from tpu_helpers.recipes.hf_job import HFJob, HFJobConfig
+from tpu_helpers.recipes.hf_job import HFJob, HFJobConfig, JobData
 
 _WHAT = {"lora": "LoRA fine-tuning", "full": "full fine-tuning", "distill": "distillation"}
 
@@ -183,8 +183,9 @@ class Finetune(HFJob):
         return self.teacher_cache.summary()
 
     # ---- 3. data -----------------------------------------------------------------------------------------------
-    @cached_property
-    def _data(self) -> tuple[Any, Any, dict, list[dict]]:
+    def load_data(self) -> JobData:
+        """Fixed-shape SFT rows of DATASET (stats: rows, tokens, the share of trained tokens), and its held-out
+        records with answers (the generated set's test split)."""
         cfg = self.config
         records = self.read_records(load_records)
         record_form(records[0], where=f"DATASET={cfg.dataset!r} record 0")
@@ -194,25 +195,7 @@ class Finetune(HFJob):
             held = load_records(DEFAULT_DATASET, split="test")
         else:
             held = [r for r in records[:64] if record_form(r) != "text"]
-        return train, val, stats, held
-
-    @property
-    def train_data(self) -> Any:
-        return self._data[0]
-
-    @property
-    def val_data(self) -> Any:
-        return self._data[1]
-
-    @property
-    def data_stats(self) -> dict:
-        """Rows, tokens and the share of trained tokens of the fixed-shape SFT rows."""
-        return self._data[2]
-
-    @property
-    def held_out(self) -> list[dict]:
-        """Records with reference answers for `samples` (the generated set's held-out prompts)."""
-        return self._data[3]
+        return JobData(train, val, stats, held, records)
 
     # ---- 4. samples --------------------------------------------------------------------------------------------
     def samples(self, n: int | None = None) -> dict:

@@ -40,7 +40,7 @@ from tpu_helpers.models import hf, lora
 from tpu_helpers.models.generation import generate_ids
 from tpu_helpers.models.hf import eos_ids
 from tpu_helpers.recipes.finetune import Finetune, FinetuneConfig
-from tpu_helpers.recipes.hf_job import HFJob, HFJobConfig
+from tpu_helpers.recipes.hf_job import HFJob, HFJobConfig, JobData
 
 SFT = "sft"
 
@@ -190,37 +190,16 @@ class GRPO(HFJob):
         return self.load(self.source, frozen=True)[0]
 
     # ---- 3. prompts -----------------------------------------------------------------------------------------------
-    @cached_property
-    def _data(self) -> tuple[Any, Any, dict, list[dict]]:
+    def load_data(self) -> JobData:
+        """Prompts of DATASET left-padded to MAX_PROMPT_LEN (stats: kept and skipped), no validation rows, and the
+        held-out prompts with answers (the generated sums' test split)."""
         cfg = self.config
         records = self.read_records(load_prompt_records)
         data, stats = build_prompt_dataset(self.tokenizer, records, max_prompt_len=cfg.max_prompt_len,
                                            prompt_field=cfg.prompt_field, answer_field=cfg.answer_field,
                                            system_prompt=cfg.system_prompt)
         held = load_prompt_records(SUMS, split="test") if cfg.dataset == SUMS else records[:64]
-        return data, records, stats, held
-
-    @property
-    def train_data(self) -> Any:
-        return self._data[0]
-
-    @property
-    def data_stats(self) -> dict:
-        """Prompts kept and skipped, left-padded to MAX_PROMPT_LEN."""
-        return self._data[2]
-
-    @property
-    def held_out(self) -> list[dict]:
-        """Records with reference answers for `samples` (the generated set's held-out prompts)."""
-        return self._data[3]
-
-    @property
-    def records(self) -> list[dict]:
-        return self._data[1]
-
-    @property
-    def val_data(self) -> None:
-        return None
+        return JobData(data, None, stats, held, records)
 
     @cached_property
     def rewards(self) -> dict:

@@ -45,6 +45,17 @@ require_extra("hf", "Hugging Face jobs (tpu_helpers.recipes: fine-tuning, GRPO)"
 
 
 @dataclass
+class JobData:
+    """What a Hugging Face job trains and samples on (`HFJob.data`)."""
+
+    train: Any  # the training rows (a Dataset of fixed-shape rows)
+    val: Any  # the validation rows, or None
+    stats: dict  # figures of the rows (counts, tokens, what was skipped)
+    held_out: list[dict]  # records with reference answers for `samples`
+    records: list[dict]  # DATASET's records as read
+
+
+@dataclass
 class HFJobConfig(TrainConfig):
     """`TrainConfig` plus what every Hugging Face recipe has, each a notebook parameter of the same UPPER_CASE name.
     The tokenizer is MODEL's own; DATASET is the recipe's data."""
@@ -222,6 +233,37 @@ class HFJob(Recipe):
         return self.backend.move_model(self.model)
 
     # ---- 3. data -----------------------------------------------------------------------------------------------
+    def load_data(self) -> JobData:
+        """The recipe's data from DATASET (`read_records`), made once by `data`."""
+        raise NotImplementedError(f"{type(self).__name__} must define load_data()")
+
+    @cached_property
+    def data(self) -> JobData:
+        """The job's data, built on first use (after the tokenizer): training rows, validation rows, figures,
+        held-out records for `samples`, and the records read."""
+        return self.load_data()
+
+    @property
+    def train_data(self) -> Any:
+        return self.data.train
+
+    @property
+    def val_data(self) -> Any:
+        return self.data.val
+
+    @property
+    def data_stats(self) -> dict:
+        return self.data.stats
+
+    @property
+    def held_out(self) -> list[dict]:
+        """Records with reference answers for `samples` (the generated sets' held-out split)."""
+        return self.data.held_out
+
+    @property
+    def records(self) -> list[dict]:
+        return self.data.records
+
     def read_records(self, load: Callable[..., list[dict]]) -> list[dict]:
         """DATASET's records through the recipe's reader `load(dataset, max_records=)`; none is an error."""
         cfg = self.config
