@@ -84,7 +84,7 @@ def test_guard_outside_the_main_thread_leaves_handlers_alone(tiny_data, tmp_path
     seen = []
 
     def run() -> None:
-        with stop_on_signals(trainer):
+        with stop_on_signals(trainer.outcome, lambda: trainer.step):
             seen.append(signal.getsignal(signal.SIGTERM))
 
     before = signal.getsignal(signal.SIGTERM)

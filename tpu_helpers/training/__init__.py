@@ -5,13 +5,15 @@
 
 Modules: `trainer` (the loop with overridable steps), `cadence` (when to log, evaluate and save), `optimizers` (the
 optimizers and the learning-rate schedule), `batches` (accepted batch forms and the causal-LM losses), `causal_lm`
-(SFT and distillation trainers), `run_state` (save and resume), `run_lock` (one run per out_dir), `resume_policy`
-(what a changed setting does on resume), `finite` (nan/inf: stop, never save), `signals` (clean stop on
+(SFT and distillation trainers), `outcome` (how a run ends: its stop reason, what diverged, the divergence
+policies), `run_state` (save and resume), `run_lock` (one run per out_dir), `resume_policy` (what a changed setting
+does on resume), `finite` (nan/inf: stop, never save), `divergence` (a finite loss spike), `signals` (clean stop on
 SIGTERM/SIGINT), `validation` (checks of Trainer arguments), `step_timing` (where a step's time goes, MFU),
 `history` (loss history and the run report), `results` (results.json and the figure of a run), `tracking`
 (the run's figures live in TensorBoard, W&B or trackio: `TrainConfig.trackers`) over `trackers` (one adapter each). The hooks a run
 calls are `tpu_helpers.callbacks` (below the trainer, so what watches a run need not import it); the ready-made
-jobs built on the trainer are `tpu_helpers.recipes`.
+jobs built on the trainer are `tpu_helpers.recipes`. The trainer's helpers take what they need (config, backend,
+model, optimizer, history, the run's `outcome`), never the trainer: no helper module here imports it.
 
 Names load their module on first use, so importing a light module (`cadence`, `results`, `history`) does not
 import the trainer.

@@ -4,10 +4,12 @@
     rule.check_train(history, step)     # after the log closure recorded the mean training loss of a log interval
     rule.check_val(history, step)       # after an evaluation recorded the validation loss
 
-Each returns None, or a sentence naming the step, the value and what it was compared with; the trainer passes that
-to `Trainer.on_divergence(..., kind="spike")`, which applies `TrainConfig.on_divergence`: "stop" (default) ends the
-run after the step, saves nothing from then on and `fit` raises `TrainingDiverged` naming the best checkpoint;
-"warn" warns once and trains on; "off" does not check. (nan/inf is `finite.py`'s, under `on_nonfinite`.)
+Each returns None, or a sentence naming the step, the value and what it was compared with. The trainer calls
+`check_loss(history, step, loss, spike_rule=...)` after each loss it reads, which returns a `Finding` (nan/inf,
+`finite.py`'s, first; then a spike) or None, and passes a finding to its `outcome.RunOutcome`, which applies the
+policy (`policy` below): `TrainConfig.on_divergence` for a spike, "stop" (default) ending the run after the step,
+saving nothing from then on, and `fit` raising `TrainingDiverged` naming the best checkpoint; "warn" warns once and
+trains on; "off" does not check. (nan/inf is under `on_nonfinite`.)
 
 The rule, with k = `divergence_factor` (default 3):
 - validation: the loss above k x the lowest validation loss so far;
@@ -17,7 +19,7 @@ The rule, with k = `divergence_factor` (default 3):
 Both compare with a reference that exists only after warm-up: an earlier evaluation (the one before step 1
 counts), and `MIN_RECORDS` earlier log intervals. The reference is never taken below a tenth of the first value
 of its series (the untrained model's loss): a fine-tuning loss near 0 would otherwise make ordinary noise look
-like a spike (0.02 -> 0.07 is 3.5 x). Both series come from `trainer.history`, which a checkpoint restores, so a
+like a spike (0.02 -> 0.07 is 3.5 x). Both series come from the trainer's `history`, which a checkpoint restores, so a
 resumed run compares with the same readings as an uninterrupted one.
 
 The default factor's margin, measured on the package's own tiny runs (`benchmarks/spike_margin.py`), and the
@@ -30,7 +32,7 @@ import math
 import warnings
 from dataclasses import dataclass
 from statistics import median
-from typing import Any
+from typing import Any, NamedTuple
 
 from tpu_helpers.training import finite
 
@@ -122,20 +124,25 @@ def _floored(value: float, basis: str, first: float) -> tuple[float, str]:
 
 
 # ---- the trainer's side: what it calls after reading a loss, and the policies ------------------------------------
-def check_loss(trainer: Any, step: int, loss: float, *, first_step: int | None = None,
-               validation: bool = False) -> None:
-    """After the trainer recorded a loss in its history (the mean training loss of steps first_step+1..step at a
-    log step, or the validation loss): a nan/inf, else a spike, goes to `trainer.on_divergence`."""
+class Finding(NamedTuple):
+    """A divergence a check found: `what` in words, and its kind ("nonfinite" or "spike") for its policy."""
+
+    what: str
+    kind: str
+
+
+def check_loss(history: Any, step: int, loss: float, *, spike_rule: SpikeRule | None,
+               first_step: int | None = None, validation: bool = False) -> Finding | None:
+    """After the trainer recorded a loss in `history` (the mean training loss of steps first_step+1..step at a log
+    step, or the validation loss): a nan/inf, else (with a `spike_rule`) a spike; None when the loss is fine. The
+    trainer passes what it finds to its `outcome.RunOutcome`, and passes no rule once a spike would change nothing."""
     problem = finite.nonfinite_loss(step, loss, first_step=first_step, validation=validation)
-    if problem:  # nan/inf: stop after this step, save nothing
-        trainer.on_divergence(problem)
-        return
-    rule = trainer.spike_rule
-    if rule is None or "spike" in trainer.divergence_warned or trainer.diverged is not None:
-        return
-    spike = rule.check_val(trainer.history, step) if validation else rule.check_train(trainer.history, step)
-    if spike:
-        trainer.on_divergence(spike, kind="spike")
+    if problem:  # nan/inf: under "stop", end after this step and save nothing
+        return Finding(problem, "nonfinite")
+    if spike_rule is None:
+        return None
+    spike = spike_rule.check_val(history, step) if validation else spike_rule.check_train(history, step)
+    return Finding(spike, "spike") if spike else None
 
 
 def policy(config: Any, kind: str) -> str:

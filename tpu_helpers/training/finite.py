@@ -2,7 +2,7 @@
 
 Costs no host transfer of its own. The loss check runs in the trainer's log closure on the value already read for
 the history (`log_every`) and on each validation loss; the weight check runs at a save, on the CPU copy the
-checkpoint is written from. What either finds goes to `Trainer.on_divergence`: with
+checkpoint is written from. What either finds goes to the run's `outcome.RunOutcome`: with
 `TrainConfig(on_nonfinite="stop")` (default) the trainer ends after the step, saves nothing, and `fit` raises
 `TrainingDiverged` naming the step, the loss, the newest good checkpoint and the best one; `"warn"` only warns
 (once) and keeps training, but still never saves non-finite weights. There is no "skip the step" mode: deciding
@@ -13,6 +13,7 @@ A loss that blows up but stays finite is `divergence.py`'s (`on_divergence`), ra
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,11 +45,13 @@ def nonfinite_tensors(state: dict) -> list[str]:
             if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
 
 
-def diverged_error(trainer: Any, report: Any) -> TrainingDiverged:
-    """The error `fit` raises after a stop on a divergence: what, where, which checkpoints are good, what to do."""
-    cfg = trainer.config
-    latest = trainer.state.manager.latest()
-    best = report.best_checkpoint if report is not None else trainer.state.best()
+def diverged_error(outcome: Any, report: Any, *, lr: float, latest: Any, directory: Path) -> TrainingDiverged:
+    """The error `fit` raises after a stop on a divergence: what, where, which checkpoints are good, what to do.
+
+    `outcome` is the run's `outcome.RunOutcome` (its `diverged` says what), `report` the partial run's RunReport
+    (its best checkpoint), `latest` the newest good checkpoint (a CheckpointInfo: step, path) or None, `directory`
+    where the checkpoints are."""
+    best = report.best_checkpoint if report is not None else None
     if latest is None:
         kept = "no checkpoint was saved before it"
     else:
@@ -59,9 +62,9 @@ def diverged_error(trainer: Any, report: Any) -> TrainingDiverged:
     back = ""
     if best is not None and latest is not None and best["step"] < latest.step:
         back = (f"; to go back to the best one instead, move the checkpoints after step {best['step']} out of "
-                f"{trainer.state.directory} first")
+                f"{directory} first")
     err = TrainingDiverged(
-        f"training diverged: {trainer.diverged} (lr={cfg.lr:g}). Nothing was saved after it; {kept}. Lower lr, "
+        f"training diverged: {outcome.diverged} (lr={lr:g}). Nothing was saved after it; {kept}. Lower lr, "
         "raise warmup_steps, or check grad_clip and the data; a rerun with resume=True continues from the newest "
         f"good checkpoint and applies the new lr (see the README's resume table){back}")
     err.report = report

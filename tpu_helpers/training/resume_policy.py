@@ -18,12 +18,9 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tpu_helpers.training.optimizers import warmup_cosine
-
-if TYPE_CHECKING:
-    from tpu_helpers.training.trainer import Trainer
 
 IDENTITY_FIELDS = ("preset", "dataset", "text_field", "tokenizer", "max_chars", "seq_len", "val_fraction",
                    "optimizer", "seed")
@@ -68,23 +65,25 @@ def _fmt(value: Any) -> str:
     return f"{value:.3g}" if isinstance(value, float) else repr(value)
 
 
-def apply_changes(trainer: Trainer, old_config: Any) -> list[str]:
-    """Apply APPLIED_ON_RESUME settings that differ from the checkpoint's; returns one line per change.
+def apply_changes(config: Any, optimizer: Any, step: int, old_config: Any) -> list[str]:
+    """Apply APPLIED_ON_RESUME settings of `config` that differ from the checkpoint's (`old_config`, the dict it
+    stored) to the restored `optimizer` at the resume `step`; returns one line per change.
 
     The learning rate follows by itself: the trainer rebuilds its schedule from this run's config at the resume
-    step (`Trainer.load_progress_state`). Weight decay lives in the optimizer's param groups, which the
-    checkpoint restored with the old value: the decayed groups get the new one. `grad_clip` is read every step.
+    step (`Trainer.load_progress_state`), so `optimizer`'s lr is already the new one. Weight decay lives in the
+    optimizer's param groups, which the checkpoint restored with the old value: the decayed groups get the new one.
+    `grad_clip` is read every step.
     """
     if not isinstance(old_config, dict):
         return []
-    cfg, step = trainer.config, trainer.step
+    cfg = config
     changed = [k for k in APPLIED_ON_RESUME if k in old_config and old_config[k] != getattr(cfg, k)]
     if not changed:
         return []
     lines = [f"{k} {_fmt(old_config[k])} -> {_fmt(getattr(cfg, k))} from step {step}" for k in changed]
     if "weight_decay" in changed:
         old_wd = old_config["weight_decay"]
-        for i, group in enumerate(trainer.optimizer.param_groups):
+        for i, group in enumerate(optimizer.param_groups):
             # The decayed groups carry the configured value; no-decay groups (biases, norms) stay at 0.
             if group.get("weight_decay") == old_wd and (old_wd != 0 or i == 0):
                 group["weight_decay"] = cfg.weight_decay
@@ -92,7 +91,7 @@ def apply_changes(trainer: Trainer, old_config: Any) -> list[str]:
     if all(k in old_config for k in schedule):
         lr_before = old_config["lr"] * warmup_cosine(step, warmup=old_config["warmup_steps"],
                                                      total=old_config["steps"], min_ratio=old_config["min_lr_ratio"])
-        lr_after = trainer.optimizer.param_groups[0]["lr"]
+        lr_after = optimizer.param_groups[0]["lr"]
         if not math.isclose(lr_before, lr_after, rel_tol=1e-9):
             lines.append(f"learning rate at step {step}: {lr_before:.3g} -> {lr_after:.3g} (the schedule now runs "
                          f"to step {cfg.steps}, warmup {cfg.warmup_steps}, down to {cfg.min_lr_ratio:g} x lr)")

@@ -1,10 +1,12 @@
 """Stop a training run cleanly on SIGTERM or Ctrl-C / the notebook's stop button, losing no finished step.
 
 A preemptible TPU VM gets SIGTERM about 30 s before it is taken away; `kill PID`, Slurm and Kubernetes send it
-too; Jupyter's stop button sends SIGINT to the kernel. `Trainer.fit` runs inside `stop_on_signals(trainer)`:
+too; Jupyter's stop button sends SIGINT to the kernel. `Trainer.fit` runs inside
+`stop_on_signals(trainer.outcome, step=lambda: trainer.step, hint=...)`:
 
-- first signal: `trainer.stop_reason` is set (e.g. "signal SIGTERM at step 41") and a line says so; the loop
-  finishes the step it is in, saves a checkpoint and returns normally; then a message says how to resume;
+- first signal: the run's stop reason is set on its `outcome.RunOutcome` (e.g. "signal SIGTERM at step 41", so
+  `trainer.stop_reason` and the report say it) and a line says so; the loop finishes the step it is in, saves a
+  checkpoint and returns normally; then a message says how to resume (`resume_hint`);
 - second signal: stop at once. SIGINT raises KeyboardInterrupt, SIGTERM raises SystemExit(143) (128 + 15, the
   status a process killed by SIGTERM reports). Checkpoints are written atomically, so stopping in the middle of
   a save loses only that save: the previous checkpoint is intact and the rerun resumes from it.
@@ -33,7 +35,8 @@ import contextlib
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), signal.SIGINT) if s is not None)
@@ -46,16 +49,16 @@ def _say(message: str) -> None:
 
 
 class _Guard:
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
+    def __init__(self, outcome: Any, step: Callable[[], int]) -> None:
+        self.outcome, self.step = outcome, step
         self.received: list[int] = []
 
     def handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
         self.received.append(signum)
         if len(self.received) == 1:
-            step = getattr(self.trainer, "step", 0)
-            self.trainer.stop_reason = f"{_PREFIX}{name} at step {step}"
+            step = self.step()
+            self.outcome.stop(f"{_PREFIX}{name} at step {step}", by_signal=True)
             _say(f"received {name} at step {step}: finishing this step, saving a checkpoint and stopping "
                  f"(send it again to stop at once)")
             return
@@ -65,29 +68,29 @@ class _Guard:
         raise SystemExit(128 + signum)
 
 
-def resume_hint(trainer: Any) -> str:
-    """The message printed after a signal-stopped run: where it stopped and how to continue it."""
-    cfg = trainer.config
-    if trainer.step >= cfg.steps:
-        return f"{trainer.stop_reason} came after the last step: the run is complete ({cfg.steps} steps)"
-    path = getattr(trainer.state, "last_path", None)
-    saved = f"checkpoint {path}" if path is not None else "no new checkpoint (no step finished)"
+def resume_hint(stop_reason: str | None, *, step: int, steps: int, out_dir: Any, last_path: Path | None) -> str:
+    """The message printed after a signal-stopped run: where it stopped (`step` of `steps`) and how to continue it
+    (`last_path`: the checkpoint this run saved last, if any)."""
+    if step >= steps:
+        return f"{stop_reason} came after the last step: the run is complete ({steps} steps)"
+    saved = f"checkpoint {last_path}" if last_path is not None else "no new checkpoint (no step finished)"
     return (
-        f"stopped at step {trainer.step} of {cfg.steps} ({trainer.stop_reason}); {saved}. "
-        f"To continue, run the same notebook or command again with out_dir={str(cfg.out_dir)!r} and "
+        f"stopped at step {step} of {steps} ({stop_reason}); {saved}. "
+        f"To continue, run the same notebook or command again with out_dir={str(out_dir)!r} and "
         f"resume=True: it resumes from the newest good checkpoint."
     )
 
 
 @contextlib.contextmanager
-def stop_on_signals(trainer: Any) -> Iterator[None]:
-    """Route SIGTERM/SIGINT to `trainer.stop_reason` while the block runs (see the module docstring)."""
-    if isinstance(trainer.stop_reason, str) and trainer.stop_reason.startswith(_PREFIX):
-        trainer.stop_reason = None  # a signal that stopped an earlier fit must not stop this one
+def stop_on_signals(outcome: Any, step: Callable[[], int], hint: Callable[[], str] | None = None) -> Iterator[None]:
+    """Route SIGTERM/SIGINT to `outcome.stop(...)` (an `outcome.RunOutcome`) while the block runs; `step()` is the
+    run's current step, named in the stop reason; `hint()`, said after a signal stopped the run, how to resume
+    (`resume_hint`). See the module docstring."""
+    outcome.new_fit()  # a signal that stopped an earlier fit must not stop this one
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    guard = _Guard(trainer)
+    guard = _Guard(outcome, step)
     previous = {s: signal.getsignal(s) for s in SIGNALS}
     for s in SIGNALS:
         signal.signal(s, guard.handle)
@@ -97,8 +100,8 @@ def stop_on_signals(trainer: Any) -> Iterator[None]:
         for s, handler in previous.items():
             # None means the handler was not installed from Python; the default action is the closest match.
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
-    if guard.received:
-        _say(resume_hint(trainer))
+    if guard.received and hint is not None:
+        _say(hint())
 
 
 def is_signal_stop(reason: str | None) -> bool:

@@ -111,20 +111,19 @@ class StepTimer:
         split = {p: median(s[i] for s in steps) * 1e3 for i, p in enumerate(PARTS)}
         return {**split, "step": sum(s[0] + s[1] + s[2] for s in steps) / len(steps) * 1e3}
 
-    def fill_report(self, trainer: Any, report: Any) -> None:
-        """Put the summary into `report.timing` and `report.mfu`."""
-        fpt, peak, chips = mfu_inputs(trainer)
-        report.timing = self.summary(tokens_per_step=trainer.tokens_per_step, flops_per_token=fpt,
-                                     peak_tflops=peak, chips=chips)
+    def fill_report(self, report: Any, *, tokens_per_step: int, mfu: tuple[float | None, float | None, int]) -> None:
+        """Put the summary into `report.timing` and `report.mfu`; `mfu` is what `mfu_inputs` returns."""
+        fpt, peak, chips = mfu
+        report.timing = self.summary(tokens_per_step=tokens_per_step, flops_per_token=fpt, peak_tflops=peak,
+                                     chips=chips)
         report.mfu = report.timing.get("mfu")
 
 
-def mfu_inputs(trainer: Any) -> tuple[float | None, float | None, int]:
-    """(model FLOPs per token, the chip's dense bf16 peak in TFLOP/s or None, chips) of a trainer's run."""
-    backend = trainer.backend
+def mfu_inputs(backend: Any, model: Any, seq_len: int) -> tuple[float | None, float | None, int]:
+    """(model FLOPs per token at `seq_len`, the chip's dense bf16 peak in TFLOP/s or None, chips) of a run of
+    `model` (as made, not wrapped) on `backend`."""
     per_chip = max(1, backend.hardware.devices_per_chip) if backend.hardware is not None else 1
-    return (model_flops_per_token(trainer.raw_model, trainer.config.seq_len), backend.peak_tflops,
-            max(1, backend.num_replicas // per_chip))
+    return (model_flops_per_token(model, seq_len), backend.peak_tflops, max(1, backend.num_replicas // per_chip))
 
 
 def format_timing(timing: dict) -> str:

@@ -46,7 +46,6 @@ from tpu_helpers.training.trackers import TrackedRun, Tracker, check_ready, open
 
 if TYPE_CHECKING:
     from tpu_helpers.training.history import RunReport
-    from tpu_helpers.training.trainer import Trainer
 
 
 class TrackingError(RuntimeError):
@@ -62,7 +61,11 @@ def tracker_names(config: TrainConfig) -> list[str]:
 
 
 class Tracking(Callback):
-    """Feeds the run's trackers from the loop's hooks (see the module docstring)."""
+    """Feeds the run's trackers from the loop's hooks (see the module docstring).
+
+    The hooks get the running Trainer (the Callback protocol); typed Any so that this helper of the trainer does
+    not import it. What they read of it: step, config, backend, raw_model, history, timer, state (the tracked run
+    kept in run.json) and tokens_per_step."""
 
     def __init__(self, config: TrainConfig) -> None:
         self.names = tracker_names(config)
@@ -85,11 +88,11 @@ class Tracking(Callback):
         self.described.update(values)
 
     # ---- hooks -------------------------------------------------------------------------------------------------
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, trainer: Any) -> None:
         if self.run is None:
             self._open(trainer)
         self._timed = len(trainer.timer.steps)
-        self._flops = mfu_inputs(trainer)
+        self._flops = mfu_inputs(trainer.backend, trainer.raw_model, trainer.config.seq_len)
         # What a tracked run lacks of the history this run starts with (the first evaluation; on resume the
         # checkpoint's records, of which a killed process's tracker may have kept only part, or nothing).
         rows: dict[int, dict[str, float]] = {}
@@ -101,7 +104,7 @@ class Tracking(Callback):
             self._write(step, rows[step])
         self._eval_logged = trainer.step
 
-    def on_log(self, trainer: Trainer, record: dict) -> None:
+    def on_log(self, trainer: Any, record: dict) -> None:
         # Inside the step closure: keep the values; they are written once at the end of the step.
         values = _train_values(record)
         window = trainer.timer.window(self._timed)
@@ -113,7 +116,7 @@ class Tracking(Callback):
                 values["train/mfu"] = trainer.tokens_per_step * fpt / (window["step"] / 1e3) / (peak * 1e12 * chips)
         self._add(record["step"], values)
 
-    def on_step_end(self, trainer: Trainer) -> None:
+    def on_step_end(self, trainer: Any) -> None:
         if self._pending_step == trainer.step and trainer.backend.compiles_graphs:
             # The counters after this log step; the XLA detector already read them (reading them costs about a
             # millisecond once a run has made many counters).
@@ -125,7 +128,7 @@ class Tracking(Callback):
         self._add_eval(trainer)
         self._flush()
 
-    def on_fit_end(self, trainer: Trainer, report: RunReport) -> None:
+    def on_fit_end(self, trainer: Any, report: RunReport) -> None:
         self._flush()
         figures = {"steps": report.steps, "tokens_per_s": report.tokens_per_s,
                    "final_train_loss": report.final_train_loss, "final_val_loss": report.final_val_loss,
@@ -154,7 +157,7 @@ class Tracking(Callback):
         self.trackers, self.run = [], None
 
     # ---- internals ---------------------------------------------------------------------------------------------
-    def _open(self, trainer: Trainer) -> None:
+    def _open(self, trainer: Any) -> None:
         cfg = self.config
         ident = trainer.state.tracked_run(lambda: {"id": secrets.token_hex(4),
                                                    "name": cfg.run_name or Path(cfg.out_dir).resolve().name})
@@ -180,7 +183,7 @@ class Tracking(Callback):
         self._pending_step = step
         self._pending.update(values)
 
-    def _add_eval(self, trainer: Trainer) -> None:
+    def _add_eval(self, trainer: Any) -> None:
         evals = trainer.history.eval
         if evals and evals[-1]["step"] == trainer.step and self._eval_logged != trainer.step:
             self._eval_logged = trainer.step

@@ -11,6 +11,11 @@ It trains any `nn.Module`: with `loss_fn=None` the model is called as `model(inp
 (`train_data=None`) a trainer still runs `train_step` on batches it is given: the batch-size probe and the memory
 estimates measure exactly this step, optimizer and zero_grad policy that way.
 
+Around the loop, each concern is a helper given what it needs rather than the trainer: `self.state` (run_state.py:
+checkpoints, resume, run lock), `self.outcome` (outcome.py: how the run ends; `trainer.stop_reason`, which a
+callback may set to stop after the current step, and `trainer.diverged` read it), `self.timer` (step_timing.py),
+the loss checks (divergence.py, finite.py) and the signal handlers (signals.py).
+
 XLA hygiene is built in rather than left to the user:
 - exactly one `backend.sync()` per optimizer step (gradient accumulation stays inside one graph);
 - fixed shapes: loaders drop the last partial batch, evaluation uses the same batch shape every time;
@@ -43,9 +48,10 @@ from tpu_helpers.training.batches import batch_loss
 from tpu_helpers.training.cadence import Cadence
 from tpu_helpers.training.history import History, RunReport
 from tpu_helpers.training.optimizers import make_optimizer, make_scheduler
-from tpu_helpers.training.run_state import RunState
-from tpu_helpers.training.signals import stop_on_signals
-from tpu_helpers.training.step_timing import StepTimer
+from tpu_helpers.training.outcome import RunOutcome
+from tpu_helpers.training.run_state import RunParts, RunState
+from tpu_helpers.training.signals import resume_hint, stop_on_signals
+from tpu_helpers.training.step_timing import StepTimer, mfu_inputs
 from tpu_helpers.training.tracking import Tracking
 from tpu_helpers.training.validation import check_trainer_args
 
@@ -98,9 +104,8 @@ class Trainer:
         if self.tracking is not None:
             self.callbacks.append(self.tracking)
         self.timer = StepTimer()
-        self.stop_reason: str | None = None  # set (e.g. by a signal handler) to end after the current step
-        self.diverged: str | None = None  # the divergence this run stops on (finite.py, divergence.py), if any
-        self.divergence_warned: set[str] = set()  # kinds of divergence warned about ("warn" warns once per kind)
+        # How the run ends: its stop reason (a signal, a callback, a divergence) and what diverged (outcome.py).
+        self.outcome = RunOutcome(cfg)
         # A finite loss spike (training/divergence.py), checked on the losses the loop reads anyway.
         self.spike_rule = (divergence.SpikeRule(cfg.divergence_factor)
                            if cfg.on_divergence != "off" and self.watches_loss_spikes else None)
@@ -116,7 +121,11 @@ class Trainer:
         self.optimizer = self.configure_optimizer()
         self.scheduler = make_scheduler(self.optimizer, cfg)
         self.history = History()
-        self.state = RunState(self, run_identity=run_identity)
+        self.state = RunState(cfg, self.backend,
+                              RunParts(model=self.model, raw_model=model, optimizer=self.optimizer,
+                                       progress_state=self.progress_state,
+                                       load_progress_state=self.load_progress_state),
+                              outcome=self.outcome, run_identity=run_identity, save_trainable_only=save_trainable_only)
         self.step = 0
         self.epoch = 0
         # The data position in samples of the global order (not loader batches), so a checkpoint resumes at the
@@ -247,20 +256,25 @@ class Trainer:
         self.scheduler = make_scheduler(self.optimizer, self.config, step=self.step)
         self.backend.set_rng_state(state["rng"])
 
+    # ---- how the run ends: kept by `self.outcome` (outcome.py); these names are the trainer's public face ---------
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the run stops early, or None. A callback sets it to end the run after the current step."""
+        return self.outcome.stop_reason
+
+    @stop_reason.setter
+    def stop_reason(self, reason: str | None) -> None:
+        self.outcome.stop(reason)
+
+    @property
+    def diverged(self) -> str | None:
+        """The divergence this run stopped on (finite.py, divergence.py), in words, or None."""
+        return self.outcome.diverged
+
     def on_divergence(self, what: str, *, kind: str = "nonfinite") -> None:
-        """A divergence: `kind` "nonfinite" (a nan/inf loss or weights; policy `on_nonfinite`) or "spike" (a finite
-        loss far above its reference, training/divergence.py; policy `on_divergence`). "stop": end after this step,
-        save nothing more, and `fit` raises TrainingDiverged; "warn": warn once per kind and go on (non-finite
-        weights are never saved either way)."""
-        policy = divergence.policy(self.config, kind)
-        if self.diverged is not None or kind in self.divergence_warned or policy == "off":
-            return
-        if policy == "stop":
-            self.diverged = what
-            self.stop_reason = f"diverged: {what}"
-            return
-        self.divergence_warned.add(kind)
-        divergence.warn(what, kind)
+        """A divergence: `kind` "nonfinite" (a nan/inf loss or weights) or "spike" (a finite loss far above its
+        reference); its policy decides what it does (`RunOutcome.diverge`)."""
+        self.outcome.diverge(what, kind=kind)
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def fit(self) -> RunReport:
@@ -268,13 +282,20 @@ class Trainer:
         if self.train_loader is None:
             raise ConfigError("this Trainer was made without train_data (for its step alone): pass a Dataset or "
                               "DataLoader as train_data to fit it")
-        with stop_on_signals(self):
+        cfg = self.config
+
+        def hint() -> str:  # said after a signal stopped the run: where it stopped, how to continue it
+            return resume_hint(self.stop_reason, step=self.step, steps=cfg.steps, out_dir=cfg.out_dir,
+                               last_path=self.state.last_path)
+
+        with stop_on_signals(self.outcome, lambda: self.step, hint):
             try:
                 report = self._fit()
             finally:
                 self.state.release_lock()  # one run per out_dir: held from resume_or_start to here
-        if self.diverged is not None:
-            raise finite.diverged_error(self, report)
+        if self.outcome.diverged is not None:
+            raise finite.diverged_error(self.outcome, report, lr=cfg.lr, latest=self.state.manager.latest(),
+                                        directory=self.state.directory)
         return report
 
     def _fit(self) -> RunReport:
@@ -316,8 +337,10 @@ class Trainer:
                 self.state.save()
             self.timer.end()
         bar.close()
-        report = self.state.report(start_step, time.perf_counter() - t_start)
-        self.timer.fill_report(self, report)
+        report = self.state.report(start_step, time.perf_counter() - t_start, step=self.step, history=self.history,
+                                   tokens_per_step=self.tokens_per_step)
+        self.timer.fill_report(report, tokens_per_step=self.tokens_per_step,
+                               mfu=mfu_inputs(b, self.raw_model, cfg.seq_len))
         for cb in self.callbacks:
             cb.on_fit_end(self, report)
         return report
@@ -333,8 +356,16 @@ class Trainer:
         val = self.evaluate()
         self.history.log_eval(self.step, val, **self.eval_metrics)
         if val is not None:
-            divergence.check_loss(self, self.step, val, validation=True)
+            self._check_loss(self.step, val, validation=True)
         return val
+
+    def _check_loss(self, step: int, loss: float, **where: Any) -> None:
+        """A loss just recorded in the history: a nan/inf or a spike found in it goes to the run's outcome. Once a
+        spike would change nothing (a stop, a warning given, policy "off") the rule is not run."""
+        rule = self.spike_rule if self.outcome.watching("spike") else None
+        found = divergence.check_loss(self.history, step, loss, spike_rule=rule, **where)
+        if found is not None:
+            self.on_divergence(found.what, kind=found.kind)
 
     @staticmethod
     def _add_to_window(window: torch.Tensor, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> torch.Tensor:
@@ -359,7 +390,7 @@ class Trainer:
         tok_s = steps * self.tokens_per_step / seconds
         norm = norm_sum / steps if self.config.grad_clip is not None else None
         self.history.log_train(step, loss=loss, lr=lr, tokens_per_s=tok_s, grad_norm=norm, **self.log_extras(step))
-        divergence.check_loss(self, step, loss, first_step=first_step)  # nan/inf or a spike: on_divergence
+        self._check_loss(step, loss, first_step=first_step)  # nan/inf or a spike: the outcome's policy decides
         for cb in self.callbacks:
             cb.on_log(self, self.history.train[-1])
         bar.set_postfix_str(f"loss {loss:.3f} | {tok_s:,.0f} tok/s", refresh=False)
