@@ -84,24 +84,6 @@ def check_seq_len(model: torch.nn.Module, seq_len: int) -> None:
                           f"(config.max_position_embeddings); use SEQ_LEN <= {limit}")
 
 
-def set_gradient_checkpointing(model: torch.nn.Module, checkpoint_fn: Any) -> None:
-    """Turn on checkpointing with the backend's function (torch_xla's on XLA) through the model's own hook."""
-    if hasattr(model, "set_gradient_checkpointing"):  # the package's GPT
-        model.set_gradient_checkpointing(checkpoint_fn)
-        return
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if not hasattr(base, "_set_gradient_checkpointing"):
-        raise ConfigError(f"gradient_checkpointing=True but {type(base).__name__} has no set_gradient_checkpointing(fn) "
-                          "nor a Hugging Face gradient-checkpointing hook; add one (see tpu_helpers.models.gpt.GPT) "
-                          "or turn it off")
-    base._set_gradient_checkpointing(True, checkpoint_fn)
-    base.config.use_cache = False
-    # Reentrant checkpoints (torch_xla's) give no gradient to weights inside a block whose inputs need none, as
-    # under LoRA with frozen embeddings: make the embedding output require grad (what HF does for peft).
-    if hasattr(base, "enable_input_require_grads"):
-        base.enable_input_require_grads()
-
-
 # Cache slots come in multiples of this, so generating more or fewer new tokens reuses the same graphs on XLA.
 CACHE_BUCKET = 128
 

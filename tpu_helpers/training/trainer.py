@@ -42,13 +42,13 @@ from tpu_helpers.callbacks import Callback, as_callback
 from tpu_helpers.config import ConfigError, TrainConfig
 from tpu_helpers.data import make_loader
 from tpu_helpers.diagnostics import XlaDetector
-from tpu_helpers.models.hf import set_gradient_checkpointing
 from tpu_helpers.training import divergence, finite
 from tpu_helpers.training.batches import batch_loss
 from tpu_helpers.training.cadence import Cadence
 from tpu_helpers.training.history import History, RunReport
 from tpu_helpers.training.optimizers import make_optimizer, make_scheduler
 from tpu_helpers.training.outcome import RunOutcome
+from tpu_helpers.training.recompute import set_gradient_checkpointing
 from tpu_helpers.training.run_state import RunParts, RunState
 from tpu_helpers.training.signals import resume_hint, stop_on_signals
 from tpu_helpers.training.step_timing import StepTimer, mfu_inputs
@@ -112,7 +112,7 @@ class Trainer:
         self.eval_metrics: dict[str, float] = {}  # what eval callbacks add to an evaluation (on_eval_end)
         blocks = cfg.gradient_checkpointing and self.backend.checkpoints_blocks(cfg.sharding)
         if cfg.gradient_checkpointing and not blocks:
-            # The package GPT's set_gradient_checkpointing(fn), or a Hugging Face model's own hook (models/hf.py).
+            # The package GPT's set_gradient_checkpointing(fn), or a Hugging Face model's own hook (training/recompute.py).
             set_gradient_checkpointing(model, self.backend.checkpoint_fn())
         self.raw_model = model
         self.model = self.backend.prepare_model(model, cfg.sharding, checkpoint_blocks=blocks)
