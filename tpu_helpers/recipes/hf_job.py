@@ -99,11 +99,6 @@ class HFJobConfig(TrainConfig):
         return self.method == "lora"
 
     @property
-    def trained(self) -> str:
-        """What the step trains, as the memory plan counts it: "lora" (adapters on a frozen base) or "full"."""
-        return "lora" if self.uses_lora else "full"
-
-    @property
     def lora_target_list(self) -> str | list[str]:
         return self.lora_targets if self.lora_targets == "all-linear" else self.lora_targets.split(",")
 
