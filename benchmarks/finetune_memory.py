@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/finetune_memory.py                    # tiny model (all three) + Qwen2.5-0.5B sizes
     PYTHONPATH=. python benchmarks/finetune_memory.py --qwen-layers 6    # trace fewer Qwen layers (a slow machine)
+    PYTHONPATH=. python benchmarks/finetune_memory.py --smoke            # CI: one row of each part, toy sizes
 
 - plan: `memory.hf_plan.hf_finetune_estimate`, from the config alone (what the notebook shows first);
 - traced: `memory.traced.traced_estimate`, two real steps on fake tensors under torch's MemTracker (what an eager
@@ -61,29 +62,36 @@ def _row(label, plan, traced, compiled=None) -> None:
           f"{_mb(tr.get('activations', 0) + tr.get('temporaries', 0)).strip() if traced else '-'}")
 
 
+def _rows(methods: tuple[str, str], args) -> list[tuple[str, bool]]:
+    """(method, gradient checkpointing) of each row; --smoke: the last method with checkpointing, the row that goes
+    through the most code (LoRA or full, and the checkpointing hook)."""
+    if args.smoke:
+        return [(methods[-1], True)]
+    return [(m, ckpt) for m in methods for ckpt in (False, True)]
+
+
 def tiny(args) -> None:
     from transformers import Qwen2Config
 
     from tpu_helpers.models.hf_tiny import TINY_ARCH
 
     config = Qwen2Config(vocab_size=TINY_LM_VOCAB, use_cache=False, attn_implementation="eager", **TINY_ARCH)
-    b, s = 8, TINY_LM_SEQ
+    b, s = args.tiny_batch, TINY_LM_SEQ
     print(f"\ntiny Qwen2 ({TINY_ARCH['num_hidden_layers']} layers x {TINY_ARCH['hidden_size']}, vocab {TINY_LM_VOCAB}),"
           f" fp32, batch {b} x {s}; MiB")
     print(f"{'':34}{'plan':>9}{'traced':>10}{'compiled':>10}{'plan/tr':>8}")
-    for method in ("full", "lora"):
-        for ckpt in (False, True):
-            t = time.perf_counter()
-            plan = hf_finetune_estimate(config, b, s, method=method, lora_r=8, lora_targets=TARGETS,
-                                        precision="fp32", gradient_checkpointing=ckpt)
-            traced = traced_estimate(_model_fn(config, method, False), lm_batch(s, TINY_LM_VOCAB), b,
-                                     gradient_checkpointing=ckpt)
-            compiled = None
-            if not args.no_xla:
-                factory = f"{M}:tiny_causal_lm" + ("_lora" if method == "lora" else "")
-                compiled = compiled_estimate(factory, b, batch_fn=f"{M}:tiny_lm_batch", gradient_checkpointing=ckpt)
-            _row(f"{method}{' + checkpointing' if ckpt else ''} ({time.perf_counter() - t:.0f} s)", plan, traced,
-                 compiled)
+    for method, ckpt in _rows(("full", "lora"), args):
+        t = time.perf_counter()
+        plan = hf_finetune_estimate(config, b, s, method=method, lora_r=8, lora_targets=TARGETS,
+                                    precision="fp32", gradient_checkpointing=ckpt)
+        traced = traced_estimate(_model_fn(config, method, False), lm_batch(s, TINY_LM_VOCAB), b,
+                                 gradient_checkpointing=ckpt)
+        compiled = None
+        if not args.no_xla:
+            factory = f"{M}:tiny_causal_lm" + ("_lora" if method == "lora" else "")
+            compiled = compiled_estimate(factory, b, batch_fn=f"{M}:tiny_lm_batch", gradient_checkpointing=ckpt)
+        _row(f"{method}{' + checkpointing' if ckpt else ''} ({time.perf_counter() - t:.0f} s)", plan, traced,
+             compiled)
 
 
 def qwen(args) -> None:
@@ -95,17 +103,16 @@ def qwen(args) -> None:
     print(f"\nQwen2.5-0.5B sizes ({args.qwen_layers} of 24 layers traced), bf16 autocast, batch {b} x {s} per chip; "
           "MiB (no compiled figure: too big for XLA:CPU here)")
     print(f"{'':34}{'plan':>9}{'traced':>10}{'compiled':>10}{'plan/tr':>8}")
-    for method in ("lora", "full"):
-        for ckpt in (False, True):
-            t = time.perf_counter()
-            plan = hf_finetune_estimate(config, b, s, method=method, lora_r=8, lora_targets=TARGETS,
-                                        precision="bf16", gradient_checkpointing=ckpt)
-            traced = traced_estimate(_model_fn(config, method, True), lm_batch(s, config.vocab_size), b,
-                                     precision="bf16", gradient_checkpointing=ckpt)
-            _row(f"{method}{' + checkpointing' if ckpt else ''} ({time.perf_counter() - t:.0f} s)", plan, traced)
-            tr = traced.breakdown
-            print(f"{'':34}breakdown plan {[f'{k} {v / 2**20:.0f}' for k, v in plan.breakdown.items() if v]}\n"
-                  f"{'':34}         traced {[f'{k} {v / 2**20:.0f}' for k, v in tr.items() if v]}")
+    for method, ckpt in _rows(("lora", "full"), args):
+        t = time.perf_counter()
+        plan = hf_finetune_estimate(config, b, s, method=method, lora_r=8, lora_targets=TARGETS,
+                                    precision="bf16", gradient_checkpointing=ckpt)
+        traced = traced_estimate(_model_fn(config, method, True), lm_batch(s, config.vocab_size), b,
+                                 precision="bf16", gradient_checkpointing=ckpt)
+        _row(f"{method}{' + checkpointing' if ckpt else ''} ({time.perf_counter() - t:.0f} s)", plan, traced)
+        tr = traced.breakdown
+        print(f"{'':34}breakdown plan {[f'{k} {v / 2**20:.0f}' for k, v in plan.breakdown.items() if v]}\n"
+              f"{'':34}         traced {[f'{k} {v / 2**20:.0f}' for k, v in tr.items() if v]}")
 
 
 def main() -> None:
@@ -116,7 +123,12 @@ def main() -> None:
     ap.add_argument("--qwen-layers", type=int, default=24, help="trace fewer layers on a slow machine")
     ap.add_argument("--qwen-batch", type=int, default=8)
     ap.add_argument("--qwen-seq", type=int, default=512)
+    ap.add_argument("--tiny-batch", type=int, default=8)
+    ap.add_argument("--smoke", action="store_true",
+                    help="CI: one row per part, tiny batch 2, Qwen sizes with 1 layer at batch 1 x 16")
     args = ap.parse_args()
+    if args.smoke:
+        args.tiny_batch, args.qwen_layers, args.qwen_batch, args.qwen_seq = 2, 1, 1, 16
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     if not args.no_tiny:
         tiny(args)

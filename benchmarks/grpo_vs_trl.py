@@ -1,9 +1,11 @@
 """The same GRPO job through this package (`recipes.grpo.GRPO`) and through TRL's `GRPOTrainer`, each in its own process.
 
     PYTHONPATH=. python benchmarks/grpo_vs_trl.py --steps 60 --trl-python /path/to/venv-with-trl/bin/python
+    PYTHONPATH=. python benchmarks/grpo_vs_trl.py --smoke    # CI: 3 steps of 2 prompts x 2 samples, 5 SFT steps
 
 TRL is not a dependency of the package: `--trl-python` names an interpreter that can import trl and the package's
 dependencies (e.g. a throwaway venv with a .pth file pointing at the dev venv's site-packages and `pip install trl`).
+Without it, when this interpreter cannot import trl, the TRL side is skipped and the report says so.
 
 The job, on both sides: the offline tiny Qwen2 briefly fine-tuned on the generated instruction task (the package's
 START_FROM="sft" warm start, made once in the output directory and then loaded by both sides), LoRA r=16, alpha 32
@@ -27,6 +29,7 @@ with `accelerate.utils.gather_object`, which raises "gather objects in TPU is no
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -38,6 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 JOB = dict(batch_size=8, num_generations=8, max_new_tokens=4, temperature=1.0, kl_beta=0.04, clip_eps=0.2,
            lr=5e-3, warmup_steps=10, lora_r=16, lora_alpha=32, seed=0)
+SMOKE_JOB = dict(batch_size=2, num_generations=2, warmup_steps=1)  # --smoke (CI): every part, toy-sized
 
 
 def _timed(fn, seconds: list):
@@ -157,7 +161,11 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="output directory (default: a temporary one)")
     parser.add_argument("--child", choices=["package", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--start", help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help="3 steps of 2 prompts x 2 samples after 5 SFT steps (CI)")
     args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.sft_steps = 3, 5
+        JOB.update(SMOKE_JOB)
     if args.child:
         torch_threads = os.environ.get("BENCH_THREADS")
         if torch_threads:
@@ -177,10 +185,13 @@ def main() -> None:
         env.setdefault("PJRT_DEVICE", "CPU")
     for side in args.sides.split(","):
         python = args.trl_python if side == "trl" else sys.executable
+        if side == "trl" and python == sys.executable and importlib.util.find_spec("trl") is None:
+            print("trl: skipped (trl is not installed in this interpreter: pass --trl-python, see above)", flush=True)
+            continue
         # accelerate takes any process that can import torch_xla for an XLA one (even with use_cpu): off on CPU.
         side_env = {**env, "USE_TORCH_XLA": "0"} if side == "trl" and args.device == "cpu" else env
         cmd = [python, __file__, "--child", side, "--start", start, "--steps", str(args.steps), "--device",
-               args.device, "--out", out]
+               args.device, "--out", out] + (["--smoke"] if args.smoke else [])
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, env=side_env, capture_output=True, text=True,

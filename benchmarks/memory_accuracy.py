@@ -3,6 +3,7 @@
     PYTHONPATH=. python benchmarks/memory_accuracy.py            # CPU measurements + XLA:CPU compiled figures
     PYTHONPATH=. python benchmarks/memory_accuracy.py --no-xla   # skip the XLA:CPU compiles (subprocesses)
     PYTHONPATH=. python benchmarks/memory_accuracy.py --small    # also GPT "small" (a real fp32 step: ~3 GB RAM)
+    PYTHONPATH=. python benchmarks/memory_accuracy.py --smoke    # CI's toy run: two tiny GPT cases, a small CNN batch
 
 For each case, one training step (AdamW, fp32 unless stated) is measured for real, as the peak of the second of two
 steps: on the CPU by :class:`tpu_helpers.memory.LiveBytes` (live tensor storage), on CUDA, when a GPU is present,
@@ -72,13 +73,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-xla", action="store_true", help="skip the XLA:CPU compiled figures")
     ap.add_argument("--small", action="store_true", help="include GPT small (a real CPU step needs ~3 GB)")
+    ap.add_argument("--smoke", action="store_true", help="a toy-sized run of each kind of case (CI)")
     args = ap.parse_args()
+    cnn_b = 64
     cases = [("tiny", 16, 64, {}), ("tiny", 16, 64, {"precision": "bf16"}), ("mini", 8, 256, {}),
              ("mini", 8, 256, {"gradient_checkpointing": True}), ("mini", 8, 256, {"precision": "bf16"}),
              ("mini", 8, 256, {"optimizer": "sgd"}), ("mini", 8, 256, {"optimizer": "adafactor"}),
              ("mini", 8, 256, {"grad_accum": 2}), ("mini", 1, 16, {})]
     if args.small:
         cases.append(("small", 2, 512, {}))
+    if args.smoke:  # the tiny GPT with grad_accum (compiled too) and in bf16, and a small CNN batch: every path
+        cases = [("tiny", 4, 32, {"grad_accum": 2}), ("tiny", 4, 32, {"precision": "bf16"})]
+        cnn_b = 8
     rows = []
     for preset, b, s, kw in cases:
         cfg = gpt_config(preset)
@@ -93,12 +99,12 @@ def main() -> None:
         label = f"GPT {preset} b={b} s={s} " + " ".join(f"{k}={v}" for k, v in kw.items())
         rows.append((label, real, traced, analytic, compiled, time.perf_counter() - t0))
     ce = torch.nn.functional.cross_entropy  # the trainer's loss_fn(output, targets)
-    real = measure_cpu(SmallCNN, cnn_batch(64), loss_fn=ce)
-    traced = traced_estimate(SmallCNN, cnn_batch, 64, loss_fn=ce).peak_bytes
-    compiled = None if args.no_xla else compiled_estimate("tpu_helpers.memory.example_models:SmallCNN", 64,
+    real = measure_cpu(SmallCNN, cnn_batch(cnn_b), loss_fn=ce)
+    traced = traced_estimate(SmallCNN, cnn_batch, cnn_b, loss_fn=ce).peak_bytes
+    compiled = None if args.no_xla else compiled_estimate("tpu_helpers.memory.example_models:SmallCNN", cnn_b,
                                                           batch_fn="tpu_helpers.memory.example_models:cnn_batch",
                                                           loss_fn="torch.nn.functional:cross_entropy").peak_bytes
-    rows.append(("SmallCNN b=64 (32x32 RGB)", real, traced, None, compiled, 0.0))
+    rows.append((f"SmallCNN b={cnn_b} (32x32 RGB)", real, traced, None, compiled, 0.0))
 
     def pct(x, ref):
         return "n/a" if x is None else f"{100 * (x / ref - 1):+.1f}%"

@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/spike_margin.py            # every run below, on the CPU (a few minutes)
     PYTHONPATH=. python benchmarks/spike_margin.py --runs healthy-log1,lr50
+    PYTHONPATH=. python benchmarks/spike_margin.py --smoke    # CI: a diverging GPT run (30 steps) and LoRA (10)
 
 Each run trains with `on_divergence="off"` (so it goes to the end) and its history is then read as the trainer reads
 it: at every log step the training interval's loss over its reference (the median of the intervals before it), at
@@ -64,16 +65,21 @@ def readings(history: History, rule: SpikeRule) -> tuple[list, list]:
     return train, val
 
 
-def run(name: str) -> History:
+# --smoke (CI): a diverging pretraining run (30 steps already) and a fine-tuning run cut to 10 steps by these
+# settings, so both take seconds (the ratios then say nothing about the defaults).
+SMOKE_RUNS, SMOKE = "lr50,lora-log1", {"lora-log1": dict(steps=10, eval_every=5, warmup_steps=2, batch_size=4)}
+
+
+def run(name: str, overrides: dict | None = None) -> History:
     base = dict(device="cpu", on_divergence="off", save_every=10**6, out_dir=tempfile.mkdtemp(prefix="spike_"))
     if name in GPT_RUNS:
         from tpu_helpers.recipes.pretrain import Pretrain
 
-        job = Pretrain(TrainConfig(**{**base, **GPT_RUNS[name][0]}), progress=False)
+        job = Pretrain(TrainConfig(**{**base, **GPT_RUNS[name][0], **(overrides or {})}), progress=False)
     else:
         from tpu_helpers.recipes.finetune import Finetune, FinetuneConfig
 
-        job = Finetune(FinetuneConfig(**{**base, **FT_RUNS[name][0]}), progress=False)
+        job = Finetune(FinetuneConfig(**{**base, **FT_RUNS[name][0], **(overrides or {})}), progress=False)
     job.train()
     return job.history
 
@@ -83,7 +89,10 @@ def main() -> None:
     every = {**GPT_RUNS, **FT_RUNS}
     ap.add_argument("--runs", default=",".join(every), help="comma-separated subset of " + ",".join(every))
     ap.add_argument("--factor", type=float, default=TrainConfig().divergence_factor)
+    ap.add_argument("--smoke", action="store_true", help=f"runs {SMOKE_RUNS}, with {SMOKE} (CI)")
     args = ap.parse_args()
+    if args.smoke:
+        args.runs = SMOKE_RUNS
     torch.set_num_threads(1)
     rule = SpikeRule(args.factor)
     print(f"divergence_factor {args.factor:g}; ratio = loss / reference; margin = factor / largest ratio")
@@ -91,7 +100,7 @@ def main() -> None:
           "first spike  seconds")
     for name in args.runs.split(","):
         t0 = time.perf_counter()
-        history = run(name)
+        history = run(name, SMOKE.get(name) if args.smoke else None)
         train, val = readings(history, rule)
         top_t, top_v = max(train, default=(0.0, None)), max(val, default=(0.0, None))
         worst = max(top_t[0], top_v[0])

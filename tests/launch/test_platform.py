@@ -33,6 +33,15 @@ def test_pair_check_reports_this_environment_and_the_fix_for_broken_pairs():
     assert "torch 2.8.0 and torch_xla 2.9.0 differ" in mismatch.fix and "'torch==2.8.0'" in mismatch.fix
 
 
+def test_installed_version_reads_metadata_and_is_the_doctors_default():
+    from tpu_helpers.launch.doctor import Host
+
+    assert platform.installed_version("torch") == platform.check_torch_xla().torch
+    assert platform.installed_version("no-such-distribution-tpu-helpers") is None
+    # One helper: the doctor looks versions up through the platform module's, not a copy of its own.
+    assert Host().version is platform.installed_version
+
+
 def test_install_missing_installs_only_what_is_absent_through_the_installer_and_never_torch(tmp_path):
     pip = RecordingInstaller()
     assert platform.install_missing(installer=pip) == [] and pip.calls == []  # the package's list, all present
@@ -110,8 +119,8 @@ def test_setup_notebook_installs_only_what_that_notebook_lacks_and_says_so(tmp_p
     assert text.startswith("setup for finetune_llm on ") and "torch 2.9.0, torch_xla 2.9.0: ok" in text
     assert text.endswith("installed: nothing (all present)")
     # A runtime without peft (Colab's): only peft is asked for, with its range; install=False only says so.
-    real = platform._version
-    monkeypatch.setattr(platform, "_version", lambda dist: None if dist == "peft" else real(dist))
+    real = platform.installed_version
+    monkeypatch.setattr(platform, "installed_version", lambda dist: None if dist == "peft" else real(dist))
     dry = platform.setup_notebook("finetune_llm", install=False, installer=pip)
     assert pip.calls == [] and dry.missing == ["peft>=0.17"]
     assert str(dry).splitlines()[-1] == "missing: peft>=0.17; install with: pip install 'peft>=0.17'"

@@ -13,7 +13,6 @@ check prints the command that fixes it. `Host` says where to look, so tests run 
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -27,13 +26,6 @@ OK, WARN, FAIL, INFO, SKIP = "ok", "warn", "FAIL", "info", "skip"
 PACKAGES = ("tpu_helpers", "torch", "torch_xla", "libtpu", "transformers", "peft", "datasets", "safetensors",
             "ipywidgets", "papermill", "matplotlib")
 THP_FIX = "sudo sh -c 'echo always > /sys/kernel/mm/transparent_hugepage/enabled'"
-
-
-def installed_version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 @dataclass(frozen=True)
@@ -52,7 +44,7 @@ class Host:
     proc_root: str = "/proc"
     lockfile: str = tpu_host.LIBTPU_LOCKFILE
     env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
-    version: Callable[[str], str | None] = installed_version
+    version: Callable[[str], str | None] = platform.installed_version
     python: tuple[int, int, int] = tuple(sys.version_info[:3])  # type: ignore[assignment]
     platform: str | None = None  # colab | kaggle | local; None: detected
     hbm: Callable[[], tuple[int, int] | None] | None = None  # (free, total) bytes; None: this process's runtime

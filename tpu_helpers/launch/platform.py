@@ -86,7 +86,9 @@ def auto_target() -> str:
     return "gpu" if torch.cuda.is_available() else "cpu"
 
 
-def _version(dist: str) -> str | None:
+def installed_version(dist: str) -> str | None:
+    """The installed version of distribution `dist` from its metadata (nothing imported), or None when absent. The
+    doctor's default `Host.version` too."""
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
@@ -125,7 +127,7 @@ def _base(version: str) -> str:
 
 def check_torch_xla() -> TorchXlaPair:
     """The installed torch/torch_xla versions; `.ok` when they match, `.fix` says what to run otherwise."""
-    return TorchXlaPair(_version("torch"), _version("torch_xla"))
+    return TorchXlaPair(installed_version("torch"), installed_version("torch_xla"))
 
 
 def read_requirements(path: str | Path) -> list[Requirement]:
@@ -157,7 +159,7 @@ def missing_requirements_of(reqs: Sequence[Requirement]) -> list[Requirement]:
     for req in reqs:
         if req.name.lower().replace("-", "_") in {p.replace("-", "_") for p in PROTECTED}:
             continue
-        installed = _version(req.name)
+        installed = installed_version(req.name)
         if installed is None or (req.specifier and not req.specifier.contains(installed, prereleases=True)):
             missing.append(req)
     return missing
@@ -260,12 +262,12 @@ def setup_notebook(notebook: str, *, install: bool = True,
     `installer` receives the requirement lines (tests pass a recorder)."""
     reqs = notebook_requirements(notebook)
     wanted = missing_requirements_of(reqs)
-    present = {r.name: _version(r.name) for r in reqs if r not in wanted}
+    present = {r.name: installed_version(r.name) for r in reqs if r not in wanted}
     installed: dict[str, str] = {}
     if wanted and install:
         installer([str(r) for r in wanted])
         importlib.invalidate_caches()  # what was installed into this running kernel is importable at once
-        installed = {r.name: _version(r.name) or "?" for r in wanted}
+        installed = {r.name: installed_version(r.name) or "?" for r in wanted}
     return SetupReport(notebook, platform_name(), check_torch_xla(), present, installed,
                        [] if install else [str(r) for r in wanted])
 
