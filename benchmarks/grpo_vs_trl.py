@@ -10,7 +10,7 @@ Without it, when this interpreter cannot import trl, the TRL side is skipped and
 The job, on both sides: the offline tiny Qwen2 briefly fine-tuned on the generated instruction task (the package's
 START_FROM="sft" warm start, made once in the output directory and then loaded by both sides), LoRA r=16, alpha 32
 on every linear layer, the generated sums (`data.rl.sum_records`, prompts through the chat template), the
-package's `answer` reward (`training.rewards.answer_reward`), 8 prompts x 8 samples per step, 4 new tokens,
+package's `answer` reward (`algorithms.rewards.answer_reward`), 8 prompts x 8 samples per step, 4 new tokens,
 temperature 1, beta 0.04, epsilon 0.2, one update per generation, the loss averaged over the step's completion
 tokens ("dapo" in TRL), rewards scaled by the group's std, AdamW (weight decay 0.1, clipping 1.0), lr 5e-3 with
 10 warm-up steps and a cosine decay to 0.1 x, fp32, eager attention, the same seed. On the CPU the TRL process
