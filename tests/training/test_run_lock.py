@@ -89,7 +89,7 @@ def test_save_results_uses_a_unique_temp_file(tmp_path: Path) -> None:
     from tpu_helpers.backend.base import Backend
 
     job = Pretrain(cfg, backend=Backend("fp32"))
-    job.trainer, job.report = type("T", (), {"history": History(), "tracking": None})(), Report()  # a finished run
+    job._trainer, job.report = type("T", (), {"history": History(), "tracking": None})(), Report()  # a finished run
     job.save_results()
     assert (Path(cfg.out_dir) / "loss.png").stat().st_size > 0
     assert [p.name for p in Path(cfg.out_dir).iterdir() if p.name.endswith(".tmp")] == [".loss.png.tmp"]
