@@ -150,3 +150,20 @@ def test_topk_kd_with_a_near_zero_student_tail_is_the_exact_kl_and_its_gradient(
     torch.testing.assert_close(g32.double(), g64, rtol=1e-4, atol=1e-6)
     assert g64[:, :-1].scatter(-1, ids[:, :-1].long(), 0.0).min() < -1e-3  # the tail's pull is real, and kept
 
+
+def test_topk_kd_with_k_the_teacher_vocabulary_below_the_students_is_finite():
+    # A teacher of 60 tokens cached whole (tail -inf) for a student of 64: 0 * -inf was nan.
+    torch.manual_seed(1)
+    ids, t_logp, t_tail = teacher_topk(torch.randn(2, 5, 60), 60, 2.0)
+    assert torch.isinf(t_tail).all()
+    s = torch.randn(2, 5, 64, requires_grad=True)
+    labels = torch.ones(2, 5, dtype=torch.long)
+    got = topk_kd_sum(s, ids, t_logp, t_tail, labels, 2.0)
+    (g,) = torch.autograd.grad(got, s)
+    assert torch.isfinite(got) and torch.isfinite(g).all()
+    s64 = s.detach().double().requires_grad_(True)
+    want = (lambda x: (torch.exp(t_logp[:, :-1].double()) * (t_logp[:, :-1].double() - torch.log_softmax(
+        x[:, :-1] / 2.0, -1).gather(-1, ids[:, :-1].long()))).sum() * 4.0)(s64)
+    (g64,) = torch.autograd.grad(want, s64)
+    torch.testing.assert_close(got.double(), want.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(g.double(), g64, rtol=1e-4, atol=1e-6)

@@ -19,7 +19,8 @@ neither its weights nor its logits, only k ids and log-probabilities per positio
 as one "tail" bucket. Teacher side: the cached log-probabilities at temperature T and the log of its remaining
 mass, both exact. Student side: log_softmax(logits / T) gathered at the teacher's ids, and its own tail, exact
 too: the logsumexp of its other entries (not log(1 - sum), which float32 rounds to log 0 below ~1e-7). With k =
-the vocabulary this is the live trainer's full-softmax KL (the tail is empty and left out). Everything is gather, topk and elementwise ops, which XLA lowers (no host read).
+the vocabulary this is the live trainer's full-softmax KL (the tail is empty and left out); a teacher tail of
+-inf (k = a teacher vocabulary smaller than the student's) contributes exactly 0. Everything is gather, topk and elementwise ops, which XLA lowers (no host read).
 Validation batches carry no teacher: the validation loss is the student's own next-token loss, the held-out figure
 to compare with the teacher's or with another run's.
 
@@ -125,7 +126,11 @@ def topk_kd_sum(logits: torch.Tensor, ids: torch.Tensor, t_logp: torch.Tensor, t
         # teacher's ids set to -inf, as teacher_topk does), not log(1 - sum), which float32 rounds to log(0) when
         # the student puts < ~1e-7 there (an inflated loss, and no gradient moving mass back). Fixed shapes, no read.
         s_tail = s_logp.scatter(-1, ids, float("-inf")).logsumexp(-1)
-        kl = kl + torch.exp(t_tail) * (t_tail - s_tail)
+        # A teacher tail of -inf (k = the teacher's whole vocabulary, smaller than the student's) weighs exactly 0:
+        # exp(-inf) * (-inf - s_tail) would be 0 * -inf = nan. The where keeps nan out of the gradient too.
+        has_tail = torch.isfinite(t_tail)
+        safe = torch.where(has_tail, t_tail, torch.zeros_like(t_tail))
+        kl = kl + torch.where(has_tail, torch.exp(safe) * (safe - s_tail), torch.zeros_like(safe))
     keep = labels[:, 1:] != -100
     return (kl * keep).sum() * (t * t)
 
