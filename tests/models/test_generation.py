@@ -110,6 +110,43 @@ def test_cached_greedy_equals_the_uncached_loop_across_model_families(family, mo
         assert not torch.equal(unwindowed.ids, want)
 
 
+def test_a_sliding_window_without_layer_types_is_applied_as_hf_does(monkeypatch):
+    # Mistral-style configs set sliding_window for every layer and list no layer_types: the cached generator used to
+    # attend to everything while HF's forward applies the window (4 here, prompts + completions up to 21 tokens).
+    config = transformers.MistralConfig(num_hidden_layers=2, sliding_window=4, **SIZES)
+    assert getattr(config, "layer_types", None) is None
+    torch.manual_seed(2)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+    p = left_pad([torch.randint(3, 97, (n,)).tolist() for n in (12, 7, 3, 10)], 12, 0)
+    want = generate_ids_uncached(model, p.ids, p.mask, max_new_tokens=9)  # HF's own masks, no cache
+    got = generate_ids(model, p.ids, p.mask, max_new_tokens=9, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(got.ids, want), (got.ids, want)
+    full = torch.cat([p.ids, want], 1)
+    mask = torch.cat([p.mask, torch.ones_like(want)], 1)
+    with torch.no_grad():  # the training forward (HF's sliding mask from the 2D mask)
+        logits = model(input_ids=full, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    ref = torch.log_softmax(logits[:, 11:-1].float(), -1).gather(-1, want.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(got.logprobs, ref, atol=1e-4, rtol=1e-4)
+    from tpu_helpers.models import generation
+
+    monkeypatch.setattr(generation, "_sliding_window", lambda model: None)
+    assert not torch.equal(generate_ids(model, p.ids, p.mask, max_new_tokens=9, eos_token_id=None,
+                                        pad_token_id=0).ids, want)  # the window matters here
+
+
+def test_use_sliding_window_false_means_no_window():
+    # A guard for the fix above: Qwen2 configs may keep sliding_window while use_sliding_window turns it off.
+    from tpu_helpers.models.generation import _sliding_window
+
+    config = transformers.Qwen2Config(num_hidden_layers=2, use_sliding_window=False, sliding_window=4, **SIZES)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model.config.sliding_window, model.config.layer_types = 4, None  # as an older config.json would hold it
+    assert _sliding_window(model) is None
+
+
 def test_sampling_is_reproducible_and_top_k_1_is_greedy(tiny_lm_dir):
     model, tok = _model(tiny_lm_dir, with_lora=False)
     p = _prompts(tok)

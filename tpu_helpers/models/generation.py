@@ -21,10 +21,12 @@ The cache is transformers' own `StaticLayer` (the layer of `StaticCache`): per l
 (batch, kv_heads, P + N, head_dim), i.e. (batch, layers, P + N, kv_heads, head_dim) for the model, preallocated at
 the prefill and written in place with `index_copy_` at a position that is a device tensor (`cumulative_length`).
 That runs with one decode graph on XLA. `StaticCache` itself is not used as a whole: for sliding-window layers
-(Gemma 2/3, Qwen2 with use_sliding_window) it builds `StaticSlidingWindowLayer`, a rolling buffer driven by a
+(Gemma 2/3, Qwen2 with use_sliding_window, Mistral) it builds `StaticSlidingWindowLayer`, a rolling buffer driven by a
 Python int (`cumulative_length_int`) that takes another code path once the window is full (a new graph) and whose
 slots do not line up with a left-padded batch. Here every layer gets a full-length `StaticLayer` and a sliding
-window is a mask (the same attention, more cache memory for those layers).
+window is a mask (the same attention, more cache memory for those layers): per layer type where the config lists
+`layer_types`, on every layer where it only sets `sliding_window` (Mistral), none where `use_sliding_window` is
+False.
 
 Sampling: temperature, top-k and top-p, by inverse-CDF sampling with one uniform number per row and step drawn
 from a counter-based hash of (seed, stream, step, row) computed on the device in int64 arithmetic. It neither
@@ -171,11 +173,26 @@ def make_cache(model: torch.nn.Module, length: int) -> Any:
     return Cache(layers=[StaticLayer(max_cache_len=length) for _ in range(_num_layers(model))])
 
 
+def _text_config(model: torch.nn.Module) -> Any:
+    return model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+
+
 def _sliding_window(model: torch.nn.Module) -> int | None:
-    """The window of the model's sliding-attention layers, when it has any (layer_types says which)."""
-    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    types = getattr(config, "layer_types", None) or []
-    return getattr(config, "sliding_window", None) if "sliding_attention" in types else None
+    """The window of the model's sliding-attention layers, when it has any, whatever the config's style: with
+    `layer_types` (Gemma 2/3, Qwen2/3) those listed "sliding_attention"; without (Mistral) every layer when
+    `sliding_window` is set, as HF's forward applies it. `use_sliding_window` False (Qwen2's switch) means none."""
+    config = _text_config(model)
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    types = getattr(config, "layer_types", None)
+    return None if types is not None and "sliding_attention" not in types else int(window)
+
+
+def _hybrid(model: torch.nn.Module) -> bool:
+    """Whether the model takes one mask per attention type ({"full_attention", "sliding_attention"}): it lists
+    `layer_types`. Without them every layer is windowed and takes the one (windowed) mask."""
+    return getattr(_text_config(model), "layer_types", None) is not None
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -183,12 +200,14 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(allowed, zero, torch.full_like(zero, torch.finfo(dtype).min)).unsqueeze(1)
 
 
-def _masks(allowed: torch.Tensor, distance: torch.Tensor, window: int | None, dtype: torch.dtype) -> Any:
-    """The 4D mask(s) the model takes: one tensor, or {"full_attention", "sliding_attention"} for hybrid models."""
-    full = _additive(allowed, dtype)
+def _masks(allowed: torch.Tensor, distance: torch.Tensor, window: int | None, dtype: torch.dtype,
+           hybrid: bool = True) -> Any:
+    """The 4D mask(s) the model takes: one tensor (windowed when every layer slides, e.g. Mistral), or
+    {"full_attention", "sliding_attention"} for models with layer_types."""
     if window is None:
-        return full
-    return {"full_attention": full, "sliding_attention": _additive(allowed & (distance < window), dtype)}
+        return _additive(allowed, dtype)
+    sliding = _additive(allowed & (distance < window), dtype)
+    return {"full_attention": _additive(allowed, dtype), "sliding_attention": sliding} if hybrid else sliding
 
 
 # ---- generation -----------------------------------------------------------------------------------------------------
@@ -243,7 +262,7 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     dtype = mask_dtype or next(model.parameters()).dtype
     if not dtype.is_floating_point:
         dtype = torch.float32
-    window = _sliding_window(model)
+    window, hybrid = _sliding_window(model), _hybrid(model)
     seed_t = seed.to(device=device, dtype=torch.long) if isinstance(seed, torch.Tensor) else \
         torch.tensor([int(seed)], dtype=torch.long).to(device)
     eos = _eos_tensor(eos_token_id, device)
@@ -262,7 +281,7 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
         # Prefill: query i sees slots j <= i that hold a token (a padding query sees itself, so no row is empty).
         allowed = ((slots[None, :] <= q[:, None]) & valid[:, None, :]) | (slots[None, :] == q[:, None])
         distance = slot_pos[:, :width, None] - slot_pos[:, None, :]
-        logits = _forward(model, input_ids, _masks(allowed, distance, window, dtype), slot_pos[:, :width], cache,
+        logits = _forward(model, input_ids, _masks(allowed, distance, window, dtype, hybrid), slot_pos[:, :width], cache,
                           keep_last=True)
         step = torch.zeros((1,), dtype=torch.long).to(device)  # device data: the same decode graph every step
         cols = torch.arange(room, device=device)
@@ -277,7 +296,7 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
                 allowed = ((slots <= slot) & valid).unsqueeze(1)
                 pos = slot_pos.gather(1, slot.expand(batch, 1))
                 distance = pos.unsqueeze(-1) - slot_pos.unsqueeze(1)
-                logits = _forward(model, token.unsqueeze(1), _masks(allowed, distance, window, dtype), pos, cache,
+                logits = _forward(model, token.unsqueeze(1), _masks(allowed, distance, window, dtype, hybrid), pos, cache,
                                   keep_last=False)
             u = None if sampling.greedy else uniform(seed_t, step, batch)
             token, logp = pick(logits, sampling, u)
