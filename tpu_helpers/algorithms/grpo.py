@@ -150,11 +150,13 @@ def completion_logps(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tens
 
 
 def score_completions(tokenizer: Any, rewards: dict[str, Reward], records: Sequence[dict], rows: list[list[int]],
-                      settings: GRPOSettings) -> dict:
+                      settings: GRPOSettings, stop_ids: list[int] | None = None) -> dict:
     """Decode completion token rows (one per record) and score them with every reward: {"total", "rewards"
-    ({name: values}), "prompts", "completions", "completion_tokens"}; each record's fields go to the rewards."""
-    texts = completion_texts(tokenizer, rows)
-    lengths = completion_lengths(rows, eos_ids(tokenizer))
+    ({name: values}), "prompts", "completions", "completion_tokens"}; each record's fields go to the rewards.
+    `stop_ids`: where completions end (default the tokenizer's EOS; give `eos_ids(tokenizer, model)`)."""
+    stop_ids = eos_ids(tokenizer) if stop_ids is None else stop_ids
+    texts = completion_texts(tokenizer, rows, stop_ids)
+    lengths = completion_lengths(rows, stop_ids)
     pairs = [prompt_and_answer(r, prompt_field=settings.prompt_field, answer_field=settings.answer_field)
              for r in records]
     fields: dict[str, Any] = {k: [r.get(k) for r in records] for k in sorted({k for r in records for k in r})
@@ -182,6 +184,8 @@ class GRPOTrainer(Trainer):
         settings.check_split(cfg.batch_size, cfg.grad_accum)
         self.settings = settings
         self.tokenizer, self.records, self.rewards = tokenizer, list(records), dict(rewards)
+        # Where answers end: the tokenizer's EOS and the model's generation_config.eos_token_id (end of turn).
+        self.stop_ids = eos_ids(tokenizer, model)
         # The first of every num_iterations steps reads the sampled tokens: declared, so the detector expects it.
         self.cadence = Cadence.from_config(cfg, read_every=settings.num_iterations)
         self.ref_model = None
@@ -215,7 +219,7 @@ class GRPOTrainer(Trainer):
         key = torch.tensor([self.config.seed, self.step // self.settings.num_iterations],
                            dtype=torch.long).to(b.device)
         with b.autocast():
-            gen = generate_ids(self.model, ids, mask, max_new_tokens=n, eos_token_id=eos_ids(self.tokenizer),
+            gen = generate_ids(self.model, ids, mask, max_new_tokens=n, eos_token_id=self.stop_ids,
                                pad_token_id=self.tokenizer.pad_token_id, sampling=self.settings.sampling, seed=key,
                                sync=b.sync)
         host = b.to_cpu({"ids": gen.ids, "index": batch["index"]})  # the step's one read
@@ -235,7 +239,7 @@ class GRPOTrainer(Trainer):
         """The summed reward of each completion (token rows) of the records at `indices`, and what is logged."""
         g = self.settings.num_generations
         records = [self.records[i] for i in indices for _ in range(g)]
-        scored = score_completions(self.tokenizer, self.rewards, records, rows, self.settings)
+        scored = score_completions(self.tokenizer, self.rewards, records, rows, self.settings, self.stop_ids)
         total, lengths = scored["total"], scored["completion_tokens"]
         groups = torch.tensor(total).reshape(-1, g)
         stats = {"reward": sum(total) / len(total), "reward_std": float(groups.std(1).mean()),

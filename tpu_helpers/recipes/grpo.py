@@ -218,16 +218,17 @@ class GRPO(HFJob):
         model = self._model_on_device()
         before = b.metrics().get("compilations", 0)
         tokens: list[list[int]] = []
+        stop = eos_ids(self.tokenizer, model)  # the tokenizer's EOS and the model's end of turn
         for idx, real in fixed_batches(len(held), rows):
             key = torch.tensor([cfg.seed, -1 - idx[0]], dtype=torch.long).to(b.device)
             with b.autocast():
                 gen = generate_ids(model, held.input_ids[idx].to(b.device), held.attention_mask[idx].to(b.device),
-                                   max_new_tokens=cfg.max_new_tokens, eos_token_id=eos_ids(self.tokenizer),
+                                   max_new_tokens=cfg.max_new_tokens, eos_token_id=stop,
                                    pad_token_id=self.tokenizer.pad_token_id, sampling=cfg.grpo.sampling, seed=key,
                                    sync=b.sync)
             tokens += b.to_cpu(gen.ids).tolist()[:real]
         kept = [records[i] for i in held.index.tolist()]
-        scored = score_completions(self.tokenizer, self.rewards, kept, tokens, cfg.grpo)
+        scored = score_completions(self.tokenizer, self.rewards, kept, tokens, cfg.grpo, stop)
         total = scored["total"]
         table = [{"prompt": p if isinstance(p, str) else p[-1]["content"], "answer": r.get(cfg.answer_field),
                   "completion": c, "reward": t}
