@@ -202,3 +202,25 @@ def test_a_reward_returning_the_wrong_values_is_an_error_naming_it(tmp_path, ret
     job.__dict__["rewards"] = {**job.rewards, "bad": bad}  # the configured ones and one that misbehaves
     with pytest.raises(ConfigError, match=message):
         job.train()
+
+
+def test_each_process_samples_its_own_stream_and_one_process_the_same_again(tmp_path, monkeypatch):
+    # The key was (seed, step): under torchrun every process drew the same numbers for its rows. The process
+    # index (the backend's rank) is in it now, in the rollouts and in the recipe's samples.
+    job = _job(tmp_path, temperature=2.0, max_new_tokens=6)
+    trainer = job.trainer
+    batch = trainer.backend.to_device(next(iter(trainer.train_loader)))
+
+    def rollout(rank):
+        monkeypatch.setattr(trainer.backend, "rank", rank)
+        return trainer.make_rollout(batch)["ids"]
+
+    first, other, again = rollout(0), rollout(1), rollout(0)
+    assert torch.equal(first, again) and not torch.equal(first, other)
+
+    def samples(rank):
+        monkeypatch.setattr(job.backend, "rank", rank)
+        return [r["completion"] for r in job.samples(4)["rows"]]
+
+    first, other, again = samples(0), samples(1), samples(0)
+    assert first == again and first != other

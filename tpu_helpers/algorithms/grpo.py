@@ -13,7 +13,8 @@ takes them whole.
 Each generation step (the first of every `num_iterations` optimizer steps) takes B prompts from the loader
 (`data.rl.PromptDataset`: left-padded to MAX_PROMPT_LEN) and:
 1. generates G completions of each with the KV cache (`models.generation`: one prefill and one decode graph, a
-   sampling stream keyed on (seed, generation index), so a resumed run samples the same answers);
+   sampling stream keyed on (seed, generation index, process rank), so a resumed run samples the same answers and
+   data-parallel processes different ones);
 2. reads the completions and the rows' record indices to the host in one transfer (the step's only read,
    declared through `Cadence.read_every`, so the XLA detector expects it), decodes them and calls the rewards
    (`algorithms.rewards`) with each record's fields;
@@ -215,9 +216,7 @@ class GRPOTrainer(Trainer):
         t0 = time.perf_counter()
         ids = batch["input_ids"].repeat_interleave(g, 0)
         mask = batch["attention_mask"].repeat_interleave(g, 0)
-        # The sampling stream: a function of the seed and the generation index, sent as data (no recompile).
-        key = torch.tensor([self.config.seed, self.step // self.settings.num_iterations],
-                           dtype=torch.long).to(b.device)
+        key = self.sampling_key(self.step // self.settings.num_iterations)
         with b.autocast():
             gen = generate_ids(self.model, ids, mask, max_new_tokens=n, eos_token_id=self.stop_ids,
                                pad_token_id=self.tokenizer.pad_token_id, sampling=self.settings.sampling, seed=key,
@@ -234,6 +233,12 @@ class GRPOTrainer(Trainer):
         self.rollout_seconds.append(time.perf_counter() - t0)
         self._host_log.append({**stats, "generate_s": self.rollout_seconds[-1]})
         return rollout
+
+    def sampling_key(self, index: int) -> torch.Tensor:
+        """The sampling stream of generation `index`: a function of the seed, the index and the process (the
+        backend's rank: under data parallelism every process samples its own rows, which must not share one
+        stream), sent as data (no recompile); the same on a resumed run of the same process."""
+        return torch.tensor([self.config.seed, index, self.backend.rank], dtype=torch.long).to(self.backend.device)
 
     def score(self, rows: list[list[int]], indices: list[int]) -> tuple[list[float], dict]:
         """The summed reward of each completion (token rows) of the records at `indices`, and what is logged."""

@@ -220,7 +220,8 @@ class GRPO(HFJob):
         tokens: list[list[int]] = []
         stop = eos_ids(self.tokenizer, model)  # the tokenizer's EOS and the model's end of turn
         for idx, real in fixed_batches(len(held), rows):
-            key = torch.tensor([cfg.seed, -1 - idx[0]], dtype=torch.long).to(b.device)
+            # A fixed stream per batch and process (the rank: data-parallel processes must not share one).
+            key = torch.tensor([cfg.seed, -1 - idx[0], b.rank], dtype=torch.long).to(b.device)
             with b.autocast():
                 gen = generate_ids(model, held.input_ids[idx].to(b.device), held.attention_mask[idx].to(b.device),
                                    max_new_tokens=cfg.max_new_tokens, eos_token_id=stop,
