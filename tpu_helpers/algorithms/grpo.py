@@ -30,7 +30,8 @@ and the package's SFT loss do):
     ratio = exp(logp - logp_old)
     loss  = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) + beta * (exp(ref - logp) - (ref - logp) - 1)
 
-logp under softmax(logits / temperature), as sampled. With `num_iterations` 1, logp_old is logp itself (detached:
+logp under softmax(logits / temperature), as sampled (dropout off by default, `disable_dropout`, so the training
+forward computes what generation did). With `num_iterations` 1, logp_old is logp itself (detached:
 the ratio is exactly 1 and the update on-policy); with more, the generation's own log-probabilities are kept for
 the `num_iterations` updates over the same completions, as in the GRPO paper. Logged per log step: the loss, the
 mean reward (and each reward's), its spread within groups, the completion length, the KL to the reference, the
@@ -67,7 +68,9 @@ class GRPOSettings:
     temperature / top_k / top_p: the sampling (temperature > 0: a group of identical greedy answers teaches
     nothing); kl_beta: weight of the k3 KL to the reference (0: no reference); clip_eps: the ratio's clip;
     num_iterations: optimizer steps per batch of sampled answers; prompt_field / answer_field: the record fields
-    the rewards read.
+    the rewards read; disable_dropout: every dropout of the policy and the reference set to 0 when the trainer is
+    built (generation runs in eval mode and the loss in train mode: with dropout the on-policy ratio would not be 1
+    and the KL noisy, as TRL says).
     """
 
     num_generations: int = 8
@@ -80,8 +83,11 @@ class GRPOSettings:
     num_iterations: int = 1
     prompt_field: str = "prompt"
     answer_field: str = "answer"
+    disable_dropout: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.disable_dropout, bool):
+            raise ConfigError(f"disable_dropout={self.disable_dropout!r} must be True or False")
         n = self.num_generations
         if isinstance(n, bool) or not isinstance(n, int) or n < 2:
             raise ConfigError(f"num_generations={n!r} must be >= 2 (an integer): advantages are relative to the "
@@ -113,6 +119,17 @@ class GRPOSettings:
         if rows % grad_accum:
             raise ConfigError(f"grad_accum={grad_accum} must divide batch_size x num_generations = {rows} (the rows "
                               "of one step's micro-batches)")
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Every `torch.nn.Dropout` of `model` (LoRA's included) gets p = 0, and every attention module's float
+    `attention_dropout` (HF's eager attention reads it in train mode) 0.0, so train mode computes what eval mode
+    does."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
 
 
 def group_advantages(rewards: torch.Tensor, group: int, eps: float = 1e-4) -> torch.Tensor:
@@ -189,11 +206,15 @@ class GRPOTrainer(Trainer):
         self.stop_ids = eos_ids(tokenizer, model)
         # The first of every num_iterations steps reads the sampled tokens: declared, so the detector expects it.
         self.cadence = Cadence.from_config(cfg, read_every=settings.num_iterations)
+        if settings.disable_dropout:
+            disable_dropout(model)
         self.ref_model = None
         if settings.kl_beta > 0 and not lora.is_peft(model):
             if ref_model is None:
                 raise ConfigError("kl_beta > 0 without LoRA needs ref_model, a frozen copy of the starting model")
             ref_model.requires_grad_(False).eval()
+            if settings.disable_dropout:
+                disable_dropout(ref_model)  # eval mode already; kept for a caller that trains it again
             if self.backend.precision == "bf16":
                 ref_model = ref_model.to(torch.bfloat16)
             self.ref_model = self.backend.move_model(ref_model)  # not a submodule: no optimizer, no checkpoint
