@@ -119,3 +119,51 @@ def test_topk_kd_is_the_kl_over_the_top_k_and_one_tail_bucket():
     hard = CachedDistillTrainer.loss_sum(SimpleNamespace(model=student, settings=DistillSettings(t, 0.3)), batch)
     torch.testing.assert_close(hard, F.cross_entropy(student(**batch).logits[:, :-1].flatten(0, 1),
                                                      batch["labels"][:, 1:].flatten(), reduction="sum"))
+
+
+def _bucket_kl64(s_logits, ids, t_logp, t_tail, labels, t):
+    """The k + 1 bucket KL in float64 from the full student softmax (exact tail: a logsumexp of the other tokens)."""
+    s = torch.log_softmax(s_logits[:, :-1].double() / t, -1)
+    ids, t_logp, t_tail = ids[:, :-1].long(), t_logp[:, :-1].double(), t_tail[:, :-1].double()
+    s_top = s.gather(-1, ids)
+    s_tail = s.scatter(-1, ids, float("-inf")).logsumexp(-1)
+    kl = (t_logp.exp() * (t_logp - s_top)).sum(-1) + t_tail.exp() * (t_tail - s_tail)
+    return (kl * (labels[:, 1:] != -100)).sum() * t * t
+
+
+def test_topk_kd_with_a_near_zero_student_tail_is_the_exact_kl_and_its_gradient():
+    # The student puts ~56 * e^-25 ~ 8e-10 outside the teacher's top 8, below float32's 1 - sum resolution: the
+    # old log(1 - sum) floored at 1e-30 inflated the loss and its gradient towards the tail was ~0.
+    torch.manual_seed(0)
+    vocab, k, t = 64, 8, 1.0
+    t_logits = torch.randn(2, 5, vocab)
+    ids, t_logp, t_tail = teacher_topk(t_logits, k, t)
+    base = torch.zeros(2, 5, vocab).scatter(-1, ids.long(), 25.0) + 0.1 * torch.randn(2, 5, vocab)
+    labels = torch.ones(2, 5, dtype=torch.long)
+    s32 = base.clone().requires_grad_(True)
+    got = topk_kd_sum(s32, ids, t_logp, t_tail, labels, t)
+    (g32,) = torch.autograd.grad(got, s32)
+    s64 = base.double().requires_grad_(True)
+    want = _bucket_kl64(s64, ids, t_logp, t_tail, labels, t)
+    (g64,) = torch.autograd.grad(want, s64)
+    torch.testing.assert_close(got.double(), want.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(g32.double(), g64, rtol=1e-4, atol=1e-6)
+    assert g64[:, :-1].scatter(-1, ids[:, :-1].long(), 0.0).min() < -1e-3  # the tail's pull is real, and kept
+
+
+def test_topk_kd_with_k_the_teacher_vocabulary_below_the_students_is_finite():
+    # A teacher of 60 tokens cached whole (tail -inf) for a student of 64: 0 * -inf was nan.
+    torch.manual_seed(1)
+    ids, t_logp, t_tail = teacher_topk(torch.randn(2, 5, 60), 60, 2.0)
+    assert torch.isinf(t_tail).all()
+    s = torch.randn(2, 5, 64, requires_grad=True)
+    labels = torch.ones(2, 5, dtype=torch.long)
+    got = topk_kd_sum(s, ids, t_logp, t_tail, labels, 2.0)
+    (g,) = torch.autograd.grad(got, s)
+    assert torch.isfinite(got) and torch.isfinite(g).all()
+    s64 = s.detach().double().requires_grad_(True)
+    want = (lambda x: (torch.exp(t_logp[:, :-1].double()) * (t_logp[:, :-1].double() - torch.log_softmax(
+        x[:, :-1] / 2.0, -1).gather(-1, ids[:, :-1].long()))).sum() * 4.0)(s64)
+    (g64,) = torch.autograd.grad(want, s64)
+    torch.testing.assert_close(got.double(), want.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(g.double(), g64, rtol=1e-4, atol=1e-6)

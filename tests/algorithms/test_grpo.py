@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.support import StopAt
-from tpu_helpers.algorithms.grpo import completion_logps, group_advantages
+from tpu_helpers.algorithms.grpo import GRPOSettings, completion_logps, group_advantages
 from tpu_helpers.callbacks import Callback
 from tpu_helpers.config import ConfigError, config_from_parameters
 from tpu_helpers.recipes.grpo import GRPO, GRPOConfig
@@ -202,3 +202,45 @@ def test_a_reward_returning_the_wrong_values_is_an_error_naming_it(tmp_path, ret
     job.__dict__["rewards"] = {**job.rewards, "bad": bad}  # the configured ones and one that misbehaves
     with pytest.raises(ConfigError, match=message):
         job.train()
+
+
+def test_each_process_samples_its_own_stream_and_one_process_the_same_again(tmp_path, monkeypatch):
+    # The key was (seed, step): under torchrun every process drew the same numbers for its rows. The process
+    # index (the backend's rank) is in it now, in the rollouts and in the recipe's samples.
+    job = _job(tmp_path, temperature=2.0, max_new_tokens=6)
+    trainer = job.trainer
+    batch = trainer.backend.to_device(next(iter(trainer.train_loader)))
+
+    def rollout(rank):
+        monkeypatch.setattr(trainer.backend, "rank", rank)
+        return trainer.make_rollout(batch)["ids"]
+
+    first, other, again = rollout(0), rollout(1), rollout(0)
+    assert torch.equal(first, again) and not torch.equal(first, other)
+
+    def samples(rank):
+        monkeypatch.setattr(job.backend, "rank", rank)
+        return [r["completion"] for r in job.samples(4)["rows"]]
+
+    first, other, again = samples(0), samples(1), samples(0)
+    assert first == again and first != other
+
+
+def test_dropout_is_off_in_the_policy_so_the_first_ratio_is_exactly_1(tmp_path):
+    # Generation runs in eval mode and the training forward in train mode: with LORA_DROPOUT 0.5 the two differed,
+    # so the ratio of an on-policy step was not 1 (TRL disables dropout for this). DISABLE_DROPOUT (default on).
+    job = _job(tmp_path, lora_dropout=0.5, num_iterations=2, kl_beta=0.0)
+    trainer = job.trainer
+    drops = [m for m in trainer.raw_model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert drops and all(m.p == 0 for m in drops)
+    rollout = trainer.make_rollout(trainer.backend.to_device(next(iter(trainer.train_loader))))
+    trainer.model.train()  # as in a step
+    logp = completion_logps(trainer.model, rollout["ids"], rollout["mask"], 3, job.config.temperature)
+    ratio = torch.exp(logp - rollout["old_logp"]) * rollout["completion_mask"] + (1 - rollout["completion_mask"])
+    torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-5, rtol=0)
+    kept = _job(tmp_path / "kept", lora_dropout=0.5, disable_dropout=False).trainer
+    assert any(m.p == 0.5 for m in kept.raw_model.modules() if isinstance(m, torch.nn.Dropout))
+    with pytest.raises(ConfigError, match=r"disable_dropout='yes' has type str; expected bool"):
+        _config(tmp_path, disable_dropout="yes")
+    with pytest.raises(ConfigError, match=r"disable_dropout='yes' must be True or False"):
+        GRPOSettings(disable_dropout="yes")

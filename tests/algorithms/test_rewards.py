@@ -65,3 +65,41 @@ def test_bad_rewards_are_errors_naming_them():
     with pytest.raises(ConfigError, match=r"reward 'text' returned '1' for completion 1"):
         score({"text": lambda p, c: [1, "1"]}, ["p", "q"], ["a", "b"], {})
     assert score({"flags": lambda p, c: [True, False]}, ["p", "q"], ["a", "b"], {}) == {"flags": [1.0, 0.0]}
+
+
+NASTY = ["9" * 400, "1" + "0" * 5000, "-" + "9" * 400 + ".5", "1e999", "nan", "inf", "", "\x00\ud800", "٣", "1,,,",
+         "<answer>" + "9" * 400 + "</answer>", "<answer></answer>", "." * 1000, "-0", "0" * 400 + ".000"]
+
+
+def test_builtin_rewards_never_raise_on_any_string():
+    # A 400-digit number used to be int(float("inf")): OverflowError, and the run died.
+    assert normalize_answer("9" * 400) == "9" * 400 and normalize_answer("9" * 400) != normalize_answer("9" * 399 + "8")
+    assert normalize_answer("1" + "0" * 5000) == "1" + "0" * 5000  # beyond int()'s 4300-digit str limit
+    assert normalize_answer("-0") == "0" == normalize_answer("000.000") and normalize_answer("٣") == "3"
+    r = resolve_rewards("answer,format,number,length,overlong")
+    n = len(NASTY)
+    got = score(r, ["p"] * n, NASTY, {"answer": ["9" * 400] * n, "completion_tokens": [3] * n, "max_new_tokens": 8})
+    assert got["answer"][0] == 1.0 and got["answer"][10] == 1.0 and sum(got["answer"]) == 2.0
+
+
+def test_a_builtin_reward_that_breaks_on_some_completions_gives_them_0_and_one_counted_warning(monkeypatch):
+    from tpu_helpers.algorithms import rewards as rw
+
+    def explode(text):
+        if "boom" in text:
+            raise RuntimeError("no")
+        return text.strip()
+
+    monkeypatch.setattr(rw, "extract_answer", explode)
+    with pytest.warns(rw.RewardWarning) as caught:
+        got = score(resolve_rewards("answer"), ["p"] * 4, ["1", "boom", "boom 1", "2"], {"answer": ["1", "1", "1", "2"]})
+    assert got["answer"] == [1.0, 0.0, 0.0, 1.0]
+    assert len(caught) == 1 and "reward 'answer' could not score 2 of 4 completions" in str(caught[0].message)
+
+
+def test_a_user_reward_that_raises_is_an_error_naming_it_and_the_completion():
+    def picky(prompts, completions, answer):
+        return [1.0 / len(c) for c in completions]  # ZeroDivisionError on the empty completion
+
+    with pytest.raises(ConfigError, match=r"reward 'picky' raised ZeroDivisionError on completion 2 \(''\)"):
+        score({"picky": picky}, ["p"] * 3, ["a", "bb", ""], {"answer": ["1", "2", "3"], "max_new_tokens": 8})

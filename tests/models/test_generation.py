@@ -13,11 +13,11 @@ from tpu_helpers.config import ConfigError
 from tpu_helpers.models import hf, lora
 from tpu_helpers.models.generation import (
     Sampling,
+    exponentials,
     generate_ids,
     generate_ids_uncached,
     left_pad,
     pick,
-    uniform,
 )
 
 
@@ -110,6 +110,43 @@ def test_cached_greedy_equals_the_uncached_loop_across_model_families(family, mo
         assert not torch.equal(unwindowed.ids, want)
 
 
+def test_a_sliding_window_without_layer_types_is_applied_as_hf_does(monkeypatch):
+    # Mistral-style configs set sliding_window for every layer and list no layer_types: the cached generator used to
+    # attend to everything while HF's forward applies the window (4 here, prompts + completions up to 21 tokens).
+    config = transformers.MistralConfig(num_hidden_layers=2, sliding_window=4, **SIZES)
+    assert getattr(config, "layer_types", None) is None
+    torch.manual_seed(2)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+    p = left_pad([torch.randint(3, 97, (n,)).tolist() for n in (12, 7, 3, 10)], 12, 0)
+    want = generate_ids_uncached(model, p.ids, p.mask, max_new_tokens=9)  # HF's own masks, no cache
+    got = generate_ids(model, p.ids, p.mask, max_new_tokens=9, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(got.ids, want), (got.ids, want)
+    full = torch.cat([p.ids, want], 1)
+    mask = torch.cat([p.mask, torch.ones_like(want)], 1)
+    with torch.no_grad():  # the training forward (HF's sliding mask from the 2D mask)
+        logits = model(input_ids=full, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    ref = torch.log_softmax(logits[:, 11:-1].float(), -1).gather(-1, want.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(got.logprobs, ref, atol=1e-4, rtol=1e-4)
+    from tpu_helpers.models import generation
+
+    monkeypatch.setattr(generation, "_sliding_window", lambda model: None)
+    assert not torch.equal(generate_ids(model, p.ids, p.mask, max_new_tokens=9, eos_token_id=None,
+                                        pad_token_id=0).ids, want)  # the window matters here
+
+
+def test_use_sliding_window_false_means_no_window():
+    # A guard for the fix above: Qwen2 configs may keep sliding_window while use_sliding_window turns it off.
+    from tpu_helpers.models.generation import _sliding_window
+
+    config = transformers.Qwen2Config(num_hidden_layers=2, use_sliding_window=False, sliding_window=4, **SIZES)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model.config.sliding_window, model.config.layer_types = 4, None  # as an older config.json would hold it
+    assert _sliding_window(model) is None
+
+
 def test_sampling_is_reproducible_and_top_k_1_is_greedy(tiny_lm_dir):
     model, tok = _model(tiny_lm_dir, with_lora=False)
     p = _prompts(tok)
@@ -129,11 +166,12 @@ def test_the_sampler_draws_from_the_truncated_softmax():
     torch.manual_seed(0)
     rows, vocab = 20000, 6
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]).expand(rows, vocab)
-    u = uniform(torch.tensor([1, 2]), torch.tensor([0]), rows)
-    assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.01
+    key = (torch.tensor([1, 2]), torch.tensor([0]))
+    e = exponentials(*key, torch.arange(vocab).expand(rows, vocab), vocab)
+    assert 0 < e.min() and e.max() < 17 and abs(e.mean().item() - 1.0) < 0.01 and abs(e.var().item() - 1.0) < 0.03
 
     def freq(sampling):
-        token, logp = pick(logits, sampling, u)
+        token, logp = pick(logits, sampling, key)
         return torch.bincount(token, minlength=vocab).float() / rows, token, logp
 
     f, token, logp = freq(Sampling(temperature=2.0))
@@ -146,6 +184,44 @@ def test_the_sampler_draws_from_the_truncated_softmax():
     f, _, _ = freq(Sampling(temperature=1.0, top_p=0.7))  # cumulative 0.56, 0.77: the first two reach 0.7
     torch.testing.assert_close(f[:2], torch.softmax(logits[0, :2], -1), atol=0.015, rtol=0)
     assert f[2:].sum() == 0
+
+
+def test_the_race_noise_keeps_its_resolution_far_below_a_24_bit_uniform():
+    # A token of probability p wins the race when its draw is below ~p times the winner's ratio: draws must be
+    # exponential in law near 0 (P(E < x) = x), here counted under 1e-4 and 1e-5 over 4M draws.
+    n = 4_000_000
+    e = exponentials(torch.tensor([5]), torch.tensor([0]), torch.arange(n).reshape(1, n), n)
+    for x in (1e-4, 1e-5):
+        count = int((e < x).sum())
+        assert abs(count - n * x) < 4 * (n * x) ** 0.5 + 1, (x, count)
+    assert e.max() <= 16.7 and e.dtype == torch.float32
+
+
+@pytest.mark.slow
+def test_sampling_over_a_150k_vocabulary_draws_tokens_an_inverse_cdf_cannot():
+    # 10 likely tokens, then ~150k tokens of 2.5e-8 each (0.37% of the mass), after them in the order a cumulative
+    # sum runs. In float32 that sum near 1 has a spacing of 6e-8: more than half of those tokens end where their
+    # predecessor ends (a zero-width interval), so an inverse CDF (the old sampler) never draws them. The race
+    # draws each at its own probability: their share of 10000 draws is binomial around their mass.
+    vocab, head, rows = 150_000, 10, 10_000
+    p = torch.full((vocab,), 2.5e-8, dtype=torch.float64)
+    p[:head] = torch.linspace(2.0, 1.0, head, dtype=torch.float64)
+    p[:head] *= (1 - p[head:].sum()) / p[:head].sum()
+    logits = p.log().float()
+    cum = torch.log_softmax(logits, -1).exp().cumsum(-1)
+    flat = torch.cat([torch.zeros(1, dtype=torch.bool), cum[1:] == cum[:-1]])  # undrawable by an inverse CDF
+    mass = float(p[flat].sum())
+    assert 1e-3 < mass and flat[head:].float().mean() > 0.5
+    hits, tail = 0, 0
+    for call in range(rows // 500):
+        token, _ = pick(logits.expand(500, vocab), Sampling(temperature=1.0),
+                        (torch.tensor([11, call]), torch.zeros(1, dtype=torch.long)))
+        hits += int(flat[token].sum())
+        tail += int((token >= head).sum())
+    sigma = (rows * mass * (1 - mass)) ** 0.5
+    assert abs(hits - rows * mass) < 4 * sigma, (hits, rows * mass, sigma)  # ~21 expected, 0 before
+    want_tail = float(p[head:].sum())
+    assert abs(tail - rows * want_tail) < 4 * (rows * want_tail) ** 0.5, (tail, rows * want_tail)
 
 
 def test_rows_that_produce_eos_stop_growing(tiny_lm_dir):
@@ -196,8 +272,8 @@ def test_on_xla_two_graphs_then_none_for_a_second_call_or_more_tokens(tiny_lm_di
         compiles.append(b.metrics()["compilations"] - start)
         assert torch.equal(ids[:, :new_tokens], want[:, :new_tokens])
     assert compiles[0] <= 2 and compiles[1:] == [0, 0], compiles
-    # Sampling: another stream (seed) and the same shapes compile nothing new either; the uniform numbers are
-    # bit-identical to the CPU's, and so are the tokens here.
+    # Sampling: another stream (seed) and the same shapes compile nothing new either; the exponential draws equal
+    # the CPU's (the same hashed bits; the logs to float32 rounding), and so do the tokens here.
     start = b.metrics()
     sampled = _gen(model, tok, p, b.device, sampling=hot, seed=torch.tensor([7, 3]), sync=b.sync, cache_len=64)
     again = _gen(model, tok, p, b.device, sampling=hot, seed=torch.tensor([7, 9]), sync=b.sync, cache_len=64)
@@ -206,8 +282,10 @@ def test_on_xla_two_graphs_then_none_for_a_second_call_or_more_tokens(tiny_lm_di
     assert end["compilations"] - start["compilations"] <= 2 and end["cpu_fallback_ops"] == {}
     assert torch.equal(ids, sampled_cpu.ids) and not torch.equal(ids, other)
     dev = b.device
-    assert torch.equal(uniform(torch.tensor([3, 4]).to(dev), torch.tensor([5]).to(dev), 8).cpu(),
-                       uniform(torch.tensor([3, 4]), torch.tensor([5]), 8))
+    ids = torch.arange(1000).reshape(8, 125)
+    torch.testing.assert_close(exponentials(torch.tensor([3, 4]).to(dev), torch.tensor([5]).to(dev), ids.to(dev),
+                                            1000).cpu(), exponentials(torch.tensor([3, 4]), torch.tensor([5]), ids, 1000),
+                               rtol=1e-6, atol=0)
 
 
 @pytest.mark.xla

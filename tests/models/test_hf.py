@@ -97,3 +97,37 @@ def test_tied_embedding_and_head_stay_tied_after_the_move_to_xla_under_peft(tiny
     # Module.to() would give the head a Parameter of its own on XLA: twice the memory, and a full fine-tune would
     # train two diverging copies.
     assert head is emb and head.device.type == "xla"
+
+
+def test_generation_stops_at_the_generation_configs_extra_stop_token(tiny_lm_dir):
+    # Gemma 2/3 instruct end a turn with <end_of_turn>, listed in generation_config.eos_token_id beside EOS; the
+    # stop tokens used to be the tokenizer's EOS alone, so answers ran past the end of the turn.
+    from tpu_helpers.algorithms.grpo import GRPOSettings, score_completions
+    from tpu_helpers.algorithms.rewards import resolve_rewards
+
+    model, tok = hf.load_causal_lm(str(tiny_lm_dir))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)  # varied answers (the tiny model's own weights repeat a token)
+    from tpu_helpers.models.generation import generate_ids, left_pad
+
+    prompts = ["a b c", "hello there"]
+    enc = [tok(t, add_special_tokens=False)["input_ids"] for t in prompts]
+    p = left_pad(enc, max(map(len, enc)), tok.pad_token_id)
+    ids = generate_ids(model, p.ids, p.mask, max_new_tokens=6, eos_token_id=tok.eos_token_id,
+                       pad_token_id=tok.pad_token_id).ids[0].tolist()
+    free = hf.generate(model, tok, prompts, device="cpu", max_new_tokens=6)
+    assert tok.eos_token_id not in ids[:3] and free[0] == tok.decode(ids, skip_special_tokens=True)
+    stop = ids[2]  # the third token of the first answer: taken as the end of turn
+    assert stop not in ids[:2]
+    model.generation_config.eos_token_id = [tok.eos_token_id, stop]
+    got = hf.generate(model, tok, prompts, device="cpu", max_new_tokens=6)
+    assert got[0] == tok.decode(ids[:2], skip_special_tokens=True) != free[0]
+    stops = hf.eos_ids(tok, model)
+    assert stops == [tok.eos_token_id, stop] and hf.eos_ids(tok) == [tok.eos_token_id]
+    # GRPO's scoring (texts and lengths) ends completions there too when given the model's stop tokens.
+    rows = [ids[:2] + [stop, ids[0], ids[1]], [ids[0]] * 5]
+    records = [{"prompt": q, "answer": "1"} for q in prompts]
+    scored = score_completions(tok, resolve_rewards("length"), records, rows, GRPOSettings(max_new_tokens=5), stops)
+    assert scored["completion_tokens"] == [3, 5] and scored["completions"][0] == got[0]

@@ -17,9 +17,10 @@ Cached (`CachedDistillTrainer`): the teacher runs once, over the data, instead o
 neither its weights nor its logits, only k ids and log-probabilities per position (k = 128 of a 152k vocabulary is
 0.08% of the teacher's logits). The KL is over k + 1 buckets: the teacher's k tokens and the rest of the vocabulary
 as one "tail" bucket. Teacher side: the cached log-probabilities at temperature T and the log of its remaining
-mass, both exact. Student side: log_softmax(logits / T) gathered at the teacher's ids, and its own tail
-log(1 - sum of those k probabilities). With k = the vocabulary this is the live trainer's full-softmax KL (the
-tail is empty and left out). Everything is gather, topk and elementwise ops, which XLA lowers (no host read).
+mass, both exact. Student side: log_softmax(logits / T) gathered at the teacher's ids, and its own tail, exact
+too: the logsumexp of its other entries (not log(1 - sum), which float32 rounds to log 0 below ~1e-7). With k =
+the vocabulary this is the live trainer's full-softmax KL (the tail is empty and left out); a teacher tail of
+-inf (k = a teacher vocabulary smaller than the student's) contributes exactly 0. Everything is gather, topk and elementwise ops, which XLA lowers (no host read).
 Validation batches carry no teacher: the validation loss is the student's own next-token loss, the held-out figure
 to compare with the teacher's or with another run's.
 
@@ -45,9 +46,6 @@ from tpu_helpers.diagnostics.safe_ops import xla_safe_kl_div
 from tpu_helpers.models import lora
 from tpu_helpers.training.batches import causal_lm_loss_sum
 
-# log of the smallest tail mass the student's side keeps: below it (its top-k holds all the mass in float32) the
-# log would be -inf and its gradient nan; the teacher's tail there is as small, so the term is ~0 either way.
-_TAIL_FLOOR = 1e-30
 TEACHER_KEYS = ("teacher_ids", "teacher_logp", "teacher_tail")
 ROWS_PER_SHARD = 256  # 256 MiB per shard at 1024 tokens x top-128 in float32: one file per chip's share and more
 
@@ -124,9 +122,15 @@ def topk_kd_sum(logits: torch.Tensor, ids: torch.Tensor, t_logp: torch.Tensor, t
     s_top = s_logp.gather(-1, ids)
     kl = (torch.exp(t_logp) * (t_logp - s_top)).sum(-1)
     if ids.shape[-1] < logits.shape[-1]:
-        # The student's mass outside the teacher's k tokens, as log(1 - sum); floored so it stays finite.
-        s_tail = torch.log((-torch.expm1(s_top.logsumexp(-1))).clamp(min=_TAIL_FLOOR))
-        kl = kl + torch.exp(t_tail) * (t_tail - s_tail)
+        # The student's mass outside the teacher's k tokens, exact: a logsumexp over the other entries (the
+        # teacher's ids set to -inf, as teacher_topk does), not log(1 - sum), which float32 rounds to log(0) when
+        # the student puts < ~1e-7 there (an inflated loss, and no gradient moving mass back). Fixed shapes, no read.
+        s_tail = s_logp.scatter(-1, ids, float("-inf")).logsumexp(-1)
+        # A teacher tail of -inf (k = the teacher's whole vocabulary, smaller than the student's) weighs exactly 0:
+        # exp(-inf) * (-inf - s_tail) would be 0 * -inf = nan. The where keeps nan out of the gradient too.
+        has_tail = torch.isfinite(t_tail)
+        safe = torch.where(has_tail, t_tail, torch.zeros_like(t_tail))
+        kl = kl + torch.where(has_tail, torch.exp(safe) * (safe - s_tail), torch.zeros_like(safe))
     keep = labels[:, 1:] != -100
     return (kl * keep).sum() * (t * t)
 

@@ -13,7 +13,8 @@ takes them whole.
 Each generation step (the first of every `num_iterations` optimizer steps) takes B prompts from the loader
 (`data.rl.PromptDataset`: left-padded to MAX_PROMPT_LEN) and:
 1. generates G completions of each with the KV cache (`models.generation`: one prefill and one decode graph, a
-   sampling stream keyed on (seed, generation index), so a resumed run samples the same answers);
+   sampling stream keyed on (seed, generation index, process rank), so a resumed run samples the same answers and
+   data-parallel processes different ones);
 2. reads the completions and the rows' record indices to the host in one transfer (the step's only read,
    declared through `Cadence.read_every`, so the XLA detector expects it), decodes them and calls the rewards
    (`algorithms.rewards`) with each record's fields;
@@ -29,7 +30,8 @@ and the package's SFT loss do):
     ratio = exp(logp - logp_old)
     loss  = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) + beta * (exp(ref - logp) - (ref - logp) - 1)
 
-logp under softmax(logits / temperature), as sampled. With `num_iterations` 1, logp_old is logp itself (detached:
+logp under softmax(logits / temperature), as sampled (dropout off by default, `disable_dropout`, so the training
+forward computes what generation did). With `num_iterations` 1, logp_old is logp itself (detached:
 the ratio is exactly 1 and the update on-policy); with more, the generation's own log-probabilities are kept for
 the `num_iterations` updates over the same completions, as in the GRPO paper. Logged per log step: the loss, the
 mean reward (and each reward's), its spread within groups, the completion length, the KL to the reference, the
@@ -66,7 +68,9 @@ class GRPOSettings:
     temperature / top_k / top_p: the sampling (temperature > 0: a group of identical greedy answers teaches
     nothing); kl_beta: weight of the k3 KL to the reference (0: no reference); clip_eps: the ratio's clip;
     num_iterations: optimizer steps per batch of sampled answers; prompt_field / answer_field: the record fields
-    the rewards read.
+    the rewards read; disable_dropout: every dropout of the policy and the reference set to 0 when the trainer is
+    built (generation runs in eval mode and the loss in train mode: with dropout the on-policy ratio would not be 1
+    and the KL noisy, as TRL says).
     """
 
     num_generations: int = 8
@@ -79,8 +83,11 @@ class GRPOSettings:
     num_iterations: int = 1
     prompt_field: str = "prompt"
     answer_field: str = "answer"
+    disable_dropout: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.disable_dropout, bool):
+            raise ConfigError(f"disable_dropout={self.disable_dropout!r} must be True or False")
         n = self.num_generations
         if isinstance(n, bool) or not isinstance(n, int) or n < 2:
             raise ConfigError(f"num_generations={n!r} must be >= 2 (an integer): advantages are relative to the "
@@ -112,6 +119,17 @@ class GRPOSettings:
         if rows % grad_accum:
             raise ConfigError(f"grad_accum={grad_accum} must divide batch_size x num_generations = {rows} (the rows "
                               "of one step's micro-batches)")
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Every `torch.nn.Dropout` of `model` (LoRA's included) gets p = 0, and every attention module's float
+    `attention_dropout` (HF's eager attention reads it in train mode) 0.0, so train mode computes what eval mode
+    does."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
 
 
 def group_advantages(rewards: torch.Tensor, group: int, eps: float = 1e-4) -> torch.Tensor:
@@ -150,11 +168,13 @@ def completion_logps(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tens
 
 
 def score_completions(tokenizer: Any, rewards: dict[str, Reward], records: Sequence[dict], rows: list[list[int]],
-                      settings: GRPOSettings) -> dict:
+                      settings: GRPOSettings, stop_ids: list[int] | None = None) -> dict:
     """Decode completion token rows (one per record) and score them with every reward: {"total", "rewards"
-    ({name: values}), "prompts", "completions", "completion_tokens"}; each record's fields go to the rewards."""
-    texts = completion_texts(tokenizer, rows)
-    lengths = completion_lengths(rows, eos_ids(tokenizer))
+    ({name: values}), "prompts", "completions", "completion_tokens"}; each record's fields go to the rewards.
+    `stop_ids`: where completions end (default the tokenizer's EOS; give `eos_ids(tokenizer, model)`)."""
+    stop_ids = eos_ids(tokenizer) if stop_ids is None else stop_ids
+    texts = completion_texts(tokenizer, rows, stop_ids)
+    lengths = completion_lengths(rows, stop_ids)
     pairs = [prompt_and_answer(r, prompt_field=settings.prompt_field, answer_field=settings.answer_field)
              for r in records]
     fields: dict[str, Any] = {k: [r.get(k) for r in records] for k in sorted({k for r in records for k in r})
@@ -182,13 +202,19 @@ class GRPOTrainer(Trainer):
         settings.check_split(cfg.batch_size, cfg.grad_accum)
         self.settings = settings
         self.tokenizer, self.records, self.rewards = tokenizer, list(records), dict(rewards)
+        # Where answers end: the tokenizer's EOS and the model's generation_config.eos_token_id (end of turn).
+        self.stop_ids = eos_ids(tokenizer, model)
         # The first of every num_iterations steps reads the sampled tokens: declared, so the detector expects it.
         self.cadence = Cadence.from_config(cfg, read_every=settings.num_iterations)
+        if settings.disable_dropout:
+            disable_dropout(model)
         self.ref_model = None
         if settings.kl_beta > 0 and not lora.is_peft(model):
             if ref_model is None:
                 raise ConfigError("kl_beta > 0 without LoRA needs ref_model, a frozen copy of the starting model")
             ref_model.requires_grad_(False).eval()
+            if settings.disable_dropout:
+                disable_dropout(ref_model)  # eval mode already; kept for a caller that trains it again
             if self.backend.precision == "bf16":
                 ref_model = ref_model.to(torch.bfloat16)
             self.ref_model = self.backend.move_model(ref_model)  # not a submodule: no optimizer, no checkpoint
@@ -211,11 +237,9 @@ class GRPOTrainer(Trainer):
         t0 = time.perf_counter()
         ids = batch["input_ids"].repeat_interleave(g, 0)
         mask = batch["attention_mask"].repeat_interleave(g, 0)
-        # The sampling stream: a function of the seed and the generation index, sent as data (no recompile).
-        key = torch.tensor([self.config.seed, self.step // self.settings.num_iterations],
-                           dtype=torch.long).to(b.device)
+        key = self.sampling_key(self.step // self.settings.num_iterations)
         with b.autocast():
-            gen = generate_ids(self.model, ids, mask, max_new_tokens=n, eos_token_id=eos_ids(self.tokenizer),
+            gen = generate_ids(self.model, ids, mask, max_new_tokens=n, eos_token_id=self.stop_ids,
                                pad_token_id=self.tokenizer.pad_token_id, sampling=self.settings.sampling, seed=key,
                                sync=b.sync)
         host = b.to_cpu({"ids": gen.ids, "index": batch["index"]})  # the step's one read
@@ -231,11 +255,17 @@ class GRPOTrainer(Trainer):
         self._host_log.append({**stats, "generate_s": self.rollout_seconds[-1]})
         return rollout
 
+    def sampling_key(self, index: int) -> torch.Tensor:
+        """The sampling stream of generation `index`: a function of the seed, the index and the process (the
+        backend's rank: under data parallelism every process samples its own rows, which must not share one
+        stream), sent as data (no recompile); the same on a resumed run of the same process."""
+        return torch.tensor([self.config.seed, index, self.backend.rank], dtype=torch.long).to(self.backend.device)
+
     def score(self, rows: list[list[int]], indices: list[int]) -> tuple[list[float], dict]:
         """The summed reward of each completion (token rows) of the records at `indices`, and what is logged."""
         g = self.settings.num_generations
         records = [self.records[i] for i in indices for _ in range(g)]
-        scored = score_completions(self.tokenizer, self.rewards, records, rows, self.settings)
+        scored = score_completions(self.tokenizer, self.rewards, records, rows, self.settings, self.stop_ids)
         total, lengths = scored["total"], scored["completion_tokens"]
         groups = torch.tensor(total).reshape(-1, g)
         stats = {"reward": sum(total) / len(total), "reward_std": float(groups.std(1).mean()),

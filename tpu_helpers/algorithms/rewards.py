@@ -9,7 +9,9 @@ run on the host on the decoded text (the trainer's one host read per generation 
 `fields` holds the records' other columns (e.g. `answer`, one per completion) and `completion_tokens` (the token
 count of each completion); a function receives the ones its signature names, or all of them with `**kwargs`
 (TRL's reward functions take the same arguments). A reward that returns the wrong number of values, or a value
-that is not a finite number, is an error naming the reward, the completion and the value.
+that is not a finite number, is an error naming the reward, the completion and the value; so is one that raises
+(the completion found by scoring the completions one by one). The built-ins never raise on a completion, whatever
+its text: one they cannot score gets 0, and each call says once (a `RewardWarning`) how many got 0 and why.
 
 Built-ins (`BUILTIN`):
 - `answer`: 1.0 when the completion's answer equals the reference `answer`, else 0.0. The answer is the text inside
@@ -28,6 +30,8 @@ import inspect
 import math
 import numbers
 import re
+import unicodedata
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,6 +44,37 @@ _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 DEFAULT_FORMAT = r"(?s).*<answer>.+?</answer>.*"
 
 
+class RewardWarning(UserWarning):
+    """A built-in reward could not score some completions (they got 0); said once per call, with the count."""
+
+
+def _each(name: str, one: Callable[..., float], items: Sequence[tuple]) -> list[float]:
+    """one(*item) per item; an item it raises on gets 0 (a completion's text must never end a run), and the
+    failures are counted into one warning naming the reward, not one per completion."""
+    values, failed, first = [], 0, None
+    for item in items:
+        try:
+            values.append(float(one(*item)))
+        except Exception as err:  # noqa: BLE001 (any text may break a heuristic; the run goes on)
+            values.append(0.0)
+            failed += 1
+            first = first or err
+    if failed:
+        warnings.warn(f"reward {name!r} could not score {failed} of {len(values)} completions (first: "
+                      f"{type(first).__name__}: {str(first)[:120]}); they get 0", RewardWarning, stacklevel=3)
+    return values
+
+
+def _canonical_number(number: str) -> str:
+    """The canonical decimal of a matched number, exact on its digits ("-001,000.50" -> "-1000.5"): no float (a
+    number above ~1e308 would be inf, and int(inf) raises) nor int (str() of one over 4300 digits raises)."""
+    digits = "".join(c if c.isascii() else str(unicodedata.decimal(c)) for c in number.replace(",", ""))
+    negative = digits.startswith("-")
+    whole, _, frac = digits.lstrip("-").partition(".")
+    out = (whole.lstrip("0") or "0") + ("." + frac.rstrip("0") if frac.rstrip("0") else "")
+    return "-" + out if negative and out != "0" else out
+
+
 def normalize_answer(text: Any) -> str:
     """A comparable form of an answer: a number as its canonical decimal ("1,000.0" -> "1000"), else lower-case
     text with spaces collapsed; a GSM8K-style reference ("... #### 72") is read after its last "####"."""
@@ -49,8 +84,7 @@ def normalize_answer(text: Any) -> str:
     text = text.strip()
     m = _NUMBER.fullmatch(text.replace(" ", "").rstrip("."))
     if m:
-        value = float(m.group(0).replace(",", ""))
-        return str(int(value)) if value == int(value) else repr(value)
+        return _canonical_number(m.group(0))
     return " ".join(text.lower().split())
 
 
@@ -65,8 +99,8 @@ def extract_answer(completion: str) -> str:
 
 def answer_reward(prompts: Sequence, completions: Sequence[str], answer: Sequence[Any], **_: Any) -> list[float]:
     """1.0 where the completion's answer equals the reference (numbers normalised), else 0.0."""
-    return [float(a is not None and normalize_answer(extract_answer(c)) == normalize_answer(a))
-            for c, a in zip(completions, answer, strict=True)]
+    return _each("answer", lambda c, a: a is not None and normalize_answer(extract_answer(c)) == normalize_answer(a),
+                 list(zip(completions, answer, strict=True)))
 
 
 def format_reward(pattern: str = DEFAULT_FORMAT) -> Reward:
@@ -77,7 +111,7 @@ def format_reward(pattern: str = DEFAULT_FORMAT) -> Reward:
         raise ConfigError(f"FORMAT_PATTERN={pattern!r} is not a regular expression: {err}") from None
 
     def reward(prompts: Sequence, completions: Sequence[str], **_: Any) -> list[float]:
-        return [float(compiled.fullmatch(c.strip()) is not None) for c in completions]
+        return _each("format", lambda c: compiled.fullmatch(c.strip()) is not None, [(c,) for c in completions])
 
     reward.__name__ = "format"
     return reward
@@ -88,7 +122,7 @@ def length_penalty(scale: float = 0.1) -> Reward:
 
     def reward(prompts: Sequence, completions: Sequence[str], completion_tokens: Sequence[int],
                max_new_tokens: int, **_: Any) -> list[float]:
-        return [-scale * n / max_new_tokens for n in completion_tokens]
+        return _each("length", lambda n: -scale * n / max_new_tokens, [(n,) for n in completion_tokens])
 
     reward.__name__ = "length"
     return reward
@@ -102,7 +136,7 @@ def overlong_penalty(buffer_fraction: float = 0.25) -> Reward:
                max_new_tokens: int, **_: Any) -> list[float]:
         buffer = max(1.0, max_new_tokens * buffer_fraction)
         start = max_new_tokens - buffer
-        return [-min(1.0, max(0.0, (n - start) / buffer)) for n in completion_tokens]
+        return _each("overlong", lambda n: -min(1.0, max(0.0, (n - start) / buffer)), [(n,) for n in completion_tokens])
 
     reward.__name__ = "overlong"
     return reward
@@ -171,13 +205,32 @@ def _call(fn: Reward, prompts: Sequence, completions: Sequence[str], fields: dic
     return fn(prompts, completions, **{k: v for k, v in fields.items() if k in params})
 
 
+def _culprit(fn: Reward, prompts: Sequence, completions: Sequence[str], fields: dict[str, Any]) -> int | None:
+    """The first completion a reward raises on when given it alone (per-completion fields sliced with it)."""
+    n = len(completions)
+    for i in range(n):
+        one = {k: v[i:i + 1] if isinstance(v, (list, tuple)) and len(v) == n else v for k, v in fields.items()}
+        try:
+            _call(fn, list(prompts)[i:i + 1], list(completions)[i:i + 1], one)
+        except Exception:  # noqa: BLE001 (looking for the one it raises on)
+            return i
+    return None
+
+
 def score(rewards: dict[str, Reward], prompts: Sequence, completions: Sequence[str],
           fields: dict[str, Any]) -> dict[str, list[float]]:
     """Every reward's values for the completions, checked: one finite number per completion."""
     n = len(completions)
     out = {}
     for name, fn in rewards.items():
-        values = _call(fn, prompts, completions, fields)
+        try:
+            values = _call(fn, prompts, completions, fields)
+        except Exception as err:
+            i = _culprit(fn, prompts, completions, fields)
+            where = f"on completion {i} ({completions[i][:80]!r})" if i is not None else \
+                f"on the batch of {n} completions (on none of them alone)"
+            raise ConfigError(f"reward {name!r} raised {type(err).__name__} {where}: {err}; a reward must return a "
+                              "number for any completion text") from err
         try:
             values = list(values)
         except TypeError:

@@ -21,17 +21,22 @@ The cache is transformers' own `StaticLayer` (the layer of `StaticCache`): per l
 (batch, kv_heads, P + N, head_dim), i.e. (batch, layers, P + N, kv_heads, head_dim) for the model, preallocated at
 the prefill and written in place with `index_copy_` at a position that is a device tensor (`cumulative_length`).
 That runs with one decode graph on XLA. `StaticCache` itself is not used as a whole: for sliding-window layers
-(Gemma 2/3, Qwen2 with use_sliding_window) it builds `StaticSlidingWindowLayer`, a rolling buffer driven by a
+(Gemma 2/3, Qwen2 with use_sliding_window, Mistral) it builds `StaticSlidingWindowLayer`, a rolling buffer driven by a
 Python int (`cumulative_length_int`) that takes another code path once the window is full (a new graph) and whose
 slots do not line up with a left-padded batch. Here every layer gets a full-length `StaticLayer` and a sliding
-window is a mask (the same attention, more cache memory for those layers).
+window is a mask (the same attention, more cache memory for those layers): per layer type where the config lists
+`layer_types`, on every layer where it only sets `sliding_window` (Mistral), none where `use_sliding_window` is
+False.
 
-Sampling: temperature, top-k and top-p, by inverse-CDF sampling with one uniform number per row and step drawn
-from a counter-based hash of (seed, stream, step, row) computed on the device in int64 arithmetic. It neither
-syncs nor recompiles, gives the same numbers on the CPU, CUDA and XLA, and needs no generator state: the stream
-is a function of the `seed` tensor, so a resumed run that passes the same seed samples the same answers. (torch
-2.9 + torch_xla 2.9 have no `torch.Generator` on the XLA device: "XLA device type not an accelerator"; the
-device's global RNG does not recompile but is shared with dropout and advanced by every other random op.)
+Sampling: temperature, top-k and top-p, by an exponential race (Gumbel-max): the token with the largest p / E,
+E ~ Exp(1) one per token, drawn from a counter-based hash of (seed, step, row, token id) computed on the device in
+int64 arithmetic. Each token wins with its own probability, exact to float32 rounding however large the vocabulary
+(an inverse CDF over a float32 cumulative sum of 150k probabilities cannot draw tokens below ~3e-8 once the sum
+nears 1). It neither syncs nor recompiles, hashes the same bits on the CPU, CUDA and XLA (the same tokens but
+for float32 ties), and needs no generator state: the stream is a function of the `seed` tensor, so a resumed run that passes the same seed samples the same
+answers. (torch 2.9 + torch_xla 2.9 have no `torch.Generator` on the XLA device: "XLA device type not an
+accelerator"; the device's global RNG does not recompile but is shared with dropout and advanced by every other
+random op.)
 `logprobs` are the log-probabilities of the chosen tokens under softmax(logits / temperature) (temperature 1 when
 greedy), before top-k/top-p truncation: what a training forward pass over the same tokens computes.
 """
@@ -117,44 +122,66 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform(seed: torch.Tensor, step: torch.Tensor, rows: int) -> torch.Tensor:
-    """`rows` float32 numbers in (0, 1), a function of `seed` (int64, any shape: its entries are all mixed in),
-    the device tensor `step` and the row index only."""
+def _key_hash(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """One 32-bit value (an int64 scalar) from `seed` (int64, any shape: its entries are all mixed in) and `step`."""
     h = torch.zeros((), dtype=torch.long, device=seed.device)
     for k, part in enumerate([*seed.reshape(-1).unbind(0), step.reshape(())]):
         h = _mix((h * _MUL[2 + k % 2] + (part & _M32) + k) & _M32)
-    row = torch.arange(rows, device=seed.device, dtype=torch.long)
-    h = _mix(_mix((h + row * _MUL[3]) & _M32) ^ (row + 1))
-    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return h
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Index of the first entry whose cumulative probability reaches u * total, per row (no data-dependent shape)."""
-    cum = probs.cumsum(-1)
-    target = u.unsqueeze(-1) * cum[:, -1:]
-    return (cum < target).sum(-1).clamp(max=probs.shape[-1] - 1)
+def exponentials(seed: torch.Tensor, step: torch.Tensor, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) draws (float32) shaped like `tokens` ((rows, n) token ids), one per (seed, step, row, token id): the
+    noise of the exponential race in `pick`. Each is -log(1 - v) of a v in (0, 1) with float32's relative
+    precision down to 2**-56 (32 hashed bits, then 24 more from a second mix below the lowest): a token of
+    probability p wins when its draw is below ~p times the winner's ratio, so tiny draws must keep their
+    resolution (a 24-bit uniform stops at 6e-8). The largest draw is 16.6 (v <= 1 - 2**-24): a cut that changes a
+    winner with a chance below 6e-8. Integer arithmetic up to the float conversion: the same bits on every device."""
+    h = _key_hash(seed, step)
+    row = torch.arange(tokens.shape[0], device=tokens.device, dtype=torch.long).unsqueeze(-1)
+    cell = (row * vocab + tokens.long()) & _M32
+    hi = _mix(_mix((h + cell * _MUL[3]) & _M32) ^ ((cell + 1) & _M32))
+    lo = _mix(hi ^ _MUL[2]) >> 8  # fills in below hi's last bit (a function of hi: the marginal stays uniform)
+    v = hi.float() * (2.0 ** -32) + (lo.float() + 0.5) * (2.0 ** -56)
+    return -torch.log1p(-v.clamp(max=1.0 - 2.0 ** -24))
 
 
-def pick(logits: torch.Tensor, sampling: Sampling, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token, log-probability) per row from (rows, vocab) logits; `u`: one uniform number per row when sampling."""
+def _race(logp: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The exponential race (Gumbel-max): the argmax of p / E, E ~ Exp(1) per entry, is entry i with probability
+    p_i / sum(p), each entry on its own: no cumulative sum, whose float32 rounding near 1 (spacing 6e-8) could
+    leave tokens below ~3e-8 of a 150k vocabulary undrawable. Entries with logp -inf never win."""
+    return (logp - noise.log()).argmax(-1)
+
+
+def pick(logits: torch.Tensor, sampling: Sampling, key: tuple[torch.Tensor, torch.Tensor] | None
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token, log-probability) per row from (rows, vocab) logits; `key`: (seed, step) device tensors when
+    sampling (the noise is a function of them, the row and the token id: see `exponentials`)."""
     logits = logits.float()
     if sampling.greedy:
         token = logits.argmax(-1)
         return token, torch.log_softmax(logits, -1).gather(-1, token.unsqueeze(-1)).squeeze(-1)
+    if key is None:
+        raise ValueError(f"sampling {sampling} needs a key (seed, step); only greedy picks without one")
+    seed, step = key
+    vocab = logits.shape[-1]
     scaled = logits / sampling.temperature
     logp = torch.log_softmax(scaled, -1)
     if sampling.top_k or sampling.top_p < 1.0:
-        k = min(sampling.top_k or scaled.shape[-1], scaled.shape[-1])
-        # topk returns the k best sorted (all of them when only top_p is set): truncate, then sample among those.
+        k = min(sampling.top_k or vocab, vocab)
+        # topk returns the k best sorted (all of them when only top_p is set): truncate, then race among those.
         vals, idx = scaled.topk(k, dim=-1)
-        probs = torch.softmax(vals, -1)
+        kept = torch.log_softmax(vals, -1)
         if sampling.top_p < 1.0:
-            # Keep the smallest prefix whose mass reaches top_p (the best token always stays).
+            # Keep the smallest prefix whose mass reaches top_p (the best token always stays); the rest get -inf.
+            probs = kept.exp()
             before = probs.cumsum(-1) - probs
-            probs = torch.where(before < sampling.top_p, probs, torch.zeros_like(probs))
-        token = idx.gather(-1, _inverse_cdf(probs, u).unsqueeze(-1)).squeeze(-1)
+            kept = torch.where(before < sampling.top_p, kept, torch.full_like(kept, float("-inf")))
+        choice = _race(kept, exponentials(seed, step, idx, vocab))  # each token's noise keyed on its id
+        token = idx.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
     else:
-        token = _inverse_cdf(logp.exp(), u)
+        ids = torch.arange(vocab, device=logits.device).expand(logits.shape[0], vocab)
+        token = _race(logp, exponentials(seed, step, ids, vocab))
     return token, logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
 
 
@@ -171,11 +198,26 @@ def make_cache(model: torch.nn.Module, length: int) -> Any:
     return Cache(layers=[StaticLayer(max_cache_len=length) for _ in range(_num_layers(model))])
 
 
+def _text_config(model: torch.nn.Module) -> Any:
+    return model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+
+
 def _sliding_window(model: torch.nn.Module) -> int | None:
-    """The window of the model's sliding-attention layers, when it has any (layer_types says which)."""
-    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    types = getattr(config, "layer_types", None) or []
-    return getattr(config, "sliding_window", None) if "sliding_attention" in types else None
+    """The window of the model's sliding-attention layers, when it has any, whatever the config's style: with
+    `layer_types` (Gemma 2/3, Qwen2/3) those listed "sliding_attention"; without (Mistral) every layer when
+    `sliding_window` is set, as HF's forward applies it. `use_sliding_window` False (Qwen2's switch) means none."""
+    config = _text_config(model)
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    types = getattr(config, "layer_types", None)
+    return None if types is not None and "sliding_attention" not in types else int(window)
+
+
+def _hybrid(model: torch.nn.Module) -> bool:
+    """Whether the model takes one mask per attention type ({"full_attention", "sliding_attention"}): it lists
+    `layer_types`. Without them every layer is windowed and takes the one (windowed) mask."""
+    return getattr(_text_config(model), "layer_types", None) is not None
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -183,12 +225,14 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(allowed, zero, torch.full_like(zero, torch.finfo(dtype).min)).unsqueeze(1)
 
 
-def _masks(allowed: torch.Tensor, distance: torch.Tensor, window: int | None, dtype: torch.dtype) -> Any:
-    """The 4D mask(s) the model takes: one tensor, or {"full_attention", "sliding_attention"} for hybrid models."""
-    full = _additive(allowed, dtype)
+def _masks(allowed: torch.Tensor, distance: torch.Tensor, window: int | None, dtype: torch.dtype,
+           hybrid: bool = True) -> Any:
+    """The 4D mask(s) the model takes: one tensor (windowed when every layer slides, e.g. Mistral), or
+    {"full_attention", "sliding_attention"} for models with layer_types."""
     if window is None:
-        return full
-    return {"full_attention": full, "sliding_attention": _additive(allowed & (distance < window), dtype)}
+        return _additive(allowed, dtype)
+    sliding = _additive(allowed & (distance < window), dtype)
+    return {"full_attention": _additive(allowed, dtype), "sliding_attention": sliding} if hybrid else sliding
 
 
 # ---- generation -----------------------------------------------------------------------------------------------------
@@ -243,7 +287,7 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     dtype = mask_dtype or next(model.parameters()).dtype
     if not dtype.is_floating_point:
         dtype = torch.float32
-    window = _sliding_window(model)
+    window, hybrid = _sliding_window(model), _hybrid(model)
     seed_t = seed.to(device=device, dtype=torch.long) if isinstance(seed, torch.Tensor) else \
         torch.tensor([int(seed)], dtype=torch.long).to(device)
     eos = _eos_tensor(eos_token_id, device)
@@ -262,7 +306,7 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
         # Prefill: query i sees slots j <= i that hold a token (a padding query sees itself, so no row is empty).
         allowed = ((slots[None, :] <= q[:, None]) & valid[:, None, :]) | (slots[None, :] == q[:, None])
         distance = slot_pos[:, :width, None] - slot_pos[:, None, :]
-        logits = _forward(model, input_ids, _masks(allowed, distance, window, dtype), slot_pos[:, :width], cache,
+        logits = _forward(model, input_ids, _masks(allowed, distance, window, dtype, hybrid), slot_pos[:, :width], cache,
                           keep_last=True)
         step = torch.zeros((1,), dtype=torch.long).to(device)  # device data: the same decode graph every step
         cols = torch.arange(room, device=device)
@@ -277,10 +321,9 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
                 allowed = ((slots <= slot) & valid).unsqueeze(1)
                 pos = slot_pos.gather(1, slot.expand(batch, 1))
                 distance = pos.unsqueeze(-1) - slot_pos.unsqueeze(1)
-                logits = _forward(model, token.unsqueeze(1), _masks(allowed, distance, window, dtype), pos, cache,
+                logits = _forward(model, token.unsqueeze(1), _masks(allowed, distance, window, dtype, hybrid), pos, cache,
                                   keep_last=False)
-            u = None if sampling.greedy else uniform(seed_t, step, batch)
-            token, logp = pick(logits, sampling, u)
+            token, logp = pick(logits, sampling, None if sampling.greedy else (seed_t, step))
             live = ~done
             token = torch.where(live, token, torch.full_like(token, pad_token_id))
             here = (cols == step).unsqueeze(0)

@@ -12,6 +12,8 @@ without a config.json is an error naming the path (from_pretrained would otherwi
 `generate` answers greedily with a KV cache in fixed shapes (`models.generation`: prompts left-padded to a fixed
 length, a preallocated cache, positions as device tensors): one prefill and one decode graph on XLA, compiled once,
 where `model.generate` compiles per token; each new token costs one token's forward, not the whole prefix again.
+Answers stop at `eos_ids(tokenizer, model)`: the tokenizer's EOS and the model's generation_config.eos_token_id
+(an instruct model's end of turn).
 """
 
 from __future__ import annotations
@@ -104,9 +106,19 @@ def prompt_texts(tokenizer: Any, prompts: list) -> list[str]:
             for p in prompts]
 
 
-def eos_ids(tokenizer: Any) -> list[int]:
-    eos = tokenizer.eos_token_id
-    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+def _ids(value: Any) -> list[int]:
+    return [] if value is None else [int(value)] if isinstance(value, int) else [int(v) for v in value]
+
+
+def eos_ids(tokenizer: Any, model: Any = None) -> list[int]:
+    """The stop tokens: the tokenizer's EOS plus the model's `generation_config.eos_token_id` (an int or a list),
+    which names the end of a turn where it differs from EOS (Gemma 2/3's <end_of_turn>, Llama 3's <|eot_id|>)."""
+    out = _ids(tokenizer.eos_token_id)
+    config = getattr(model, "generation_config", None) if model is not None else None
+    for i in _ids(getattr(config, "eos_token_id", None)):
+        if i not in out:
+            out.append(i)
+    return out
 
 
 def first_stop(row: list[int], stop: set[int]) -> int:
@@ -120,9 +132,10 @@ def completion_lengths(rows: list[list[int]], stop_ids: list[int]) -> list[int]:
     return [min(first_stop(row, stop) + 1, len(row)) for row in rows]
 
 
-def completion_texts(tokenizer: Any, rows: list[list[int]]) -> list[str]:
-    """The text of each completion: its tokens before the first EOS, special tokens left out."""
-    stop = set(eos_ids(tokenizer))
+def completion_texts(tokenizer: Any, rows: list[list[int]], stop_ids: list[int] | None = None) -> list[str]:
+    """The text of each completion: its tokens before the first stop token (`stop_ids`, default the tokenizer's
+    EOS; give `eos_ids(tokenizer, model)`), special tokens left out."""
+    stop = set(eos_ids(tokenizer) if stop_ids is None else stop_ids)
     return [tokenizer.decode(row[:first_stop(row, stop)], skip_special_tokens=True) for row in rows]
 
 
@@ -138,13 +151,14 @@ def generate(model: torch.nn.Module, tokenizer: Any, prompts: list, *, device: A
 
     enc = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in prompt_texts(tokenizer, prompts)]
     width = prompt_len or max(len(e) for e in enc)
+    stop = eos_ids(tokenizer, model)
     total = cache_bucket(width + max_new_tokens)
     out: list[str] = []
     for idx, n in fixed_batches(len(enc), batch_size):
         batch = left_pad([enc[i] for i in idx], width, tokenizer.pad_token_id)
         gen = generate_ids(model, batch.ids.to(device), batch.mask.to(device), max_new_tokens=max_new_tokens,
-                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, sync=sync,
+                           eos_token_id=stop, pad_token_id=tokenizer.pad_token_id, sync=sync,
                            cache_len=total)
         # The whole buffer comes to the host in one transfer (slicing on the device would be a graph per length).
-        out += completion_texts(tokenizer, gen.ids.cpu()[:n, :max_new_tokens].tolist())
+        out += completion_texts(tokenizer, gen.ids.cpu()[:n, :max_new_tokens].tolist(), stop)
     return out

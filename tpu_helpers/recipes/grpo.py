@@ -17,7 +17,8 @@ settings go to the trainer whole as `algorithms.grpo.GRPOSettings`, checked ther
   OUT_DIR (its merged/ export, else its adapter/). `job.source` is that model's directory.
 - DATASET of prompts with reference answers (`data.rl`: "sums", generated; a file or hub set with PROMPT_FIELD and
   ANSWER_FIELD), REWARDS (`algorithms.rewards`: built-in names or import paths), NUM_GENERATIONS, MAX_PROMPT_LEN,
-  MAX_NEW_TOKENS, TEMPERATURE/TOP_K/TOP_P, KL_BETA, CLIP_EPS, NUM_ITERATIONS. BATCH_SIZE counts prompts per chip
+  MAX_NEW_TOKENS, TEMPERATURE/TOP_K/TOP_P, KL_BETA, CLIP_EPS, NUM_ITERATIONS, DISABLE_DROPOUT (default True: dropout
+  off in the policy and reference, so the on-policy ratio is 1 and the KL clean). BATCH_SIZE counts prompts per chip
   and step; each brings NUM_GENERATIONS rows (split over GRAD_ACCUM micro-batches).
 """
 
@@ -67,6 +68,7 @@ class GRPOConfig(HFJobConfig):
     kl_beta: float = 0.04
     clip_eps: float = 0.2
     num_iterations: int = 1  # optimizer steps per generation batch (the old log-probabilities kept)
+    disable_dropout: bool = True  # every dropout of the policy and reference at 0 (ratio 1 on-policy, a clean KL)
     batch_size: int = 8
     steps: int = 200
     lr: float = 2e-3
@@ -96,7 +98,8 @@ class GRPOConfig(HFJobConfig):
         return GRPOSettings(num_generations=self.num_generations, max_new_tokens=self.max_new_tokens,
                             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, kl_beta=self.kl_beta,
                             clip_eps=self.clip_eps, num_iterations=self.num_iterations,
-                            prompt_field=self.prompt_field, answer_field=self.answer_field)
+                            prompt_field=self.prompt_field, answer_field=self.answer_field,
+                            disable_dropout=self.disable_dropout)
 
 
 def check_context(config: Any, max_prompt_len: int, max_new_tokens: int) -> None:
@@ -218,16 +221,18 @@ class GRPO(HFJob):
         model = self._model_on_device()
         before = b.metrics().get("compilations", 0)
         tokens: list[list[int]] = []
+        stop = eos_ids(self.tokenizer, model)  # the tokenizer's EOS and the model's end of turn
         for idx, real in fixed_batches(len(held), rows):
-            key = torch.tensor([cfg.seed, -1 - idx[0]], dtype=torch.long).to(b.device)
+            # A fixed stream per batch and process (the rank: data-parallel processes must not share one).
+            key = torch.tensor([cfg.seed, -1 - idx[0], b.rank], dtype=torch.long).to(b.device)
             with b.autocast():
                 gen = generate_ids(model, held.input_ids[idx].to(b.device), held.attention_mask[idx].to(b.device),
-                                   max_new_tokens=cfg.max_new_tokens, eos_token_id=eos_ids(self.tokenizer),
+                                   max_new_tokens=cfg.max_new_tokens, eos_token_id=stop,
                                    pad_token_id=self.tokenizer.pad_token_id, sampling=cfg.grpo.sampling, seed=key,
                                    sync=b.sync)
             tokens += b.to_cpu(gen.ids).tolist()[:real]
         kept = [records[i] for i in held.index.tolist()]
-        scored = score_completions(self.tokenizer, self.rewards, kept, tokens, cfg.grpo)
+        scored = score_completions(self.tokenizer, self.rewards, kept, tokens, cfg.grpo, stop)
         total = scored["total"]
         table = [{"prompt": p if isinstance(p, str) else p[-1]["content"], "answer": r.get(cfg.answer_field),
                   "completion": c, "reward": t}
