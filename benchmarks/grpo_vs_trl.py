@@ -63,9 +63,9 @@ def start_model(args) -> str:
 
 
 def run_package(args) -> dict:
+    from tpu_helpers.algorithms import grpo
     from tpu_helpers.callbacks import Callback
     from tpu_helpers.recipes.grpo import GRPO, GRPOConfig
-    from tpu_helpers.algorithms import grpo
 
     stamps: list[float] = []
     gen: list[float] = []
