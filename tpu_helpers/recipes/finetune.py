@@ -53,9 +53,14 @@ from tpu_helpers.data.sft import (
     record_form,
 )
 from tpu_helpers.data.teacher_cache import cache_identity
+from tpu_helpers.extras import require_extra
 from tpu_helpers.memory.hf_plan import hf_finetune_estimate
 from tpu_helpers.models import hf, lora, qat
 from tpu_helpers.recipes.hf_job import HFJob, HFJobConfig, JobData
+
+# Here, not at the first from_pretrained: without transformers/peft the notebook stops at its first cell, saying what
+# to install, instead of after the memory plan with a bare ImportError.
+require_extra("hf", "fine-tuning (tpu_helpers.recipes.finetune)")
 
 _WHAT = {"lora": "LoRA fine-tuning", "full": "full fine-tuning", "distill": "distillation"}
 

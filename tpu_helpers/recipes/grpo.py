@@ -36,12 +36,15 @@ from tpu_helpers.algorithms.rewards import DEFAULT_FORMAT, resolve_rewards
 from tpu_helpers.config import ConfigError
 from tpu_helpers.data.loaders import fixed_batches
 from tpu_helpers.data.rl import SUMS, build_prompt_dataset, load_prompt_records
+from tpu_helpers.extras import require_extra
 from tpu_helpers.memory.grpo_plan import grpo_estimate
 from tpu_helpers.models import hf, lora
 from tpu_helpers.models.generation import generate_ids
 from tpu_helpers.models.hf import eos_ids
-from tpu_helpers.recipes.finetune import Finetune, FinetuneConfig
 from tpu_helpers.recipes.hf_job import HFJob, HFJobConfig, JobData
+
+# As fine-tuning does: without transformers/peft the notebook stops at its first cell, naming the extra.
+require_extra("hf", "GRPO (tpu_helpers.recipes.grpo)")
 
 SFT = "sft"
 
@@ -168,6 +171,8 @@ class GRPO(HFJob):
     def _warm_start(self) -> str:
         """START_FROM "sft": MODEL fine-tuned (every weight) on the generated instruction task for SFT_STEPS steps
         in OUT_DIR/sft, its merged export reused when it exists."""
+        from tpu_helpers.recipes.finetune import Finetune, FinetuneConfig  # only for this warm start
+
         cfg = self.config
         out = Path(cfg.out_dir) / SFT
         if (out / "merged" / "config.json").is_file():

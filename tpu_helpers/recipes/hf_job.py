@@ -30,7 +30,6 @@ from tpu_helpers.atomic_io import atomic_write_text
 from tpu_helpers.backend.units import block_params
 from tpu_helpers.choices import EXPORT_WEIGHTS, check_choice
 from tpu_helpers.config import ConfigError, TrainConfig
-from tpu_helpers.extras import require_extra
 from tpu_helpers.hardware import format_bytes
 from tpu_helpers.memory.hf_plan import gathered_bytes_per_param, meta_model
 from tpu_helpers.memory.report import MemoryEstimate, memory_report
@@ -38,10 +37,6 @@ from tpu_helpers.memory.sharded import shard_estimate, sharding_plan
 from tpu_helpers.models import hf, lora
 from tpu_helpers.recipes.base import Recipe
 from tpu_helpers.sharding import is_sharded, mesh_shape
-
-# Here, not at the first from_pretrained: without transformers/peft the notebook stops at its first cell, saying what
-# to install, instead of after the memory plan with a bare ImportError.
-require_extra("hf", "Hugging Face jobs (tpu_helpers.recipes: fine-tuning, GRPO)")
 
 
 @dataclass
