@@ -1,6 +1,6 @@
 """Every notebook opens on a fresh Colab or Kaggle runtime: the cell after the parameters is the same short setup cell
 (a minimal bootstrap that fetches the package when it is missing, then `platform.setup_notebook` with the notebook's
-own name), and REPO_URL and INSTALL are parameters. Running it: tests/stacks/test_colab_runtime.py."""
+own name and the parameters that ask for packages: QAT, TRACKERS), and REPO_URL and INSTALL are parameters. Running it: tests/stacks/test_colab_runtime.py."""
 
 from __future__ import annotations
 
@@ -30,7 +30,9 @@ def test_the_setup_cell_follows_the_parameters(name):
     assert params["INSTALL"] is True and params["REPO_URL"] == "https://github.com/OWNER/tpu_helpers"
     code = [c for c in nb.cells[idx + 1:] if c.cell_type == "code"][0].source.splitlines()
     assert code[0].startswith("# Setup: ") and code[1:6] == BOOTSTRAP, code
-    assert code[6].startswith(f'print(platform.setup_notebook("{name}", install=INSTALL))'), code
+    # What a parameter asks for is installed too: torchao for QAT, each tracker TRACKERS names.
+    asks = "".join(f", {arg}={param}" for arg, param in (("qat", "QAT"), ("trackers", "TRACKERS")) if param in params)
+    assert code[6].startswith(f'print(platform.setup_notebook("{name}", install=INSTALL{asks}))'), code
     assert len(code) == 7 and name in platform.NOTEBOOK_NEEDS
     # Nothing above the setup cell needs the package.
     above = "\n".join(c.source for c in nb.cells[:idx + 1] if c.cell_type == "code")
