@@ -142,6 +142,31 @@ def test_kill_and_resume_continues_the_same_run_bit_for_bit(tmp_path):
            [{k: r.get(k) for k in keys} for r in resumed.history.train]
 
 
+def test_saved_results_hold_the_reward_length_kl_figure_drawn_from_the_runs_history(tmp_path, monkeypatch):
+    """What a headless GRPO run leaves: `grpo.png` (mean reward, completion tokens, KL, loss: the notebook's figure)
+    beside results.json and the generic loss.png, in OUT_DIR and in the runner's run directory."""
+    from tpu_helpers.recipes.grpo import GRPO_FIGURE, curves_figure
+    from tpu_helpers.training.results import RUN_DIR_ENV, render_png
+
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / "runner"))
+    job = _job(tmp_path)
+    job.train()
+    job.save_results()
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    curves = results["curves"]
+    assert GRPO_FIGURE == "grpo.png" and curves["step"] == [2, 4]
+    assert curves["reward"] == [r["reward"] for r in results["history"]["train"]]
+    # The figure is the one drawn from the run's curves (the history's log records): re-drawn from results.json, the
+    # same PNG to the byte (Agg renders deterministically); the generic loss figure stays as loss.png.
+    want = render_png(curves_figure(curves))
+    for directory in (tmp_path / "run", tmp_path / "runner"):
+        assert (directory / "grpo.png").read_bytes() == want
+        assert (directory / "loss.png").read_bytes().startswith(b"\x89PNG")
+        assert (directory / "loss.png").read_bytes() != want
+    titles = [ax.get_title() for ax in curves_figure(curves).axes]
+    assert titles == ["mean reward", "completion tokens", "KL to the reference", "loss"]
+
+
 @pytest.mark.xla
 def test_the_reward_rises_and_a_surrogate_loss_near_zero_is_no_divergence(tmp_path):
     """Full GRPO of the tiny model for a reward its untrained answers already vary on, strict on XLA:CPU: the mean

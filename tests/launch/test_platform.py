@@ -135,6 +135,61 @@ def test_setup_notebook_installs_only_what_that_notebook_lacks_and_says_so(tmp_p
         platform.notebook_requirements("finetune_llm", reqs)
 
 
+def test_setup_notebook_installs_what_qat_and_trackers_ask_for_and_only_where_absent(monkeypatch):
+    from tpu_helpers.config import ConfigError
+
+    pip = RecordingInstaller()
+    # This venv has torchao and every tracker (the dev lock holds the qat and tracking extras): nothing to install.
+    report = platform.setup_notebook("finetune_llm", qat="int4", trackers="tensorboard,wandb", installer=pip)
+    assert pip.calls == [] and report.installed == {} and {"torchao", "tensorboard", "wandb"} <= set(report.present)
+    # A runtime that has none of them (versions looked up from a fake): what each parameter asks for, at the extra's
+    # range, and nothing for the parameters' defaults.
+    real = platform.installed_version
+    absent = {"torchao", "tensorboard", "wandb", "trackio"}
+    monkeypatch.setattr(platform, "installed_version", lambda dist: None if dist in absent else real(dist))
+
+    def missing(notebook, **params):
+        return platform.setup_notebook(notebook, install=False, installer=pip, **params).missing
+
+    assert missing("finetune_llm") == missing("finetune_llm", qat=None, trackers="") == []
+    assert missing("finetune_llm", qat="int4") == missing("finetune_llm", qat="int8") == ["torchao==0.16.0"]
+    assert missing("finetune_llm", qat="int4", trackers="wandb") == ["torchao==0.16.0", "wandb>=0.19.10"]
+    assert missing("grpo_llm", trackers="TensorBoard, trackio") == ["tensorboard>=2.16", "trackio>=0.43"]
+    assert missing("quickstart", trackers="none") == [] and missing("colab_tpu", trackers="wandb") == ["wandb>=0.19.10"]
+    assert pip.calls == []  # install=False only reports
+    report = platform.setup_notebook("finetune_llm", qat="int4", trackers="tensorboard", installer=pip)
+    assert pip.calls == [["torchao==0.16.0", "tensorboard>=2.16"]] and set(report.installed) == {"torchao", "tensorboard"}
+    # A wrong value is the same error the config would give, before anything is installed.
+    with pytest.raises(ConfigError, match=r"qat='int3' is not one of \('int4', 'int8'\)"):
+        platform.setup_notebook("finetune_llm", qat="int3", installer=pip)
+    with pytest.raises(ConfigError, match=r"unknown tracker\(s\) 'mlflow'"):
+        platform.setup_notebook("quickstart", trackers="mlflow", installer=pip)
+    assert len(pip.calls) == 1
+
+
+def test_pip_install_is_one_well_formed_pip_command_that_keeps_every_other_package(monkeypatch):
+    import subprocess
+    import sys
+
+    from packaging.requirements import Requirement
+
+    seen = {}
+
+    def fake_run(argv, **kwargs):  # stands in for pip: records the command and the constraints it was given
+        seen["argv"] = argv
+        seen["constraints"] = open(argv[argv.index("-c") + 1]).read().splitlines()
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    monkeypatch.setattr(platform.subprocess, "run", fake_run)
+    wanted = [str(r) for r in platform.parameter_requirements(qat="int4", trackers="wandb")]
+    platform.pip_install(wanted)
+    argv = seen["argv"]
+    assert argv[:4] == [sys.executable, "-m", "pip", "install"] and argv[4:6] == ["-q", "-c"]
+    assert argv[7:] == ["torchao==0.16.0", "wandb>=0.19.10"] and all(Requirement(a) for a in argv[7:])
+    pinned = {Requirement(line).name.lower() for line in seen["constraints"]}
+    assert "torch" in pinned and "torchao" not in pinned and "wandb" not in pinned
+
+
 def test_every_notebook_has_its_needs_listed_with_ranges():
     from tests.support import NOTEBOOKS
 

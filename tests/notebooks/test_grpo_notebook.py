@@ -11,8 +11,9 @@ import torch
 from tests.support import tensorboard_run, tensorboard_scalars, tensorboard_texts
 from tpu_helpers.config import config_from_parameters
 from tpu_helpers.launch.runner import declared_parameters, run_notebook
-from tpu_helpers.recipes.grpo import GRPOConfig
+from tpu_helpers.recipes.grpo import GRPOConfig, curves_figure
 from tpu_helpers.targets import TARGETS
+from tpu_helpers.training.results import render_png
 
 pytestmark = pytest.mark.notebooks
 
@@ -39,6 +40,10 @@ def _check(results, out_dir):
     assert curves["step"] == [2, 4, 6] and all(0 <= r <= 1 for r in curves["reward"]) and curves["kl"][0] >= 0
     reward = results["reward"]
     assert 0 <= reward["before"] <= 1 and 0 <= reward["after"] <= 1
+    # What a headless run leaves besides results.json: the notebook's reward / length / KL / loss figure, drawn from
+    # the run's curves (re-drawn from results.json: the same PNG), and the generic loss.png.
+    assert (out_dir / "grpo.png").read_bytes() == render_png(curves_figure(curves))
+    assert (out_dir / "loss.png").is_file()
     assert len(results["samples_after"]["rows"]) == 100  # every held-out sum
     # The adapter goes on the start model (the SFT'd one), and the merged export equals the two together.
     start = json.loads((out_dir / "merged" / "tpu_helpers.json").read_text())["base_model"]

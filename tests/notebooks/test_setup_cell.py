@@ -1,6 +1,6 @@
 """Every notebook opens on a fresh Colab or Kaggle runtime: the cell after the parameters is the same short setup cell
 (a minimal bootstrap that fetches the package when it is missing, then `platform.setup_notebook` with the notebook's
-own name), and REPO_URL and INSTALL are parameters. Running it: tests/stacks/test_colab_runtime.py."""
+own name and the parameters that ask for packages: QAT, TRACKERS), and REPO_URL and INSTALL are parameters. Running it: tests/stacks/test_colab_runtime.py."""
 
 from __future__ import annotations
 
@@ -13,9 +13,16 @@ from tests.support import NOTEBOOKS
 from tpu_helpers.launch import platform
 
 BOOTSTRAP = [
-    "import importlib.util, subprocess, sys",
-    'if importlib.util.find_spec("tpu_helpers") is None:',
-    '    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", f"git+{REPO_URL}"], check=True)',
+    "import importlib.util, os, subprocess, sys",
+    'if importlib.util.find_spec("tpu_helpers") is None:  # REPO_URL: a git URL, or a local folder, wheel or sdist',
+    '    url = "://" in REPO_URL',
+    '    src = (REPO_URL if REPO_URL.startswith("git+") else f"git+{REPO_URL}") if url else '
+    'os.path.abspath(os.path.expanduser(REPO_URL))',
+    "    if not (url or os.path.exists(src)):",
+    '        raise FileNotFoundError(f"REPO_URL={REPO_URL!r}: no such folder or file ({src}); give a git URL such as '
+    'https://github.com/OWNER/tpu_helpers or the path of a tpu_helpers folder (a clone, a copy on Drive, mounted '
+    'first), wheel or sdist")',
+    '    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", src], check=True)',
     "    importlib.invalidate_caches()",
     "from tpu_helpers.launch import platform",
 ]
@@ -29,9 +36,57 @@ def test_the_setup_cell_follows_the_parameters(name):
               if isinstance(n, ast.Assign)}
     assert params["INSTALL"] is True and params["REPO_URL"] == "https://github.com/OWNER/tpu_helpers"
     code = [c for c in nb.cells[idx + 1:] if c.cell_type == "code"][0].source.splitlines()
-    assert code[0].startswith("# Setup: ") and code[1:6] == BOOTSTRAP, code
-    assert code[6].startswith(f'print(platform.setup_notebook("{name}", install=INSTALL))'), code
-    assert len(code) == 7 and name in platform.NOTEBOOK_NEEDS
+    n = len(BOOTSTRAP) + 1
+    assert code[0].startswith("# Setup: ") and code[1:n] == BOOTSTRAP, code
+    # What a parameter asks for is installed too: torchao for QAT, each tracker TRACKERS names.
+    asks = "".join(f", {arg}={param}" for arg, param in (("qat", "QAT"), ("trackers", "TRACKERS")) if param in params)
+    assert code[n].startswith(f'print(platform.setup_notebook("{name}", install=INSTALL{asks}))'), code
+    assert len(code) == n + 1 and name in platform.NOTEBOOK_NEEDS
     # Nothing above the setup cell needs the package.
     above = "\n".join(c.source for c in nb.cells[:idx + 1] if c.cell_type == "code")
     assert "import tpu_helpers" not in above and "from tpu_helpers" not in above
+
+
+def _bootstrap(monkeypatch, repo_url: str) -> list[list[str]]:
+    """The finetune notebook's bootstrap, run as on a runtime without the package: the pip commands it would run
+    (recorded, never run)."""
+    import importlib.util
+    import subprocess
+
+    nb = nbformat.read(NOTEBOOKS["finetune_llm"], as_version=4)
+    source = next(c.source for c in nb.cells if "platform.setup_notebook(" in c.source)
+    lines = source.splitlines()
+    bootstrap = "\n".join(lines[1:lines.index("from tpu_helpers.launch import platform") + 1])
+    calls, real = [], importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tpu_helpers" else real(name, *a))
+    monkeypatch.setattr(subprocess, "run", lambda argv, **kw: calls.append(argv) or subprocess.CompletedProcess(argv, 0))
+    exec(compile(bootstrap, "setup-cell", "exec"), {"REPO_URL": repo_url})
+    return calls
+
+
+def test_repo_url_is_a_git_url_or_a_local_folder_wheel_or_sdist(monkeypatch, tmp_path):
+    import sys
+
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps"]
+    assert _bootstrap(monkeypatch, "https://github.com/OWNER/tpu_helpers") == \
+        [[*pip, "git+https://github.com/OWNER/tpu_helpers"]]
+    assert _bootstrap(monkeypatch, "git+https://github.com/me/tpu_helpers@dev") == \
+        [[*pip, "git+https://github.com/me/tpu_helpers@dev"]]
+    assert _bootstrap(monkeypatch, "file:///srv/tpu_helpers") == [[*pip, "git+file:///srv/tpu_helpers"]]
+    # A folder (a clone, a copy on Drive), a wheel, an sdist: installed from that path, made absolute (pip would take a
+    # bare relative name for a package on the registry).
+    drive = tmp_path / "MyDrive" / "tpu_helpers"
+    drive.mkdir(parents=True)
+    wheel = tmp_path / "tpu_helpers-0.1.0-py3-none-any.whl"
+    sdist = tmp_path / "tpu_helpers-0.1.0.tar.gz"
+    wheel.write_bytes(b"")
+    sdist.write_bytes(b"")
+    for path in (drive, wheel, sdist):
+        assert _bootstrap(monkeypatch, str(path)) == [[*pip, str(path)]]
+    monkeypatch.chdir(tmp_path)
+    assert _bootstrap(monkeypatch, "MyDrive/tpu_helpers") == [[*pip, str(drive)]]
+    # A path that does not exist: a clear error naming it and what REPO_URL may be, and no pip.
+    with pytest.raises(FileNotFoundError, match=r"^REPO_URL='/content/drive/MyDrive/tpu_helpers': no such folder "
+                       r"or file \(/content/drive/MyDrive/tpu_helpers\); give a git URL such as https://github.com/"
+                       r"OWNER/tpu_helpers or the path of a tpu_helpers folder \(.*\), wheel or sdist$"):
+        _bootstrap(monkeypatch, "/content/drive/MyDrive/tpu_helpers")

@@ -2,7 +2,8 @@
 installing what the runtime lacks, Google Drive, Kaggle's paths, and the PJRT environment.
 
     from tpu_helpers.launch import platform
-    print(platform.setup_notebook("finetune_llm"))    # a notebook's setup cell: the pair, and what it installed
+    print(platform.setup_notebook("finetune_llm", qat="int4", trackers="wandb"))   # a notebook's setup cell: the
+                                                      # pair, and what it installed (peft, torchao, wandb if absent)
     print(platform.check_torch_xla())                 # the pair, and the fix when it is missing or mismatched
     platform.install_missing()                        # pip-installs only what is absent; never torch/torch_xla
     out_dir, cache = platform.storage(config.out_dir, drive=True)   # Colab: checkpoints on Drive
@@ -34,6 +35,8 @@ from pathlib import Path
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.version import InvalidVersion, Version
 
+from tpu_helpers.choices import QAT_SCHEMES, check_choice, check_trackers
+
 # A lone reinstall of either breaks the pair (torch_xla then fails at import with an undefined _XLAC symbol).
 PROTECTED = ("torch", "torch_xla", "torch-xla", "libtpu")
 DRIVE_MOUNT = "/content/drive"
@@ -49,6 +52,15 @@ NOTEBOOK_NEEDS: dict[str, tuple[str, ...]] = {
     "gpu_fallback": ("datasets", "tqdm"),
     "quickstart": ("tqdm",),
     "xla_debugging": ("tqdm",),
+}
+# What a run's parameters ask for beyond its notebook's needs, installed by the setup cell only when asked for and
+# absent: QAT (int4/int8) needs torchao, each tracker TRACKERS names its own package. The requirements are those of
+# pyproject.toml's `qat` and `tracking` extras (a test keeps them equal).
+PARAMETER_REQUIREMENTS: dict[str, str] = {
+    "torchao": "torchao==0.16.0",
+    "tensorboard": "tensorboard>=2.16",
+    "wandb": "wandb>=0.19.10",
+    "trackio": "trackio>=0.43",
 }
 
 
@@ -229,6 +241,18 @@ def notebook_requirements(notebook: str, path: str | Path | None = None) -> list
     return [reqs[_canonical(n)] for n in NOTEBOOK_NEEDS[notebook]]
 
 
+def parameter_requirements(*, qat: str | None = None, trackers: str = "") -> list[Requirement]:
+    """What the parameters ask for (`PARAMETER_REQUIREMENTS`): torchao when `qat` is "int4" or "int8", the package of
+    each tracker `trackers` names ("tensorboard,wandb"). A value the config would refuse is refused here with the
+    same ConfigError, before anything is installed."""
+    names = []
+    if qat is not None:
+        check_choice("qat", qat, QAT_SCHEMES)
+        names.append("torchao")
+    names += [n for n in check_trackers(trackers).split(",") if n]
+    return [Requirement(PARAMETER_REQUIREMENTS[n]) for n in names]
+
+
 @dataclass
 class SetupReport:
     """What `setup_notebook` found and did; the notebooks' setup cell prints it."""
@@ -255,12 +279,13 @@ class SetupReport:
         return "\n".join(lines)
 
 
-def setup_notebook(notebook: str, *, install: bool = True,
+def setup_notebook(notebook: str, *, install: bool = True, qat: str | None = None, trackers: str = "",
                    installer: Callable[[Sequence[str]], None] = pip_install) -> SetupReport:
     """Each notebook's setup cell: check the torch/torch_xla pair (never changed here) and install what `notebook`
-    needs and this runtime lacks, keeping every installed package at its version. `install=False` only reports.
-    `installer` receives the requirement lines (tests pass a recorder)."""
-    reqs = notebook_requirements(notebook)
+    needs and this runtime lacks, keeping every installed package at its version; with the notebook's QAT and
+    TRACKERS parameters, also what they ask for (`parameter_requirements`: torchao, a tracker's package), again only
+    where absent. `install=False` only reports. `installer` receives the requirement lines (tests pass a recorder)."""
+    reqs = notebook_requirements(notebook) + parameter_requirements(qat=qat, trackers=trackers)
     wanted = missing_requirements_of(reqs)
     present = {r.name: installed_version(r.name) for r in reqs if r not in wanted}
     installed: dict[str, str] = {}

@@ -9,8 +9,9 @@ the terminal's Ctrl-C never reaches it, and nbclient would only shut it down. Th
 to the kernel process itself, where `Trainer.fit` finishes its step, saves a checkpoint and returns; the rest of
 the notebook runs (results of the partial run are saved) and the run directory ends `.stopped`. A second signal
 is passed on too (the training stops at once) and the runner stops at once, the directory ending `.failed`.
-It holds the executed notebook, `params.json`, and the `results.json`/`loss.png` the notebook saved. A target
-(`--target`) is a named preset of parameters and environment variables for a platform; `-p` overrides win over it.
+It holds the executed notebook, `params.json`, and the `results.json`/`loss.png` the notebook saved (a GRPO run's
+also `grpo.png`). A target (`--target`) is a named preset of parameters and environment variables for a platform;
+`-p` overrides win over it.
 Unknown `-p` names are refused before anything runs (papermill itself would only warn).
 """
 

@@ -97,17 +97,23 @@ class Recipe:
                 **extra}
 
     def save_results(self, *, name: str = "results", **extra: Any) -> Path:
-        """Write `<out_dir>/<name>.json` (`results(**extra)`) and `loss.png`, atomically, on the main process only
-        (host 0 of a pod, rank 0 under torchrun); under `python -m tpu_helpers run`, into its run directory too.
-        With TRACKERS, `tracked_results` goes to the trackers and the tracked run is finished."""
+        """Write `<out_dir>/<name>.json` (`results(**extra)`) and the `figures()` (`loss.png`, and what a recipe
+        adds), atomically, on the main process only (host 0 of a pod, rank 0 under torchrun); under `python -m
+        tpu_helpers run`, into its run directory too. With TRACKERS, `tracked_results` goes to the trackers and the
+        tracked run is finished."""
         results = self.results(**extra)
-        path = write_results(self.config.out_dir, results, name=name, figure=self.history.figure(),
+        path = write_results(self.config.out_dir, results, name=name, figures=self.figures(),
                              is_main=self.backend.is_main)
         tracking = self.trainer.tracking
         if tracking is not None:  # the main process's trackers: this recipe's tables, then the run is finished
             tracking.log_results(self.trainer.step, **self.tracked_results(results))
             tracking.close()
         return path
+
+    def figures(self) -> dict[str, Any]:
+        """The figures `save_results` writes, {file name: matplotlib Figure}: the loss and throughput curves as
+        `loss.png`; a recipe adds its own (GRPO: `grpo.png`)."""
+        return {"loss.png": self.history.figure()}
 
     def tracked_results(self, results: dict) -> dict:
         """What `save_results` gives the trackers besides the loop's figures: {"tables": {name: [row dicts]},

@@ -5,6 +5,7 @@
     before = job.samples()               # held-out prompts: sampled completions and their rewards
     report = job.train()                 # training.grpo.GRPOTrainer on the package Trainer
     after = job.samples(); job.plot(); paths = job.export()   # reward, length, KL, loss; adapter + merged model
+    job.save_results(before=before, after=after, paths=paths)    # results.json, loss.png and grpo.png (that figure)
 
 A sibling of fine-tuning on the shared Hugging Face job (`recipes.hf_job`): MODEL, METHOD "lora" (a fresh adapter
 on the start model, whose adapter-disabled self is the KL reference) or "full" (every weight; the reference a frozen
@@ -47,6 +48,29 @@ from tpu_helpers.recipes.hf_job import HFJob, HFJobConfig, JobData
 require_extra("hf", "GRPO (tpu_helpers.recipes.grpo)")
 
 SFT = "sft"
+GRPO_FIGURE = "grpo.png"  # what save_results writes besides loss.png: the reward, completion length, KL and loss
+CURVES = (("reward", "mean reward"), ("completion_tokens", "completion tokens"), ("kl", "KL to the reference"),
+          ("loss", "loss"))
+
+
+def curves_figure(curves: dict[str, list], *, pyplot: bool = False):
+    """Mean reward, completion tokens, KL and loss against step, from `GRPO.curves()` (or results.json's "curves").
+    `pyplot=True`: a pyplot figure (a notebook shows it); otherwise a standalone Figure pyplot does not track (for
+    files: nothing to close)."""
+    if pyplot:
+        import matplotlib.pyplot as plt
+
+        fig = plt.figure(figsize=(14, 3.2))
+    else:
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(14, 3.2))
+    for ax, (key, title) in zip(fig.subplots(1, len(CURVES)), CURVES, strict=True):
+        ax.plot(curves["step"], curves[key], ".-")
+        ax.set(xlabel="step", title=title)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
 
 
 @dataclass
@@ -274,18 +298,14 @@ class GRPO(HFJob):
         return {k: [r.get(k) for r in rows] for k in keys}
 
     def plot(self):
-        """Reward, completion length, KL and loss against step (a pyplot figure, shown in a notebook)."""
-        import matplotlib.pyplot as plt
+        """Reward, completion length, KL and loss against step (a pyplot figure, shown in a notebook); the same
+        figure `save_results` writes as `grpo.png`."""
+        return curves_figure(self.curves(), pyplot=True)
 
-        c = self.curves()
-        fig, axes = plt.subplots(1, 4, figsize=(14, 3.2))
-        for ax, key, title in zip(axes, ("reward", "completion_tokens", "kl", "loss"),
-                                  ("mean reward", "completion tokens", "KL to the reference", "loss"), strict=True):
-            ax.plot(c["step"], c[key], ".-")
-            ax.set(xlabel="step", title=title)
-            ax.grid(alpha=0.3)
-        fig.tight_layout()
-        return fig
+    def figures(self) -> dict[str, Any]:
+        """`loss.png` (the generic loss and throughput curves) and `grpo.png`, the notebook's reward, completion
+        length, KL and loss figure, both drawn from the run's history: what a headless run leaves to look at."""
+        return {**super().figures(), GRPO_FIGURE: curves_figure(self.curves())}
 
     def tracked_results(self, results: dict) -> dict:
         """The held-out completions before and after as tables, and their mean rewards, for the trackers."""

@@ -3,9 +3,9 @@
     write_results("runs/demo", {"report": ..., "config": ...}, figure=history.plot())   # -> runs/demo/results.json
 
 Under `python -m tpu_helpers run` (which sets `TPU_HELPERS_RUN_DIR`), the same files also go into that run's
-directory, where the runner reads them back. The figure is rendered once and closed, so a long notebook session
-neither accumulates open figures nor shows them again. The figure is written before the JSON: a results.json
-that exists always has its figure beside it.
+directory, where the runner reads them back. Each figure is rendered once and closed, so a long notebook session
+neither accumulates open figures nor shows them again. The figures are written before the JSON: a results.json
+that exists always has its figures beside it.
 """
 
 from __future__ import annotations
@@ -41,21 +41,24 @@ def render_png(figure: Any, *, dpi: int = 110) -> bytes:
 
 
 def write_results(out_dir: str | Path, results: dict, *, name: str = "results", figure: Any = None,
-                  figure_name: str = "loss.png", is_main: bool = True) -> Path:
-    """Write `<name>.json` (and `figure_name` when a figure is given) into `out_dir` and the runner's run
-    directory; returns the JSON path in `out_dir`. Values JSON cannot hold are written as their `str`.
-    `is_main=False` (every host of a pod but host 0, every torchrun rank but 0) writes nothing."""
+                  figure_name: str = "loss.png", figures: dict[str, Any] | None = None, is_main: bool = True) -> Path:
+    """Write `<name>.json` (and `figure_name` when a figure is given, and each of `figures`, {file name: figure})
+    into `out_dir` and the runner's run directory; returns the JSON path in `out_dir`. Values JSON cannot hold are
+    written as their `str`. `is_main=False` (every host of a pod but host 0, every torchrun rank but 0) writes
+    nothing."""
+    named = {**({figure_name: figure} if figure is not None else {}), **(figures or {})}
     if not is_main:
-        if figure is not None:
+        if named:
             import matplotlib.pyplot as plt
 
-            plt.close(figure)
+            for fig in named.values():
+                plt.close(fig)
         return Path(out_dir) / f"{name}.json"
     text = json.dumps(results, indent=2, default=str)
-    png = render_png(figure) if figure is not None else None
+    pngs = {file: render_png(fig) for file, fig in named.items()}
     for directory in result_dirs(out_dir):
         directory.mkdir(parents=True, exist_ok=True)
-        if png is not None:
-            atomic_write_bytes(directory / figure_name, png)
+        for file, png in pngs.items():
+            atomic_write_bytes(directory / file, png)
         atomic_write_text(directory / f"{name}.json", text)
     return Path(out_dir) / f"{name}.json"
