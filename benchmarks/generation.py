@@ -1,9 +1,13 @@
 """Greedy generation speed: the package's KV-cache generation vs its uncached loop vs Hugging Face `generate`.
 
     PYTHONPATH=. python benchmarks/generation.py --tokens 16,128,512 --devices cpu,xla
+    PYTHONPATH=. python benchmarks/generation.py --model smollm2-135m --tokens 64,256 --sides cached,hf
+    PYTHONPATH=. python benchmarks/generation.py --model DIR --random-init --bf16 --devices cuda   # a GPU machine
 
 The model is a randomly initialised Qwen2 (4 layers, width 256, 4 heads, 2 KV heads, the tiny model's BPE
-vocabulary, eager attention as `models.hf.load_causal_lm` loads it); a batch of 8 random prompts of 8 to 32 tokens,
+vocabulary, eager attention as `models.hf.load_causal_lm` loads it), or `--model` (a name or directory, e.g. the
+offline real model smollm2-135m; `--random-init`: its config and tokenizer with random weights, the same speed where
+the weights cannot travel; a random model's greedy tokens are no less deterministic); a batch of 8 random prompts of 8 to 32 tokens,
 left-padded to 32. For each number of new tokens and each side:
 - `cached`: `models.generation.generate_ids` with the cache slots bucketed as `hf.generate` does (`cache_bucket`);
 - `uncached`: `models.generation.generate_ids_uncached`, the loop `hf.generate` ran before the cache (every token
@@ -39,15 +43,28 @@ def _setup(args, device):
     from tpu_helpers.models.generation import left_pad
     from tpu_helpers.models.hf import DEFAULT_ATTN, load_causal_lm
 
-    _, tok = load_causal_lm("tiny")
-    model = hf_tiny.build_tiny_model(tok, seed=0, **ARCH)
-    model.config._attn_implementation = DEFAULT_ATTN
+    if args.model and args.random_init:
+        # The model's shape with random weights, from its config and tokenizer alone: the speed of the real model
+        # where its weights cannot go (a device machine reached without them).
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        torch.manual_seed(0)
+        tok = AutoTokenizer.from_pretrained(args.model)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model),
+                                                 attn_implementation=DEFAULT_ATTN)
+    elif args.model:
+        model, tok = load_causal_lm(args.model)
+    else:
+        _, tok = load_causal_lm("tiny")
+        model = hf_tiny.build_tiny_model(tok, seed=0, **ARCH)
+        model.config._attn_implementation = DEFAULT_ATTN
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(8, args.prompt + 1, (args.batch,), generator=g).tolist()
     lengths[0] = args.prompt
     prompts = [torch.randint(3, len(tok), (n,), generator=g).tolist() for n in lengths]
     batch = left_pad(prompts, args.prompt, tok.pad_token_id)
-    return model.eval().to(device), tok, batch.ids.to(device), batch.mask.to(device)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    return model.eval().to(device, dtype), tok, batch.ids.to(device), batch.mask.to(device)
 
 
 def child(args) -> None:
@@ -57,7 +74,7 @@ def child(args) -> None:
     from tpu_helpers.models.generation import generate_ids, generate_ids_uncached
     from tpu_helpers.models.hf import cache_bucket
 
-    backend = get_backend(args.child, precision="fp32", spmd=False, compile_cache_dir=None)
+    backend = get_backend(args.child, precision="bf16" if args.bf16 else "fp32", spmd=False, compile_cache_dir=None)
     torch.set_num_threads(args.threads)
     model, tok, ids, mask = _setup(args, backend.device)
     xla = backend.compiles_graphs
@@ -117,14 +134,21 @@ def main() -> None:
                         help="on XLA, run HF generate only up to this many new tokens (a graph per token)")
     parser.add_argument("--uncached-tokens", type=int, default=128,
                         help="run the uncached loop only up to this many new tokens (its cost grows as N squared)")
-    parser.add_argument("--child", choices=["cpu", "xla"], help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="", help="a model name or directory (e.g. smollm2-135m; default: the "
+                        "random 4-layer Qwen2 above)")
+    parser.add_argument("--random-init", action="store_true",
+                        help="with --model: its config and tokenizer, random weights (same speed, no weights needed)")
+    parser.add_argument("--bf16", action="store_true", help="weights and compute in bf16 (default fp32)")
+    parser.add_argument("--child", choices=["cpu", "xla", "cuda"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.tokens = [int(t) for t in str(args.tokens).split(",")]
     args.sides = args.sides.split(",")
     if args.child:
         return child(args)
+    what = (f"{args.model}{' (random weights)' if args.random_init else ''}" if args.model else
+            f"Qwen2 {ARCH['num_hidden_layers']} layers x {ARCH['hidden_size']}")
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; batch {args.batch}, prompt "
-          f"{args.prompt}, Qwen2 {ARCH['num_hidden_layers']} layers x {ARCH['hidden_size']}", flush=True)
+          f"{args.prompt}, {what}, {'bf16' if args.bf16 else 'fp32'}", flush=True)
     print(f"{'device':8}{'new':>5}  {'side':9}{'tok/s 1st':>10}{'tok/s best':>11}{'graphs 1st':>11}"
           f"{'graphs then':>12}  same as cached", flush=True)
     for device in args.devices.split(","):
@@ -134,13 +158,14 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--child", device, "--tokens", ",".join(map(str, args.tokens)),
                "--sides", ",".join(args.sides), "--batch", str(args.batch), "--prompt", str(args.prompt),
                "--threads", str(args.threads), "--repeats", str(args.repeats), "--hf-xla-tokens", str(args.hf_xla_tokens),
-               "--uncached-tokens", str(args.uncached_tokens)]
+               "--uncached-tokens", str(args.uncached_tokens), "--model", args.model]
+        cmd += ["--random-init"] * args.random_init + ["--bf16"] * args.bf16
         with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True) as proc:
             for line in proc.stdout:
                 if not line.startswith("{"):
                     continue
                 r = json.loads(line)
-                name = "XLA:CPU" if device == "xla" else "CPU"
+                name = {"xla": "XLA:CPU", "cuda": "CUDA"}.get(device, "CPU")
                 if r.get("skipped"):
                     print(f"{name:8}{r['tokens']:>5}  {r['side']:9}  skipped ({r['skipped']})", flush=True)
                     continue

@@ -2,6 +2,8 @@
 
     PYTHONPATH=. python benchmarks/grpo_vs_trl.py --steps 60 --trl-python /path/to/venv-with-trl/bin/python
     PYTHONPATH=. python benchmarks/grpo_vs_trl.py --smoke    # CI: 3 steps of 2 prompts x 2 samples, 5 SFT steps
+    PYTHONPATH=. python benchmarks/grpo_vs_trl.py --model smollm2-135m --batch 4 --generations 8 --new-tokens 8 \
+        --lr 1e-3 --steps 6 --trl-python ...   # the offline real model as it is (no warm start)
 
 TRL is not a dependency of the package: `--trl-python` names an interpreter that can import trl and the package's
 dependencies (e.g. a throwaway venv with a .pth file pointing at the dev venv's site-packages and `pip install trl`).
@@ -55,8 +57,13 @@ def _timed(fn, seconds: list):
 
 
 def start_model(args) -> str:
-    """The SFT'd start model (the package's warm start), made once under the output directory."""
+    """`--model` as it is (resolved to its directory), else the SFT'd tiny model (the package's warm start), made
+    once under the output directory."""
+    from tpu_helpers.models.hf import resolve_model_source
     from tpu_helpers.recipes.grpo import GRPO, GRPOConfig
+
+    if args.model:
+        return resolve_model_source(args.model)
 
     cfg = GRPOConfig(out_dir=str(Path(args.out) / "warm"), device="cpu", sft_steps=args.sft_steps)
     return GRPO(cfg, progress=False).start_source
@@ -162,10 +169,18 @@ def main() -> None:
     parser.add_argument("--child", choices=["package", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--start", help=argparse.SUPPRESS)
     parser.add_argument("--smoke", action="store_true", help="3 steps of 2 prompts x 2 samples after 5 SFT steps (CI)")
+    parser.add_argument("--model", default="", help="start from this model as it is (a name such as smollm2-135m, "
+                        "or a directory) instead of the SFT'd tiny model")
+    for flag, key, kind in (("--batch", "batch_size", int), ("--generations", "num_generations", int),
+                            ("--new-tokens", "max_new_tokens", int), ("--lr", "lr", float)):
+        parser.add_argument(flag, type=kind, default=None, help=f"the job's {key} (default {JOB[key]})")
     args = parser.parse_args()
     if args.smoke:
         args.steps, args.sft_steps = 3, 5
         JOB.update(SMOKE_JOB)
+    JOB.update({k: getattr(args, a) for a, k in (("batch", "batch_size"), ("generations", "num_generations"),
+                                                  ("new_tokens", "max_new_tokens"), ("lr", "lr"))
+                if getattr(args, a) is not None})
     if args.child:
         torch_threads = os.environ.get("BENCH_THREADS")
         if torch_threads:
@@ -177,8 +192,9 @@ def main() -> None:
         return
     out = args.out or tempfile.mkdtemp(prefix="grpo_vs_trl_")
     args.out = out
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; {args.steps} steps on "
-          f"{args.device}; output in {out}", flush=True)
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; {args.steps} steps of "
+          f"{JOB['batch_size']} prompts x {JOB['num_generations']} answers of {JOB['max_new_tokens']} tokens on "
+          f"{args.device}, {args.model or 'the SFT tiny model'}; output in {out}", flush=True)
     start = start_model(args)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     if args.device == "xla":
@@ -192,6 +208,8 @@ def main() -> None:
         side_env = {**env, "USE_TORCH_XLA": "0"} if side == "trl" and args.device == "cpu" else env
         cmd = [python, __file__, "--child", side, "--start", start, "--steps", str(args.steps), "--device",
                args.device, "--out", out] + (["--smoke"] if args.smoke else [])
+        cmd += [f"--{k}={v}" for k, v in (("batch", JOB["batch_size"]), ("generations", JOB["num_generations"]),
+                                          ("new-tokens", JOB["max_new_tokens"]), ("lr", JOB["lr"]))]
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, env=side_env, capture_output=True, text=True,
