@@ -236,18 +236,13 @@ def unserved_reason(model: torch.nn.Module) -> str | None:
     other = sorted({t for t in getattr(_text_config(model), "layer_types", None) or () if t not in ATTENTION_TYPES})
     if other:
         return f"has layers of type {other}"
-    import inspect
-
-    params = inspect.signature(base.forward).parameters
-    if "cache" not in params and "past_key_values" not in params:
-        return "takes no key/value cache in its forward (neither past_key_values nor cache)"
     return None
 
 
 def check_generation_support(model: torch.nn.Module) -> None:
     """A ConfigError naming the model's class and model_type when the cached generation cannot serve it: an
     encoder-decoder, a recurrent state (Mamba, RWKV), layers that are not full or sliding-window attention
-    (Llama 4's chunked attention, LFM2's convolutions), a forward without a cache. Such models used to fail deep
+    (Llama 4's chunked attention, LFM2's convolutions). Such models used to fail deep
     inside transformers (the StaticLayer cache here has no convolution state) or, worse, answer with other tokens
     than transformers does (a chunked or recurrent layer run as plain causal attention)."""
     why = unserved_reason(model)
