@@ -257,27 +257,33 @@ class _Compilations(Callback):
 @pytest.mark.skipif(XLA_BACKEND is None, reason="torch_xla not installed")
 @pytest.mark.parametrize("name", FINE_TUNED)
 def test_lora_sft_and_grpo_train_on_xla_without_recompiling_and_the_merged_export_reloads(name, family_dir,
-                                                                                           tmp_path):
+                                                                                           tmp_path, monkeypatch):
     from tpu_helpers.recipes.finetune import Finetune, FinetuneConfig
     from tpu_helpers.recipes.grpo import GRPO, GRPOConfig
 
+    # Batches made in this process: a job's loader workers outlive its run (MpDeviceLoader's thread keeps their
+    # iterator, blocked on its full queue) and each took up to 5 s to join when collected (~20 s per family here).
+    monkeypatch.setattr(type(XLA_BACKEND), "loader_options", property(lambda self: {"num_workers": 0,
+                                                                                     "pin_memory": False}))
     source = str(family_dir(name))
     # The smallest shapes that hold every family's prompts (the chat templates differ in length), 3 steps: the
     # first compiles the step, the second again with the optimizer's state, the third nothing (xla_checks="strict"
     # raises at a compilation or an undeclared host read after those two).
-    common = dict(model=source, device="xla", xla_checks="strict", method="lora", lora_targets="all-linear",
-                  lora_r=2, steps=3, log_every=3, eval_every=3, save_every=3, eval_batches=1, warmup_steps=1,
-                  lr=1e-2, seed=0)
+    common = dict(model=source, device="xla", xla_checks="strict", method="lora", lora_r=2, steps=3, log_every=3,
+                  eval_every=3, save_every=3, eval_batches=1, warmup_steps=1, lr=1e-2, seed=0)
     sft_steps, grpo_steps = _Compilations(), _Compilations()
-    sft = Finetune(FinetuneConfig(batch_size=2, seq_len=48, max_records=40, out_dir=str(tmp_path / "sft"), **common),
+    sft = Finetune(FinetuneConfig(lora_targets="all-linear", batch_size=2, seq_len=48, max_records=40,
+                                  out_dir=str(tmp_path / "sft"), **common),
                    backend=XLA_BACKEND, progress=False, callbacks=[sft_steps])
     sft.train()
     assert sft.data_stats["dropped"] == 0 and sft_steps.steps[2] == 0, (sft.data_stats, sft_steps.steps)
     # GRPO without the KL term (no reference pass: one graph fewer), one prompt and two answers of two tokens: a
-    # prefill and a decode graph in the first step's rollout, none in the next ones.
-    grpo = GRPO(GRPOConfig(start_from=None, batch_size=1, num_generations=2, max_prompt_len=48, max_new_tokens=2,
-                           kl_beta=0.0, max_records=4, rewards="tests.algorithms.test_grpo:odd_first_character",
-                           out_dir=str(tmp_path / "grpo"), **common),
+    # prefill and a decode graph in the first step's rollout, none in the next ones. Adapters on the two
+    # projections every family names alike (all-linear above: ~40% more compile time, ~6 s per family here).
+    grpo = GRPO(GRPOConfig(lora_targets="o_proj,down_proj", start_from=None, batch_size=1, num_generations=2,
+                           max_prompt_len=48, max_new_tokens=2, kl_beta=0.0, max_records=4,
+                           rewards="tests.algorithms.test_grpo:odd_first_character", out_dir=str(tmp_path / "grpo"),
+                           **common),
                 backend=XLA_BACKEND, progress=False, callbacks=[grpo_steps])
     grpo.train()
     assert grpo.data_stats["too_long"] == 0 and grpo_steps.steps[2] == 0, (grpo.data_stats, grpo_steps.steps)
