@@ -35,6 +35,21 @@ def test_only_the_assistant_turn_is_trained(tok):
     assert encode_record(tok, {"prompt": "2 + 3 =", "response": "5"})[1][-len(trained):] == labels[-len(trained):]
 
 
+def test_every_answer_is_trained_also_when_the_template_closes_the_chat_with_eos(tok, tiny_lm_dir):
+    # Phi-3's template ends a chat rendered without the generation prompt with EOS, so a chat cut after a user turn
+    # is no prefix of the longer one: every label was -100 ("a template that rewrites earlier turns") and all
+    # Phi-3 records were dropped. An answer's tokens end where the chat ending there stops agreeing with the whole.
+    from tests.models.families import family_tokenizer
+
+    two_turns = {"messages": [{"role": "user", "content": "2 + 3 ="}, {"role": "assistant", "content": "5"},
+                              {"role": "user", "content": "4 + 4 ="}, {"role": "assistant", "content": "8"}]}
+    for tokenizer, trained in ((family_tokenizer("phi3", tiny_lm_dir), "5<|end|>\n8<|end|>\n<|endoftext|>"),
+                               (tok, "5<|im_end|>\n8<|im_end|>\n")):
+        ids, labels = encode_record(tokenizer, two_turns)
+        assert tokenizer.decode(ids) == tokenizer.apply_chat_template(two_turns["messages"], tokenize=False)
+        assert tokenizer.decode([i for i, lab in zip(ids, labels, strict=True) if lab != -100]) == trained
+
+
 def test_rows_have_one_shape_with_padding_masked(tok):
     ds, stats = tokenize_records(tok, [{"text": "Mia found a red ball."}, {"question": "1 + 1 =", "answer": "2"}],
                                  seq_len=40)

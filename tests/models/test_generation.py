@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
+from tests.models.families import FAMILIES, random_model
 from tests.support import XLA_BACKEND
 from tpu_helpers.config import ConfigError
-from tpu_helpers.models import hf, lora
+from tpu_helpers.models import generation, hf, lora
 from tpu_helpers.models.generation import (
     Sampling,
     exponentials,
@@ -74,37 +74,26 @@ def test_cached_greedy_equals_the_uncached_loop_on_cpu(tiny_lm_dir, with_lora):
     torch.testing.assert_close(got.logprobs, ref * want_mask, atol=1e-4, rtol=1e-4)
 
 
-# Small random models of the families transformers ships; Gemma 3 and Qwen2 with use_sliding_window have
-# sliding-window layers (window 5-6, shorter than prompt + completion here).
-SIZES = dict(vocab_size=97, hidden_size=32, intermediate_size=64, max_position_embeddings=64, num_attention_heads=4,
-             num_key_value_heads=2)
-FAMILIES = {
-    "llama": lambda: transformers.LlamaConfig(num_hidden_layers=2, **SIZES),
-    "qwen3": lambda: transformers.Qwen3Config(head_dim=8, num_hidden_layers=2, **SIZES),
-    "gemma3": lambda: transformers.Gemma3TextConfig(
-        head_dim=8, num_hidden_layers=3, sliding_window=6,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"], **SIZES),
-    "qwen2-sliding": lambda: transformers.Qwen2Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=5,
-                                                      max_window_layers=1, **SIZES),
-}
+# The family matrix (tests/models/families.py: Llama 3, Qwen2.5, Qwen2 with sliding layers, Qwen3, Gemma 2, Gemma 3,
+# Mistral, Phi-3), at a vocabulary of 97 and random prompts; the sliding windows (6) are shorter than prompt +
+# completion here (up to 21 tokens). tests/models/test_families.py compares the same families with transformers'
+# own generate, with their tokenizers and stop tokens.
+VOCAB = 97
+
+
+def _prompt_rows():
+    return left_pad([torch.randint(3, VOCAB, (n,)).tolist() for n in (12, 7, 3, 10)], 12, 0)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_cached_greedy_equals_the_uncached_loop_across_model_families(family, monkeypatch):
-    config = FAMILIES[family]()
-    torch.manual_seed(1)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.15 if family == "gemma3" else 0.5)
-    p = left_pad([torch.randint(3, 97, (n,)).tolist() for n in (12, 7, 3, 10)], 12, 0)
+    model = random_model(FAMILIES[family].config(VOCAB, pad=0), seed=1)
+    p = _prompt_rows()
     want = generate_ids_uncached(model, p.ids, p.mask, max_new_tokens=9)
     got = generate_ids(model, p.ids, p.mask, max_new_tokens=9, eos_token_id=None, pad_token_id=0)
     assert torch.equal(got.ids, want), (got.ids, want)
-    if "sliding" in str(getattr(model.config, "layer_types", "")):
+    if generation._sliding_window(model) is not None:
         # The window is enforced by the mask: without it the answers differ.
-        from tpu_helpers.models import generation
-
         monkeypatch.setattr(generation, "_sliding_window", lambda model: None)
         unwindowed = generate_ids(model, p.ids, p.mask, max_new_tokens=9, eos_token_id=None, pad_token_id=0)
         assert not torch.equal(unwindowed.ids, want)
@@ -112,15 +101,11 @@ def test_cached_greedy_equals_the_uncached_loop_across_model_families(family, mo
 
 def test_a_sliding_window_without_layer_types_is_applied_as_hf_does(monkeypatch):
     # Mistral-style configs set sliding_window for every layer and list no layer_types: the cached generator used to
-    # attend to everything while HF's forward applies the window (4 here, prompts + completions up to 21 tokens).
-    config = transformers.MistralConfig(num_hidden_layers=2, sliding_window=4, **SIZES)
-    assert getattr(config, "layer_types", None) is None
-    torch.manual_seed(2)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.5)
-    p = left_pad([torch.randint(3, 97, (n,)).tolist() for n in (12, 7, 3, 10)], 12, 0)
+    # attend to everything while HF's forward applies the window (6 here, prompts + completions up to 21 tokens).
+    config = FAMILIES["mistral"].config(VOCAB, pad=0)
+    assert getattr(config, "layer_types", None) is None and config.sliding_window == 6
+    model = random_model(config, seed=2)
+    p = _prompt_rows()
     want = generate_ids_uncached(model, p.ids, p.mask, max_new_tokens=9)  # HF's own masks, no cache
     got = generate_ids(model, p.ids, p.mask, max_new_tokens=9, eos_token_id=None, pad_token_id=0)
     assert torch.equal(got.ids, want), (got.ids, want)
@@ -130,8 +115,6 @@ def test_a_sliding_window_without_layer_types_is_applied_as_hf_does(monkeypatch)
         logits = model(input_ids=full, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
     ref = torch.log_softmax(logits[:, 11:-1].float(), -1).gather(-1, want.unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(got.logprobs, ref, atol=1e-4, rtol=1e-4)
-    from tpu_helpers.models import generation
-
     monkeypatch.setattr(generation, "_sliding_window", lambda model: None)
     assert not torch.equal(generate_ids(model, p.ids, p.mask, max_new_tokens=9, eos_token_id=None,
                                         pad_token_id=0).ids, want)  # the window matters here
@@ -139,12 +122,10 @@ def test_a_sliding_window_without_layer_types_is_applied_as_hf_does(monkeypatch)
 
 def test_use_sliding_window_false_means_no_window():
     # A guard for the fix above: Qwen2 configs may keep sliding_window while use_sliding_window turns it off.
-    from tpu_helpers.models.generation import _sliding_window
-
-    config = transformers.Qwen2Config(num_hidden_layers=2, use_sliding_window=False, sliding_window=4, **SIZES)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model = random_model(FAMILIES["qwen2"].config(VOCAB, pad=0))
+    assert model.config.use_sliding_window is False
     model.config.sliding_window, model.config.layer_types = 4, None  # as an older config.json would hold it
-    assert _sliding_window(model) is None
+    assert generation._sliding_window(model) is None
 
 
 def test_sampling_is_reproducible_and_top_k_1_is_greedy(tiny_lm_dir):

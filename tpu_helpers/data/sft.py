@@ -6,7 +6,8 @@
 
 Three record forms are recognised: chat (`messages`: a list of {role, content}), prompt/response pairs (`prompt` +
 `response`, `instruction` + `output`, `question` + `answer`) and plain text (`text`). Chat and pairs are rendered
-with the tokenizer's chat template; only assistant tokens (and the end-of-turn token that closes them) are trained.
+with the tokenizer's chat template; only assistant tokens (and the end-of-turn token that closes them, plus what
+the template closes a chat with after the last answer, e.g. Phi-3's EOS) are trained.
 Every row is padded to `seq_len`, so every batch has one shape and nothing recompiles on XLA.
 
 `instruction_records` generates the offline default task set (next/previous letter, adding small numbers) whose
@@ -139,23 +140,27 @@ def encode_record(tokenizer: Any, record: dict) -> tuple[list[int], list[int]]:
         return ids, list(ids)
     check_chat_template(tokenizer)
     messages = _as_messages(record)
-    ids: list[int] = []
-    labels: list[int] = []
-    # Render growing prefixes: each assistant turn's tokens are what its prefix-with-generation-prompt lacks.
+
+    def render(chat: list[dict], prompt: bool = False) -> list[int]:
+        return _ids(tokenizer, tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt))
+
+    ids = render(messages)
+    labels = [-100] * len(ids)
+    # An answer's tokens start after the chat before it with the generation prompt (a prefix of the whole chat) and
+    # end where the chat ending with that answer stops agreeing with the whole: what a template writes only at a
+    # chat's end (Phi-3's EOS) is trained after the last answer alone. Growing prefixes, each extending the last,
+    # would see such an ending as a rewrite and train nothing. A turn the template writes otherwise once the chat
+    # goes on (Qwen3 drops earlier answers' think blocks) trains nothing.
     for i, message in enumerate(messages):
-        if message["role"] == "assistant":
-            prompt = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-            prompt_ids = _ids(tokenizer, prompt)
-            if prompt_ids[:len(ids)] == ids:
-                labels += [-100] * (len(prompt_ids) - len(ids))
-                ids = prompt_ids
-        full = _ids(tokenizer, tokenizer.apply_chat_template(messages[:i + 1], tokenize=False))
-        if full[:len(ids)] != ids:  # a template that rewrites earlier turns: train on nothing of this prefix
-            labels = [-100] * len(full)
-        else:
-            new = full[len(ids):]
-            labels += list(new) if message["role"] == "assistant" else [-100] * len(new)
-        ids = full
+        if message["role"] != "assistant":
+            continue
+        prompt = render(messages[:i], prompt=True)
+        if ids[:len(prompt)] != prompt:
+            continue
+        ending = ids if i == len(messages) - 1 else render(messages[:i + 1])
+        pairs = zip(ending, ids, strict=False)  # the common prefix: `ending` may be longer (a closing EOS)
+        end = next((k for k, (a, b) in enumerate(pairs) if a != b), min(len(ending), len(ids)))
+        labels[len(prompt):end] = ids[len(prompt):end]
     return ids, labels
 
 

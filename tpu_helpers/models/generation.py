@@ -28,6 +28,12 @@ window is a mask (the same attention, more cache memory for those layers): per l
 `layer_types`, on every layer where it only sets `sliding_window` (Mistral), none where `use_sliding_window` is
 False.
 
+What this serves: decoder-only models whose every layer attends through a key/value cache, to everything before it
+or within a sliding window (Llama 3, Qwen2/2.5, Qwen3, Gemma 2/3, Mistral, Phi-3: tests/models/test_families.py
+checks each against transformers' own `generate`). Anything else, an encoder-decoder, a recurrent state (Mamba,
+RWKV), Llama 4's chunked attention, LFM2's convolutions, is a ConfigError naming its model_type
+(`check_generation_support`), not a failure deep in transformers or, worse, other tokens than transformers gives.
+
 Sampling: temperature, top-k and top-p, by an exponential race (Gumbel-max): the token with the largest p / E,
 E ~ Exp(1) one per token, drawn from a counter-based hash of (seed, step, row, token id) computed on the device in
 int64 arithmetic. Each token wins with its own probability, exact to float32 rounding however large the vocabulary
@@ -214,6 +220,40 @@ def _sliding_window(model: torch.nn.Module) -> int | None:
     return None if types is not None and "sliding_attention" not in types else int(window)
 
 
+# What the cache and the masks here serve: every layer attends over a key/value cache, to everything before it or
+# to the last `sliding_window` positions (models/generation.py's docstring); a few families of each kind.
+ATTENTION_TYPES = ("full_attention", "sliding_attention")
+SERVED = "llama, qwen2, qwen3, gemma2, gemma3_text, mistral, phi3"
+
+
+def unserved_reason(model: torch.nn.Module) -> str | None:
+    """Why the cached generation cannot serve `model` (see `check_generation_support`), or None when it can."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT wrapper: its model
+    if getattr(model.config, "is_encoder_decoder", False):
+        return "is an encoder-decoder"
+    if getattr(base, "_is_stateful", False):  # transformers' mark of Mamba, RWKV, Jamba, Qwen3-Next, ...
+        return "keeps a recurrent state, not a key/value cache"
+    other = sorted({t for t in getattr(_text_config(model), "layer_types", None) or () if t not in ATTENTION_TYPES})
+    if other:
+        return f"has layers of type {other}"
+    return None
+
+
+def check_generation_support(model: torch.nn.Module) -> None:
+    """A ConfigError naming the model's class and model_type when the cached generation cannot serve it: an
+    encoder-decoder, a recurrent state (Mamba, RWKV), layers that are not full or sliding-window attention
+    (Llama 4's chunked attention, LFM2's convolutions). Such models used to fail deep
+    inside transformers (the StaticLayer cache here has no convolution state) or, worse, answer with other tokens
+    than transformers does (a chunked or recurrent layer run as plain causal attention)."""
+    why = unserved_reason(model)
+    if why is not None:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        model_type = getattr(model.config, "model_type", None) or "?"
+        raise ConfigError(f"{type(base).__name__} (model_type {model_type!r}) {why}: the cached generation "
+                          "(models/generation.py) serves decoder-only models whose layers all attend through a "
+                          f"key/value cache, full or sliding-window (e.g. {SERVED})")
+
+
 def _hybrid(model: torch.nn.Module) -> bool:
     """Whether the model takes one mask per attention type ({"full_attention", "sliding_attention"}): it lists
     `layer_types`. Without them every layer is windowed and takes the one (windowed) mask."""
@@ -273,6 +313,7 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     `max_new_tokens` stay padding with mask 0)."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    check_generation_support(model)
     if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
                          "must be the same (batch, width)")

@@ -40,7 +40,7 @@ from tpu_helpers.data.rl import SUMS, build_prompt_dataset, load_prompt_records
 from tpu_helpers.extras import require_extra
 from tpu_helpers.memory.grpo_plan import grpo_estimate
 from tpu_helpers.models import hf, lora
-from tpu_helpers.models.generation import generate_ids
+from tpu_helpers.models.generation import check_generation_support, generate_ids
 from tpu_helpers.models.hf import eos_ids
 from tpu_helpers.recipes.hf_job import HFJob, HFJobConfig, JobData
 
@@ -212,6 +212,7 @@ class GRPO(HFJob):
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         check_context(model.config, self.config.max_prompt_len, self.config.max_new_tokens)
+        check_generation_support(model)  # every step generates: an unserved model is refused as it loads
 
     @cached_property
     def reference(self) -> torch.nn.Module | None:
