@@ -3,6 +3,8 @@ the step time of each.
 
     PYTHONPATH=. python benchmarks/sharding.py                        # all three parts (about 10 minutes here)
     PYTHONPATH=. python benchmarks/sharding.py --no-plan --widths 128,256 --time-width 128   # a quick look
+    PYTHONPATH=. python benchmarks/sharding.py --widths 64 --seq-len 32 --batch 1 --time-width 64 --time-steps 4 \
+        --layers 1                                                     # CI's toy run (figures say nothing)
 
 1. By the memory plan (`tpu_helpers.memory.sharded`, analytic GPT estimate, bf16, AdamW, 8 sequences of 1024 per
    chip with gradient checkpointing): the largest GPT that trains per v5e chip under `data` and under `fsdp` x8.
@@ -132,14 +134,15 @@ def plan_bytes(model: GPTConfig, batch: int, sharding: str) -> int:
     return est.peak_bytes
 
 
-def ladder(widths: list[int], batch: int, seq_len: int, budget: int) -> None:
-    print(f"\n2. GPTs of 6 layers on 8 XLA:CPU devices: {batch} x {seq_len} tokens per device, fp32, AdamW; "
+def ladder(widths: list[int], batch: int, seq_len: int, budget: int, layers: int = 6) -> None:
+    print(f"\n2. GPTs of {layers} layers on 8 XLA:CPU devices: {batch} x {seq_len} tokens per device, fp32, AdamW; "
           "MiB per device")
     print(f"{'width':>6}{'params':>9}{'data plan':>11}{'compiled':>10}{'ratio':>7}{'fsdp plan':>11}{'compiled':>10}"
           f"{'ratio':>7}")
     fits: dict[str, dict[str, int]] = {"data": {}, "fsdp": {}}
     for width in widths:
-        model = GPTConfig(vocab_size=256, block_size=seq_len, n_layer=6, n_head=max(1, width // 64), n_embd=width)
+        model = GPTConfig(vocab_size=256, block_size=seq_len, n_layer=layers, n_head=max(1, width // 64),
+                          n_embd=width)
         row = f"{width:>6}{param_counts(model)[0] / 1e6:>8.1f}M"
         for sharding in ("data", "fsdp"):
             plan = plan_bytes(model, batch, sharding)
@@ -154,8 +157,8 @@ def ladder(widths: list[int], batch: int, seq_len: int, budget: int) -> None:
         for s in ("data", "fsdp")))
 
 
-def step_times(width: int, batch: int, seq_len: int, steps: int) -> None:
-    model = GPTConfig(vocab_size=256, block_size=seq_len, n_layer=6, n_head=max(1, width // 64), n_embd=width)
+def step_times(width: int, batch: int, seq_len: int, steps: int, layers: int = 6) -> None:
+    model = GPTConfig(vocab_size=256, block_size=seq_len, n_layer=layers, n_head=max(1, width // 64), n_embd=width)
     print(f"\n3. Step time, width {width}, {batch} x {seq_len} tokens per device, median of steps 4..{steps}")
     result = {s: run_xla(model, batch, steps, s, memory_scheduler=False) for s in ("data", "fsdp")}
     for sharding, r in result.items():
@@ -171,7 +174,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2, help="sequences per device")
     parser.add_argument("--budget-mib", type=float, default=256, help="per-device memory budget for 'fits'")
     parser.add_argument("--time-width", type=int, default=384, help="the ladder model timed in part 3")
-    parser.add_argument("--time-steps", type=int, default=16)
+    parser.add_argument("--time-steps", type=int, default=16, help="at least 4 (the median of steps 4..N)")
+    parser.add_argument("--layers", type=int, default=6, help="layers of every GPT in parts 2 and 3")
     parser.add_argument("--no-plan", action="store_true")
     parser.add_argument("--no-xla", action="store_true")
     a = parser.parse_args()
@@ -179,8 +183,10 @@ def main() -> None:
         plan_table()
     if a.no_xla:
         return
-    ladder([int(w) for w in a.widths.split(",")], a.batch, a.seq_len, int(a.budget_mib * MIB))
-    step_times(a.time_width, a.batch, a.seq_len, a.time_steps)
+    if a.time_steps < 4:
+        parser.error(f"--time-steps={a.time_steps}: the median of steps 4..N needs at least 4")
+    ladder([int(w) for w in a.widths.split(",")], a.batch, a.seq_len, int(a.budget_mib * MIB), a.layers)
+    step_times(a.time_width, a.batch, a.seq_len, a.time_steps, a.layers)
 
 
 if __name__ == "__main__":

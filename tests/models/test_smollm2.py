@@ -154,16 +154,6 @@ def smollm2_lm():
     return model.eval(), tok, built
 
 
-@pytest.fixture
-def one_thread():
-    """torch on one CPU thread for the test: on a loaded 2-core machine (CI, shared runners) two OpenMP threads spin
-    against each other: one forward of 37 tokens took 1.3 s with 2 threads and 0.26 s with 1 at a load of 10."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.slow
 def test_the_real_model_answers_greedily_as_model_generate_does(smollm2_lm, monkeypatch, one_thread):
     from transformers import LlamaForCausalLM
