@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/grpo_vs_trl.py --steps 60 --trl-python /path/to/venv-with-trl/bin/python
     PYTHONPATH=. python benchmarks/grpo_vs_trl.py --smoke    # CI: 3 steps of 2 prompts x 2 samples, 5 SFT steps
     PYTHONPATH=. python benchmarks/grpo_vs_trl.py --model smollm2-135m --batch 4 --generations 8 --new-tokens 8 \
-        --lr 1e-3 --steps 6 --trl-python ...   # the offline real model as it is (no warm start)
+        --prompt-len 48 --lr 1e-3 --steps 6 --trl-python ...   # the offline real model, no warm start
 
 TRL is not a dependency of the package: `--trl-python` names an interpreter that can import trl and the package's
 dependencies (e.g. a throwaway venv with a .pth file pointing at the dev venv's site-packages and `pip install trl`).
@@ -41,8 +41,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-JOB = dict(batch_size=8, num_generations=8, max_new_tokens=4, temperature=1.0, kl_beta=0.04, clip_eps=0.2,
-           lr=5e-3, warmup_steps=10, lora_r=16, lora_alpha=32, seed=0)
+JOB = dict(batch_size=8, num_generations=8, max_prompt_len=32, max_new_tokens=4, temperature=1.0, kl_beta=0.04,
+           clip_eps=0.2, lr=5e-3, warmup_steps=10, lora_r=16, lora_alpha=32, seed=0)
+# The job's settings a flag may change: (argument name, JOB key).
+OVERRIDES = (("batch", "batch_size"), ("generations", "num_generations"), ("prompt_len", "max_prompt_len"),
+             ("new_tokens", "max_new_tokens"), ("lr", "lr"))
 SMOKE_JOB = dict(batch_size=2, num_generations=2, warmup_steps=1)  # --smoke (CI): every part, toy-sized
 
 
@@ -172,15 +175,14 @@ def main() -> None:
     parser.add_argument("--model", default="", help="start from this model as it is (a name such as smollm2-135m, "
                         "or a directory) instead of the SFT'd tiny model")
     for flag, key, kind in (("--batch", "batch_size", int), ("--generations", "num_generations", int),
-                            ("--new-tokens", "max_new_tokens", int), ("--lr", "lr", float)):
+                            ("--prompt-len", "max_prompt_len", int), ("--new-tokens", "max_new_tokens", int),
+                            ("--lr", "lr", float)):
         parser.add_argument(flag, type=kind, default=None, help=f"the job's {key} (default {JOB[key]})")
     args = parser.parse_args()
     if args.smoke:
         args.steps, args.sft_steps = 3, 5
         JOB.update(SMOKE_JOB)
-    JOB.update({k: getattr(args, a) for a, k in (("batch", "batch_size"), ("generations", "num_generations"),
-                                                  ("new_tokens", "max_new_tokens"), ("lr", "lr"))
-                if getattr(args, a) is not None})
+    JOB.update({k: getattr(args, a) for a, k in OVERRIDES if getattr(args, a) is not None})
     if args.child:
         torch_threads = os.environ.get("BENCH_THREADS")
         if torch_threads:
@@ -208,8 +210,7 @@ def main() -> None:
         side_env = {**env, "USE_TORCH_XLA": "0"} if side == "trl" and args.device == "cpu" else env
         cmd = [python, __file__, "--child", side, "--start", start, "--steps", str(args.steps), "--device",
                args.device, "--out", out] + (["--smoke"] if args.smoke else [])
-        cmd += [f"--{k}={v}" for k, v in (("batch", JOB["batch_size"]), ("generations", JOB["num_generations"]),
-                                          ("new-tokens", JOB["max_new_tokens"]), ("lr", JOB["lr"]))]
+        cmd += [f"--{a.replace('_', '-')}={JOB[k]}" for a, k in OVERRIDES]
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, env=side_env, capture_output=True, text=True,
