@@ -41,7 +41,7 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
                                [r"^package +\d+ +\d+ ", r"^hf +\d+ +\d+ ",
                                 rf"steady throughput ratio package / HF Trainer: {NUMBER}"]),
     # HF generate on XLA compiles a graph per token (16 for 4 tokens): it runs on the CPU here, XLA says skipped.
-    "generation": (["--tokens", "2", "--batch", "2", "--prompt", "8", "--hf-xla-tokens", "0"],
+    "generation": (["--tokens", "2", "--batch", "2", "--prompt", "8", "--hf-xla-tokens", "0", "--threads", "1"],
                    [rf"^CPU +2 +hf +{NUMBER}", rf"^XLA:CPU +2 +uncached +{NUMBER}", r"^XLA:CPU +2 +hf +skipped"]),
     "gpu_throughput": (["--smoke"], [rf"eager: {NUMBER} tokens/s, MFU"]),
     "graph_hygiene": (["--steps", "12", "--eval-every", "6", "--log-every", "3", "--save-every", "6"],
@@ -87,8 +87,11 @@ def _run(name: str, tmp: Path) -> tuple[subprocess.CompletedProcess, float]:
     args, _ = SMOKE[name]
     # XLA:CPU with one device unless the script sets its own; this checkout's package; W&B never online. TMPDIR: several
     # scripts leave mkdtemp directories behind (run outputs, XLA dumps), which then go with pytest's temporary tree.
+    # One OpenMP thread for eager torch: two scripts run side by side on a 2-core machine, where two threads each
+    # spin against each other (the tiny GPT's eager step took 0.67 s instead of a few ms). XLA_FLAGS (LLVM at -O0 on
+    # XLA:CPU) comes from tests/support.py through os.environ.
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false",
-           "TMPDIR": str(tmp), "WANDB_MODE": "offline"}
+           "TMPDIR": str(tmp), "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
     env.pop("CPU_NUM_DEVICES", None)
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), *args], env=env, cwd=ROOT,
