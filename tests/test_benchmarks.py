@@ -94,8 +94,7 @@ def _run(name: str, tmp: Path) -> tuple[subprocess.CompletedProcess, float]:
     # XLA:CPU with one device unless the script sets its own; this checkout's package; W&B never online. TMPDIR: several
     # scripts leave mkdtemp directories behind (run outputs, XLA dumps), which then go with pytest's temporary tree.
     # One OpenMP thread for eager torch: two scripts run side by side on a 2-core machine, where two threads each
-    # spin against each other (the tiny GPT's eager step took 0.67 s instead of a few ms). XLA_FLAGS (LLVM at -O0 on
-    # XLA:CPU) comes from tests/support.py through os.environ.
+    # spin against each other (the tiny GPT's eager step took 0.67 s instead of a few ms).
     env = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false",
            "TMPDIR": str(tmp), "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
     env.pop("CPU_NUM_DEVICES", None)
