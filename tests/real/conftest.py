@@ -7,7 +7,6 @@ import importlib.util
 import os
 
 import pytest
-import torch
 
 
 @pytest.fixture(scope="session")
@@ -23,8 +22,3 @@ def smollm2_dir():
             pytest.fail(f"{why}: make setup installs it from stacks/dev-data.txt")
         pytest.skip(why)
     return smollm2.smollm2_dir()
-
-
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(0)
