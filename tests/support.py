@@ -19,6 +19,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 _O0 = "--xla_backend_optimization_level=0"
 if os.environ["PJRT_DEVICE"] == "CPU" and "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_O0}".strip()
+# One OpenMP thread for eager torch in every process the tests start (conftest.py sets the session's own): on a
+# 2-core machine shared with other work, two threads spin against each other and the models here are too small to
+# gain from a second one (tests/training/test_finetune_cache_qat.py's recovery test: 40 s with two, 9 s with one).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import json  # noqa: E402
 import subprocess  # noqa: E402
