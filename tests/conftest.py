@@ -3,7 +3,6 @@ starts before any test module is imported)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,6 @@ from tests.support import NOTEBOOKS
 from tpu_helpers.data import build_datasets
 
 support.start_xla()
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # torch read the environment before support.py set it
 
 
 @pytest.fixture(scope="session")

@@ -52,7 +52,8 @@ def _plant_outlier_channels(model: torch.nn.Module, factor: float = 64.0, every:
                             name).weight[:, idx] *= factor
 
 
-def test_recovery_lora_from_the_cache_narrows_the_int4_gap(tmp_path):
+def test_recovery_lora_from_the_cache_narrows_the_int4_gap(tmp_path, one_thread):
+    # one_thread: 40 s with two threads on a loaded 2-core machine, 9 s with one (the same losses, printed below)
     common = dict(device="cpu", batch_size=16, seq_len=48, lr=3e-3, warmup_steps=5, eval_every=1000, eval_batches=4,
                   log_every=10, save_every=1000, xla_checks="off", max_records=600, val_fraction=0.1)
     teacher = Finetune(FinetuneConfig(method="full", steps=60, out_dir=str(tmp_path / "teacher"), **common),
