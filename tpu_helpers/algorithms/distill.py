@@ -163,7 +163,7 @@ class DistillTrainer(CausalLMTrainer):
 
     def loss_sum(self, batch: dict) -> torch.Tensor:
         chunked = lm_head.live_kd_sums(self.model, self.teacher, batch, self.settings.temperature,
-                                       chunk=self.loss_chunk)
+                                       chunk=getattr(self, "loss_chunk", None))
         if chunked is not None:
             return self.settings.mix(*chunked)
         logits = lm_logits(self.model, batch)
@@ -192,12 +192,13 @@ class CachedDistillTrainer(CausalLMTrainer):
 
     def loss_sum(self, batch: dict) -> torch.Tensor:
         if "teacher_ids" not in batch:
-            return super().loss_sum(batch)
-        vocab = self.raw_model.get_output_embeddings().weight.shape[0]
+            return CausalLMTrainer.loss_sum(self, batch)
+        vocab = getattr(self, "raw_model", self.model).get_output_embeddings().weight.shape[0]
         if batch["teacher_ids"].shape[-1] > vocab:
             raise ConfigError(f"the teacher cache has top-{batch['teacher_ids'].shape[-1]} per position, more than "
                               f"the student's vocabulary of {vocab} tokens: it was made for another tokenizer")
-        chunked = lm_head.cached_kd_sums(self.model, batch, self.settings.temperature, chunk=self.loss_chunk)
+        chunked = lm_head.cached_kd_sums(self.model, batch, self.settings.temperature,
+                                         chunk=getattr(self, "loss_chunk", None))
         if chunked is not None:
             return self.settings.mix(*chunked)
         logits = lm_logits(self.model, batch)

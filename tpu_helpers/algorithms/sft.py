@@ -49,7 +49,7 @@ class CausalLMTrainer(Trainer):
 
     def loss_sum(self, batch: dict) -> torch.Tensor:
         """Summed token loss of one micro-batch (float32)."""
-        chunked = lm_head.lm_loss_sum(self.model, batch, chunk=self.loss_chunk)
+        chunked = lm_head.lm_loss_sum(self.model, batch, chunk=getattr(self, "loss_chunk", None))
         if chunked is not None:
             return chunked
         return causal_lm_loss_sum(lm_logits(self.model, batch), batch["labels"])

@@ -78,11 +78,16 @@ def set_loss_chunk(model: torch.nn.Module, value: int | str) -> None:
     setattr(_base(model), _ATTR, check_loss_chunk(value))
 
 
-def chunk_size(model: torch.nn.Module, tokens: int, vocab: int, chunk: int | str | None = None) -> int:
-    """Tokens per chunk for `tokens` tokens of a `vocab`-token head, or 0 for the unchunked path."""
-    setting = check_loss_chunk(getattr(_base(model), _ATTR, AUTO) if chunk is None else chunk)
+def planned_chunk(setting: int | str, tokens: int, vocab: int) -> int:
+    """Tokens per chunk of a LOSS_CHUNK `setting` for `tokens` tokens of a `vocab`-token head; 0: unchunked."""
+    setting = check_loss_chunk(setting)
     size = auto_chunk(vocab) if setting == AUTO else setting
     return size if 0 < size < tokens else 0
+
+
+def chunk_size(model: torch.nn.Module, tokens: int, vocab: int, chunk: int | str | None = None) -> int:
+    """`planned_chunk` of `chunk`, or of `model`'s own setting (`set_loss_chunk`; "auto" when none)."""
+    return planned_chunk(getattr(_base(model), _ATTR, AUTO) if chunk is None else chunk, tokens, vocab)
 
 
 def _base(model: torch.nn.Module) -> torch.nn.Module:

@@ -138,7 +138,8 @@ class HFJob(Recipe):
         cfg = self.config
         return dict(method=cfg.method, lora_r=cfg.lora_r,
                     lora_targets=cfg.lora_target_list, precision=self.backend.precision,
-                    gradient_checkpointing=cfg.gradient_checkpointing, grad_accum=cfg.grad_accum)
+                    gradient_checkpointing=cfg.gradient_checkpointing, grad_accum=cfg.grad_accum,
+                    loss_chunk=cfg.loss_chunk)
 
     plan_what = "training"  # what the sharding advice calls the step
 
