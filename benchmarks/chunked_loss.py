@@ -42,7 +42,7 @@ def child(spec: dict) -> dict:
     import torch
     import transformers
 
-    from tpu_helpers.algorithms.distill import CachedDistillTrainer, DistillSettings, teacher_topk
+    from tpu_helpers.algorithms.distill import CachedDistillTrainer, DistillSettings
     from tpu_helpers.algorithms.sft import CausalLMTrainer
     from tpu_helpers.backend import get_backend
     from tpu_helpers.config import TrainConfig
@@ -65,8 +65,10 @@ def child(spec: dict) -> dict:
     ids = torch.randint(0, v, (b, s))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     if spec.get("top_k"):
-        t_ids, t_logp, t_tail = teacher_topk(torch.randn(b, s, v), spec["top_k"])
-        batch.update(teacher_ids=t_ids, teacher_logp=t_logp, teacher_tail=t_tail)
+        k = spec["top_k"]  # a cache's shapes and dtypes (its values do not move the memory)
+        t_logp = torch.log_softmax(torch.randn(b, s, k + 1), -1)[..., :k].sort(-1, descending=True).values
+        batch.update(teacher_ids=torch.randint(0, v, (b, s, k), dtype=torch.int32), teacher_logp=t_logp,
+                     teacher_tail=torch.full((b, s), -3.0))
         trainer = CachedDistillTrainer(model, None, settings=DistillSettings(1.0, 0.5), **common)
     else:
         trainer = CausalLMTrainer(model, None, **common)

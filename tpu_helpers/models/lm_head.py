@@ -300,3 +300,24 @@ def completion_token_logps(model: torch.nn.Module, ids: torch.Tensor, mask: torc
     targets = ids[:, -completion:].reshape(-1)
     logp = torch.cat(map_chunks(lambda x, y: token_logp(split.logits(x) / t, y), size, _flat(h), targets))
     return logp.reshape(ids.shape[0], completion)
+
+
+class LossOfBatch(torch.nn.Module):
+    """`model` whose forward(**batch) returns `.loss`, the token-averaged next-token loss computed as
+    `algorithms.sft.CausalLMTrainer` does (chunked per `chunk`): what the traced and compiled memory estimates
+    (`memory.traced`, `memory.compiled`, which take a model's own `.loss`) measure of the chunked step."""
+
+    def __init__(self, model: torch.nn.Module, chunk: int | str = AUTO) -> None:
+        super().__init__()
+        self.model, self.chunk = model, check_loss_chunk(chunk)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, **batch: Any) -> Any:
+        from types import SimpleNamespace
+
+        batch = {"input_ids": input_ids, "labels": labels, **batch}
+        total = lm_loss_sum(self.model, batch, chunk=self.chunk)
+        if total is None:
+            logits = self.model(**{k: v for k, v in batch.items() if k != "labels"}).logits[:, :-1].float()
+            total = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(),
+                                                      ignore_index=-100, reduction="sum")
+        return SimpleNamespace(loss=total / (labels[:, 1:] != -100).sum().clamp(min=1))
