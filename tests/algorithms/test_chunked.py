@@ -189,18 +189,18 @@ def test_a_strict_xla_sft_run_with_the_chunked_loss_compiles_nothing_after_warm_
 def test_the_traced_step_and_the_plan_drop_the_same_logits_with_the_chunked_loss(one_thread):
     from transformers import Qwen2Config
 
-    from tpu_helpers.memory.example_models import (TINY_LM_SEQ, WIDE_VOCAB, wide_vocab_batch, wide_vocab_lm_lora,
-                                                   wide_vocab_lm_lora_chunked)
+    from tpu_helpers.memory import example_models as ex
     from tpu_helpers.memory.hf_plan import hf_finetune_estimate
     from tpu_helpers.memory.traced import traced_estimate
 
-    whole = traced_estimate(wide_vocab_lm_lora, wide_vocab_batch, 4)
-    chunked = traced_estimate(wide_vocab_lm_lora_chunked, wide_vocab_batch, 4)
-    config = Qwen2Config(vocab_size=WIDE_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    whole = traced_estimate(ex.wide_vocab_lm_lora, ex.wide_vocab_batch, 4)
+    chunked = traced_estimate(ex.wide_vocab_lm_lora_chunked, ex.wide_vocab_batch, 4)
+    config = Qwen2Config(vocab_size=ex.WIDE_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-    plan = {c: hf_finetune_estimate(config, 4, TINY_LM_SEQ, precision="fp32", loss_chunk=c).peak_bytes for c in (0, 64)}
+    plan = {c: hf_finetune_estimate(config, 4, ex.TINY_LM_SEQ, precision="fp32", loss_chunk=c).peak_bytes
+            for c in (0, 64)}
     # 4 x 128 tokens x 8192 entries: 16 MiB of fp32 logits; the eager step kept ~42 MiB for them (logits, their
     # log-softmax, its gradient), and one chunk of 64 tokens an eighth of it.
     saved, planned = whole.peak_bytes - chunked.peak_bytes, plan[0] - plan[64]
-    assert planned == 12 * (4 * TINY_LM_SEQ - 64) * WIDE_VOCAB
+    assert planned == 12 * (4 * ex.TINY_LM_SEQ - 64) * ex.WIDE_VOCAB
     assert abs(saved / planned - 1) < 0.1 and chunked.peak_bytes < 0.3 * whole.peak_bytes, (saved, planned)
