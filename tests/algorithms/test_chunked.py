@@ -145,6 +145,9 @@ def test_an_unknown_head_falls_back_to_the_whole_logits_with_a_warning(one_threa
     model = transformers.AutoModelForCausalLM.from_config(config)
     batch = _batch()
     lm_head._WARNED.discard("gpt2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a batch that would not be chunked anyway ("auto" at 61 tokens): no warning
+        assert lm_head.lm_loss_sum(model, batch) is None
     with pytest.warns(UserWarning, match=r"GPT2LMHeadModel \(model_type 'gpt2'\) is not a head the chunked loss"):
         assert lm_head.lm_loss_sum(model, batch, chunk=CHUNK) is None
     with warnings.catch_warnings():

@@ -114,9 +114,9 @@ class LMHead:
         return z.float()
 
 
-def split_head(model: torch.nn.Module) -> LMHead | None:
-    """`model`'s backbone and head, or None (after a warning, once per model type) when this module does not know
-    its head (see the module docstring)."""
+def split_head(model: torch.nn.Module, *, warn: bool = True) -> LMHead | None:
+    """`model`'s backbone and head, or None (after a warning, once per model type, with `warn`) when this module
+    does not know its head (see the module docstring)."""
     base = _base(model)
     config = getattr(base, "config", None)
     kind = getattr(config, "model_type", type(base).__name__)
@@ -124,7 +124,7 @@ def split_head(model: torch.nn.Module) -> LMHead | None:
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if kind not in CHUNKABLE or not isinstance(backbone, torch.nn.Module) or head is None \
             or getattr(config, "logit_scale", None) or getattr(config, "logits_scaling", None):
-        if kind not in _WARNED:
+        if warn and kind not in _WARNED:
             _WARNED.add(kind)
             warnings.warn(f"LOSS_CHUNK: {type(base).__name__} (model_type {kind!r}) is not a head the chunked loss "
                           f"knows ({', '.join(CHUNKABLE)}): its loss is computed from the whole batch's logits "
@@ -194,10 +194,16 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def _plan(model: torch.nn.Module, batch: dict, chunk: int | str | None) -> tuple[LMHead, int] | None:
-    split = split_head(model) if chunk != 0 else None
+    """(the split model, tokens per chunk), or None for the unchunked path; the warning of an unknown head only
+    where chunking would have applied (a small vocabulary's batch is not chunked anyway)."""
+    tokens = batch["input_ids"].numel()
+    split = split_head(model, warn=False)
     if split is None:
+        vocab = getattr(getattr(_base(model), "config", None), "vocab_size", None) or 2**20
+        if chunk_size(model, tokens, vocab, chunk):
+            split_head(model)  # says why, once
         return None
-    size = chunk_size(model, batch["input_ids"].numel(), split.vocab, chunk)
+    size = chunk_size(model, tokens, split.vocab, chunk)
     return (split, size) if size else None
 
 
