@@ -25,8 +25,8 @@ vanish in the compiled graph). It is all ordinary lazy ops: one graph per step (
 The head as the family computes it: `lm_head(h)`, then Gemma 2/3's final-logit soft-capping (cap * tanh(z / cap)),
 tied embeddings included (the head module is the embedding's weight either way). Families are taken by model_type
 (`CHUNKABLE`); any other model (a head that scales its logits, Cohere's logit_scale, Granite's logits_scaling, a
-model without a `.model` backbone, a wrapper this cannot see through) gets the unchunked path and a warning naming
-its type, once.
+model without a `.model` backbone, a wrapper this cannot see through) gets the unchunked path and, where its batch
+would have been chunked, a warning naming its type, once.
 
 When to chunk: `LOSS_CHUNK` (the recipes' field; `set_loss_chunk` on a model) is "auto" by default: tokens per
 chunk such that one chunk's fp32 logits take at most 256 MiB (a power of two, 128 to 4096: 256 tokens for Qwen's
