@@ -167,6 +167,19 @@ def test_the_chunk_setting_and_its_auto_rule():
             lm_head.check_loss_chunk(bad)
 
 
+def test_the_recipes_loss_chunk_is_checked_and_set_on_the_model(tmp_path, tiny_lm_dir):
+    from tpu_helpers.recipes.finetune import Finetune, FinetuneConfig
+    from tpu_helpers.recipes.grpo import GRPOConfig
+
+    with pytest.raises(ConfigError, match=r"LOSS_CHUNK='big' must be 'auto'"):
+        FinetuneConfig(device="cpu", loss_chunk="big")
+    with pytest.raises(ConfigError, match=r"LOSS_CHUNK=-1 must be 'auto'"):
+        GRPOConfig(device="cpu", loss_chunk=-1)
+    job = Finetune(FinetuneConfig(device="cpu", loss_chunk=64, out_dir=str(tmp_path)), progress=False)
+    assert lm_head.chunk_size(job.model, 1000, 512) == 64  # the LoRA-wrapped model carries LOSS_CHUNK
+    assert any("64 tokens at a time" in n for n in job.plan().estimate.notes)
+
+
 @pytest.mark.xla
 @pytest.mark.skipif(XLA_BACKEND is None, reason="torch_xla not installed")
 def test_a_strict_xla_sft_run_with_the_chunked_loss_compiles_nothing_after_warm_up(tmp_path, tiny_sft):
