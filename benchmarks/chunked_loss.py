@@ -15,6 +15,16 @@ Part 2 (`--plan`): the guide's job (Qwen3-0.6B sizes, int4 QAT, recovery LoRA r=
 top-128 cache, bf16, batch 4 x 1024) with 1 and 2 layers, compiled (not run: the first step's graph, through
 torch_xla's `_xla_warm_up_cache`) chunked and unchunked; the per-layer difference extrapolates to 28 layers and is
 printed next to `hf_finetune_estimate`'s plan.
+
+Measured here (2 shared cores, load average 5.6-8):
+- part 1: compiled 1,831.5 MiB with the whole logits, 499.2 MiB in chunks of 256 (3.67x less; the fp32 logits alone
+  are 593.5 MiB); steady step 3,972 ms vs 4,018 ms (x1.01).
+- part 2, batch 4: L=1 11,616 / 5,172 MiB (whole / chunked), L=2 12,851 / 6,406; extrapolated to 28 layers 47.2 /
+  40.4 GB against a plan of 23.1 / 16.1 GB. Batch 8: L=1 22,261 / 9,441 MiB, L=2 24,637 / 11,812; 90.6 / 77.1 GB
+  against 43.9 / 29.5. The saving of the chunked loss agrees (compiled 6.8 GB, planned 7.0 at batch 4; 13.4 and
+  14.5 at batch 8: within 10%); the totals do not: XLA:CPU keeps 1.2 GB per layer at batch 4 x 1024 where the
+  plan counts 0.5, and its 47 GB is twice the 22-24 GB the guide measured for this job on a v6e-1 (which the plan's
+  23 GB matches), so the XLA:CPU figure is no stand-in for the TPU's per-layer memory here.
 """
 
 from __future__ import annotations
