@@ -139,26 +139,29 @@ def part1(config: dict, batch: int, seq: int, chunk: int, steps: int) -> None:
           f"{logits / 2**20:.1f} MiB; step time x{chunked['steady_ms'] / whole['steady_ms']:.2f}")
 
 
-def part2(batch: int) -> None:
+def part2(batch: int, config: dict = QWEN3_06B, seq: int = 1024, top_k: int = 128, chunk: int | str = "auto",
+          what: str = "Qwen3-0.6B sizes", depths: tuple[int, ...] = (1, 2)) -> None:
     import transformers
 
     from tpu_helpers.memory.hf_plan import hf_finetune_estimate
 
-    print(f"\n2. guide's job (Qwen3-0.6B sizes, int4 QAT, LoRA r=16 all-linear, top-128 cache, bf16), batch {batch} x "
-          "1024, compiled (first step) on XLA:CPU, layer-scaled to 28 layers")
-    print(f"{'':14}{'L=1 MiB':>10}{'L=2 MiB':>10}{'L=28 (ext.) GB':>16}{'plan GB':>10}{'plan/compiled':>15}")
+    depth = config["num_hidden_layers"]
+    print(f"\n2. guide's job ({what}, int4 QAT, LoRA r=16 all-linear, top-{top_k} cache, bf16), batch {batch} x "
+          f"{seq}, compiled (first step) on XLA:CPU, layer-scaled to {depth} layers")
+    print(f"{'':14}{'L=1 MiB':>10}{'L=2 MiB':>10}{f'L={depth} (ext.) GB':>16}{'plan GB':>10}{'plan/compiled':>15}")
     rows = {}
-    for name, chunk in (("whole logits", 0), ("chunked", "auto")):
+    for name, c in (("whole logits", 0), ("chunked", chunk)):
         got = rows[name] = {}
-        for layers in (1, 2):
-            spec = dict(config={**QWEN3_06B, "num_hidden_layers": layers}, qwen3=True, batch=batch, seq=1024,
-                        precision="bf16", lora_r=16, targets="all-linear", qat="int4", top_k=128, chunk=chunk,
+        for layers in depths:
+            spec = dict(config={**config, "num_hidden_layers": layers}, qwen3=True, batch=batch, seq=seq,
+                        precision="bf16", lora_r=16, targets="all-linear", qat="int4", top_k=top_k, chunk=c,
                         compile_only=True)
             got[layers] = measure(spec)["compiled_bytes"]
-        full = got[1] + 27 * (got[2] - got[1])
-        plan = hf_finetune_estimate(transformers.Qwen3Config(**QWEN3_06B), batch, 1024, method="distill", lora_r=16,
-                                    lora_targets="all-linear", precision="bf16", teacher_topk=128, qat="int4",
-                                    loss_chunk=chunk).peak_bytes
+        got.setdefault(2, got[1])  # one depth only (the smoke): no extrapolation
+        full = got[1] + (depth - 1) * (got[2] - got[1])
+        plan = hf_finetune_estimate(transformers.Qwen3Config(**config), batch, seq, method="distill", lora_r=16,
+                                    lora_targets="all-linear", precision="bf16", teacher_topk=top_k, qat="int4",
+                                    loss_chunk=c).peak_bytes
         got["plan"] = plan
         print(f"{name:14}{got[1] / 2**20:10.0f}{got[2] / 2**20:10.0f}{full / 1e9:16.2f}{plan / 1e9:10.2f}"
               f"{plan / full:15.2f}")
@@ -182,6 +185,9 @@ def main() -> None:
         return
     if args.smoke:
         part1(SMOKE, 2, 64, 32, 3)
+        part2(2, dict(QWEN3_06B, vocab_size=4096, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, num_hidden_layers=1), seq=64, top_k=8, chunk=32,
+              what="toy sizes", depths=(1,))
         return
     part1(QWEN25_STYLE, args.batch, args.seq, 256, args.steps)
     if args.plan:
