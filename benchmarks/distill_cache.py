@@ -81,9 +81,11 @@ def guide_plan() -> None:
     for ckpt in (False, True):
         for r in (8, 16):
             for b in (4, 8):
+                # The guide's runs took the whole batch's logits (before LOSS_CHUNK): loss_chunk=0 compares like
+                # with like; benchmarks/chunked_loss.py --plan has the chunked step.
                 est = hf_finetune_estimate(cfg, b, 1024, method="distill", lora_r=r, lora_targets="all-linear",
                                            precision="bf16", gradient_checkpointing=ckpt, model=model,
-                                           teacher_topk=128, qat="int4")
+                                           teacher_topk=128, qat="int4", loss_chunk=0)
                 bd = est.breakdown
                 logits = (12 * 1024 * b * cfg.vocab_size + 24 * 1024 * b * 128) / 1e9
                 peak = [n for n in est.notes if n.startswith("peak")][0]

@@ -4,7 +4,9 @@
     PYTHONPATH=. python benchmarks/finetune_memory.py --qwen-layers 6    # trace fewer Qwen layers (a slow machine)
     PYTHONPATH=. python benchmarks/finetune_memory.py --smoke            # CI: one row of each part, toy sizes
 
-- plan: `memory.hf_plan.hf_finetune_estimate`, from the config alone (what the notebook shows first);
+- plan: `memory.hf_plan.hf_finetune_estimate`, from the config alone (what the notebook shows first), of the whole
+  logits (LOSS_CHUNK=0: the traced and compiled steps here take the model's own loss; benchmarks/chunked_loss.py
+  has the chunked step);
 - traced: `memory.traced.traced_estimate`, two real steps on fake tensors under torch's MemTracker (what an eager
   run allocates: CPU, or CUDA's max_memory_allocated);
 - compiled: `memory.compiled.compiled_estimate`, XLA's own figure for the compiled step on XLA:CPU (tiny model only).
@@ -83,7 +85,7 @@ def tiny(args) -> None:
     for method, ckpt in _rows(("full", "lora"), args):
         t = time.perf_counter()
         plan = hf_finetune_estimate(config, b, s, method=method, lora_r=8, lora_targets=TARGETS,
-                                    precision="fp32", gradient_checkpointing=ckpt)
+                                    precision="fp32", gradient_checkpointing=ckpt, loss_chunk=0)
         traced = traced_estimate(_model_fn(config, method, False), lm_batch(s, TINY_LM_VOCAB), b,
                                  gradient_checkpointing=ckpt)
         compiled = None
@@ -106,7 +108,7 @@ def qwen(args) -> None:
     for method, ckpt in _rows(("lora", "full"), args):
         t = time.perf_counter()
         plan = hf_finetune_estimate(config, b, s, method=method, lora_r=8, lora_targets=TARGETS,
-                                    precision="bf16", gradient_checkpointing=ckpt)
+                                    precision="bf16", gradient_checkpointing=ckpt, loss_chunk=0)
         traced = traced_estimate(_model_fn(config, method, True), lm_batch(s, config.vocab_size), b,
                                  precision="bf16", gradient_checkpointing=ckpt)
         _row(f"{method}{' + checkpointing' if ckpt else ''} ({time.perf_counter() - t:.0f} s)", plan, traced)

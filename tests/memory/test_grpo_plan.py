@@ -15,7 +15,7 @@ QWEN_05B = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=486
 
 def test_the_plan_counts_the_cache_the_reference_and_only_the_completion_logits():
     kw = dict(num_generations=8, max_prompt_len=256, max_new_tokens=512, precision="bf16",
-              gradient_checkpointing=True)
+              gradient_checkpointing=True, loss_chunk=0)  # the completion's logits whole
     lora = grpo_estimate(QWEN_05B, 4, method="lora", **kw)
     full = grpo_estimate(QWEN_05B, 4, method="full", **kw)
     # 32 rows x 768 slots x 24 layers x 2 kv heads x 64 dims, keys and values, bf16: 288 MiB.
@@ -26,12 +26,17 @@ def test_the_plan_counts_the_cache_the_reference_and_only_the_completion_logits(
     sft_full = hf_finetune_estimate(QWEN_05B, 32, 768, method="full", precision="bf16", gradient_checkpointing=True)
     assert full.phases["the end of the backward"]["params"] == sft_full.phases["the end of the backward"]["params"] \
         + 2 * params
-    sft_lora = hf_finetune_estimate(QWEN_05B, 32, 768, method="lora", precision="bf16", gradient_checkpointing=True)
+    sft_lora = hf_finetune_estimate(QWEN_05B, 32, 768, method="lora", precision="bf16", gradient_checkpointing=True,
+                                    loss_chunk=0)
     assert lora.phases["the end of the backward"]["params"] == sft_lora.phases["the end of the backward"]["params"]
     # Logits for the 513 completion positions only, not all 768.
     saved = 12 * 32 * 151936 * (768 - 513)
     assert lora.phases["the start of the backward"]["activations"] == \
         sft_lora.phases["the start of the backward"]["activations"] - saved
+    # With the chunked loss ("auto": 256 tokens per chunk) one chunk of the 32 x 512 completion tokens' logits.
+    chunked = grpo_estimate(QWEN_05B, 4, method="lora", **{**kw, "loss_chunk": "auto"})
+    assert chunked.phases["the start of the backward"]["activations"] == \
+        sft_lora.phases["the start of the backward"]["activations"] - 12 * 151936 * (32 * 768 - 256)
     assert full.peak_bytes > lora.peak_bytes and "KV cache 288 MiB" in " ".join(lora.notes)
     # Without KL there is no reference under full fine-tuning either.
     no_kl = grpo_estimate(QWEN_05B, 4, method="full", kl_beta=0.0, **kw)

@@ -27,7 +27,7 @@ def test_the_plan_of_cached_distillation_holds_no_teacher_and_qat_adds_the_fake_
     cfg = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True)
     model = meta_model(cfg)
-    kw = dict(method="distill", lora_r=8, precision="bf16", model=model)
+    kw = dict(method="distill", lora_r=8, precision="bf16", model=model, loss_chunk=0)  # the whole logits
     live = hf_finetune_estimate(cfg, 4, 1024, teacher_config=cfg, **kw)
     cached = hf_finetune_estimate(cfg, 4, 1024, teacher_topk=128, **kw)
     params, tokens = sum(p.numel() for p in model.parameters()), 4 * 1024
@@ -37,3 +37,7 @@ def test_the_plan_of_cached_distillation_holds_no_teacher_and_qat_adds_the_fake_
     int4 = hf_finetune_estimate(cfg, 4, 1024, teacher_topk=128, qat="int4", **kw)
     assert int4.peak_bytes - cached.peak_bytes == linear * 2  # a bf16 fake-quantized copy of each linear weight
     assert any("QAT int4" in n for n in int4.notes) and any("top-128" in n for n in cached.notes)
+    # The chunked loss ("auto": 256 tokens of 151,936 per chunk) keeps one chunk's logits and top-k transients.
+    chunked = hf_finetune_estimate(cfg, 4, 1024, teacher_topk=128, qat="int4", **{**kw, "loss_chunk": "auto"})
+    assert int4.peak_bytes - chunked.peak_bytes == 12 * (tokens - 256) * 151936 + 16 * (tokens - 256) * 128
+    assert any("256 tokens at a time" in n for n in chunked.notes)

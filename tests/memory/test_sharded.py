@@ -51,7 +51,8 @@ def test_the_fine_tuning_plan_says_when_a_hf_model_needs_fsdp():
 
     qwen_1_5b = _qwen(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
                       num_key_value_heads=2)
-    full = hf_sharding_plan(qwen_1_5b, 1, 1024, chips=8, method="full", gradient_checkpointing=True)
+    # The whole logits (LOSS_CHUNK=0): the moment they weigh most is what is checked below.
+    full = hf_sharding_plan(qwen_1_5b, 1, 1024, chips=8, method="full", gradient_checkpointing=True, loss_chunk=0)
     assert full.advice().startswith("full fine-tuning of this 1.5B model needs fsdp over at least 2 chips of TPU v5e"), \
         full.advice()
     assert "data parallel needs 23.1 GiB" in full.advice() and full.recommended() == "fsdp"

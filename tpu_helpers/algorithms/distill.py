@@ -21,6 +21,8 @@ mass, both exact. Student side: log_softmax(logits / T) gathered at the teacher'
 too: the logsumexp of its other entries (not log(1 - sum), which float32 rounds to log 0 below ~1e-7). With k =
 the vocabulary this is the live trainer's full-softmax KL (the tail is empty and left out); a teacher tail of
 -inf (k = a teacher vocabulary smaller than the student's) contributes exactly 0. Everything is gather, topk and elementwise ops, which XLA lowers (no host read).
+Both compute their losses in chunks of positions where the logits are large (`models.lm_head`; the live teacher's
+logits are chunked with the student's), as `sft.CausalLMTrainer` does.
 Validation batches carry no teacher: the validation loss is the student's own next-token loss, the held-out figure
 to compare with the teacher's or with another run's.
 
@@ -43,7 +45,7 @@ from tpu_helpers.algorithms.sft import CausalLMTrainer, lm_logits
 from tpu_helpers.config import ConfigError
 from tpu_helpers.data.teacher_cache import TeacherCache, build_teacher_cache, cache_status
 from tpu_helpers.diagnostics.safe_ops import xla_safe_kl_div
-from tpu_helpers.models import lora
+from tpu_helpers.models import lm_head, lora
 from tpu_helpers.training.batches import causal_lm_loss_sum
 
 TEACHER_KEYS = ("teacher_ids", "teacher_logp", "teacher_tail")
@@ -117,20 +119,7 @@ def topk_kd_sum(logits: torch.Tensor, ids: torch.Tensor, t_logp: torch.Tensor, t
     position; position p predicts token p + 1, so positions up to S - 1 count where labels[:, 1:] != -100.
     """
     t = float(temperature)
-    ids, t_logp, t_tail = ids[:, :-1].long(), t_logp[:, :-1].float(), t_tail[:, :-1].float()
-    s_logp = torch.log_softmax(logits[:, :-1].float() / t, dim=-1)
-    s_top = s_logp.gather(-1, ids)
-    kl = (torch.exp(t_logp) * (t_logp - s_top)).sum(-1)
-    if ids.shape[-1] < logits.shape[-1]:
-        # The student's mass outside the teacher's k tokens, exact: a logsumexp over the other entries (the
-        # teacher's ids set to -inf, as teacher_topk does), not log(1 - sum), which float32 rounds to log(0) when
-        # the student puts < ~1e-7 there (an inflated loss, and no gradient moving mass back). Fixed shapes, no read.
-        s_tail = s_logp.scatter(-1, ids, float("-inf")).logsumexp(-1)
-        # A teacher tail of -inf (k = the teacher's whole vocabulary, smaller than the student's) weighs exactly 0:
-        # exp(-inf) * (-inf - s_tail) would be 0 * -inf = nan. The where keeps nan out of the gradient too.
-        has_tail = torch.isfinite(t_tail)
-        safe = torch.where(has_tail, t_tail, torch.zeros_like(t_tail))
-        kl = kl + torch.where(has_tail, torch.exp(safe) * (safe - s_tail), torch.zeros_like(safe))
+    kl = lm_head.topk_kl(logits[:, :-1].float() / t, ids[:, :-1], t_logp[:, :-1], t_tail[:, :-1])
     keep = labels[:, 1:] != -100
     return (kl * keep).sum() * (t * t)
 
@@ -173,6 +162,10 @@ class DistillTrainer(CausalLMTrainer):
         self.teacher = frozen_teacher(teacher, self.backend)
 
     def loss_sum(self, batch: dict) -> torch.Tensor:
+        chunked = lm_head.live_kd_sums(self.model, self.teacher, batch, self.settings.temperature,
+                                       chunk=getattr(self, "loss_chunk", None))
+        if chunked is not None:
+            return self.settings.mix(*chunked)
         logits = lm_logits(self.model, batch)
         hard = causal_lm_loss_sum(logits, batch["labels"])
         with torch.no_grad():
@@ -198,14 +191,18 @@ class CachedDistillTrainer(CausalLMTrainer):
         self.settings = settings
 
     def loss_sum(self, batch: dict) -> torch.Tensor:
-        logits = lm_logits(self.model, batch)
-        hard = causal_lm_loss_sum(logits, batch["labels"])
         if "teacher_ids" not in batch:
-            return hard
-        vocab = logits.shape[-1]
+            return CausalLMTrainer.loss_sum(self, batch)
+        vocab = getattr(self, "raw_model", self.model).get_output_embeddings().weight.shape[0]
         if batch["teacher_ids"].shape[-1] > vocab:
             raise ConfigError(f"the teacher cache has top-{batch['teacher_ids'].shape[-1]} per position, more than "
                               f"the student's vocabulary of {vocab} tokens: it was made for another tokenizer")
+        chunked = lm_head.cached_kd_sums(self.model, batch, self.settings.temperature,
+                                         chunk=getattr(self, "loss_chunk", None))
+        if chunked is not None:
+            return self.settings.mix(*chunked)
+        logits = lm_logits(self.model, batch)
+        hard = causal_lm_loss_sum(logits, batch["labels"])
         soft = topk_kd_sum(logits, batch["teacher_ids"], batch["teacher_logp"], batch["teacher_tail"],
                            batch["labels"], self.settings.temperature)
         return self.settings.mix(hard, soft)

@@ -51,7 +51,7 @@ import torch
 from tpu_helpers.algorithms.rewards import Reward, score
 from tpu_helpers.config import ConfigError
 from tpu_helpers.data.rl import prompt_and_answer
-from tpu_helpers.models import lora
+from tpu_helpers.models import lm_head, lora
 from tpu_helpers.models.generation import Sampling, generate_ids
 from tpu_helpers.models.hf import completion_lengths, completion_texts, eos_ids
 from tpu_helpers.training.cadence import Cadence
@@ -159,7 +159,11 @@ def grpo_terms(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tenso
 def completion_logps(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, completion: int,
                      temperature: float) -> torch.Tensor:
     """Log-probabilities (rows, completion) of the last `completion` tokens of `ids` under softmax(logits / T);
-    only those positions' logits are computed (`logits_to_keep`), and no full log-softmax is kept."""
+    only those positions' logits are computed, in chunks of tokens where they are large (`models.lm_head`, the
+    model's LOSS_CHUNK), else at once (`logits_to_keep`); no full log-softmax is kept."""
+    chunked = lm_head.completion_token_logps(model, ids, mask, completion, temperature)
+    if chunked is not None:
+        return chunked
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,
                    logits_to_keep=completion + 1).logits[:, :-1].float() / temperature

@@ -7,6 +7,10 @@ The loss of an optimizer step is the sum of the token losses of all its micro-ba
 target tokens (labels != -100) in all of them, counted on the device: with gradient accumulation and uneven prompt
 lengths every target token weighs the same, as in one big batch; no host read. The distillation trainers
 (`algorithms.distill`) change only `loss_sum`.
+
+The loss is computed from the final hidden states in chunks of positions where the logits are large
+(`models.lm_head`: LOSS_CHUNK, "auto" by default; `loss_chunk=0` here, or `set_loss_chunk(model, 0)`, for the
+whole batch's logits).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 
 import torch
 
+from tpu_helpers.models import lm_head
 from tpu_helpers.training.batches import bad_batch, causal_lm_loss_sum, target_tokens
 from tpu_helpers.training.trainer import Trainer
 
@@ -33,10 +38,20 @@ def lm_logits(model: torch.nn.Module, batch: dict) -> torch.Tensor:
 
 
 class CausalLMTrainer(Trainer):
-    """Token-averaged next-token loss over a whole optimizer step, for models returning `.logits`."""
+    """Token-averaged next-token loss over a whole optimizer step, for models returning `.logits`.
+
+    `loss_chunk`: tokens per chunk of the loss (`models.lm_head`), "auto", 0 for none; None: the model's own
+    setting (`lm_head.set_loss_chunk`, which the recipes make from LOSS_CHUNK), else "auto"."""
+
+    def __init__(self, *args: Any, loss_chunk: int | str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.loss_chunk = None if loss_chunk is None else lm_head.check_loss_chunk(loss_chunk)
 
     def loss_sum(self, batch: dict) -> torch.Tensor:
         """Summed token loss of one micro-batch (float32)."""
+        chunked = lm_head.lm_loss_sum(self.model, batch, chunk=getattr(self, "loss_chunk", None))
+        if chunked is not None:
+            return chunked
         return causal_lm_loss_sum(lm_logits(self.model, batch), batch["labels"])
 
     def compute_loss(self, batch: Any) -> torch.Tensor:

@@ -78,3 +78,32 @@ def lm_batch(seq_len: int, vocab_size: int):
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
     return make
+
+
+# A Qwen2 of the tiny model's depth with a wide vocabulary (8192 tokens, 64 wide): the logits dominate its step, as
+# in a real Qwen (151,936 tokens), so the chunked loss (`models.lm_head`) shows in every estimate.
+WIDE_VOCAB = 8192
+
+
+def wide_vocab_lm_lora(chunk: int | str = 0) -> nn.Module:
+    """LoRA (r=8, q/k/v/o) on a tiny wide-vocabulary Qwen2, its loss computed as the trainer does (`chunk`: the
+    chunked loss's tokens per chunk, 0 for the whole logits)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tpu_helpers.models.lm_head import LossOfBatch
+    from tpu_helpers.models.lora import add_lora
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=WIDE_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_cache=False, attn_implementation="eager",
+                         tie_word_embeddings=True)
+    return LossOfBatch(add_lora(Qwen2ForCausalLM(config), r=8, targets="q_proj,k_proj,v_proj,o_proj"), chunk)
+
+
+def wide_vocab_lm_lora_chunked() -> nn.Module:
+    return wide_vocab_lm_lora(64)
+
+
+def wide_vocab_batch(batch_size: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, WIDE_VOCAB, (batch_size, TINY_LM_SEQ))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}

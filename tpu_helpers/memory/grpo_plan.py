@@ -14,7 +14,8 @@ Per chip, for B prompts x G samples = R rows of P prompt + N new tokens (L layer
     generation   the decode step's logits and their softmax and top-k, 3 x R x V x 4 bytes, and its attention
                  scores; the prefill's, one layer's worth at a time
     the step     the fine-tuning step's activations at R / GRAD_ACCUM rows of P + N tokens, with the logits of the
-                 N + 1 completion positions only (the trainer asks for no more: `logits_to_keep`)
+                 N + 1 completion positions only (the trainer asks for no more: `logits_to_keep`), or of one chunk
+                 of them with the chunked loss (LOSS_CHUNK, `models.lm_head`)
 
 The peak is the larger of the generation (weights, optimizer state, cache) and the optimizer step's (the start and
 the end of its backward, as in `hf_plan`); the cache is freed before the step.
@@ -28,6 +29,7 @@ import torch
 
 from tpu_helpers.memory.hf_plan import hf_finetune_estimate, meta_model
 from tpu_helpers.memory.report import MemoryEstimate
+from tpu_helpers.models.lm_head import planned_chunk
 
 
 def kv_cache_bytes(config: Any, rows: int, length: int, *, bytes_per_value: int = 2) -> int:
@@ -42,7 +44,7 @@ def grpo_estimate(config: Any, prompts: int, *, num_generations: int, max_prompt
                   method: str = "lora", lora_r: int = 8,
                   lora_targets: list[str] | str = ("q_proj", "k_proj", "v_proj", "o_proj"), precision: str = "bf16",
                   gradient_checkpointing: bool = False, grad_accum: int = 1, kl_beta: float = 0.04,
-                  model: torch.nn.Module | None = None) -> MemoryEstimate:
+                  model: torch.nn.Module | None = None, loss_chunk: int | str = "auto") -> MemoryEstimate:
     """Per-chip peak bytes of GRPO with `prompts` prompts per chip (see the module docstring)."""
     model = model if model is not None else meta_model(config)
     rows = prompts * num_generations
@@ -50,13 +52,15 @@ def grpo_estimate(config: Any, prompts: int, *, num_generations: int, max_prompt
     seq = max_prompt_len + max_new_tokens
     step = hf_finetune_estimate(config, micro, seq, method=method, lora_r=lora_r, lora_targets=lora_targets,
                                 precision=precision, gradient_checkpointing=gradient_checkpointing,
-                                grad_accum=grad_accum, model=model)
+                                grad_accum=grad_accum, model=model, loss_chunk=0)
     params = sum(p.numel() for p in model.parameters())
     V, h, heads = config.vocab_size, config.hidden_size, config.num_attention_heads
     half = precision in ("bf16", "fp16")
     width = 2 if half else 4
-    # hf_finetune_estimate counts 12 bytes of logits per token of every position; the step keeps N + 1 of them.
-    saved_logits = 12 * micro * V * (seq - (max_new_tokens + 1))
+    # hf_finetune_estimate (unchunked) counts 12 bytes of logits per token of every position; the step keeps N + 1
+    # of them, or one chunk of them with the chunked loss (models.lm_head: the completion's N tokens per row).
+    kept = planned_chunk(loss_chunk, micro * max_new_tokens, V) or micro * (max_new_tokens + 1)
+    saved_logits = 12 * V * (micro * seq - kept)
     reference = params * 2 if method == "full" and kl_beta > 0 else 0
     cache = kv_cache_bytes(config, rows, seq, bytes_per_value=width)
     decode = 3 * rows * V * 4 + 2 * rows * heads * seq * 4

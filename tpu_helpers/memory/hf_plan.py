@@ -13,11 +13,14 @@ Per chip, data parallel (everything replicated), batch b, sequence s, L layers o
     optimizer    AdamW: trainable * 8 (two fp32 moments)
     activations  L * s*b*h*(34 + 5*a*s/h) bytes (Korthikanti et al. 2022, 16-bit, unfused attention),
                  with checkpointing L * 2*s*b*h plus one layer recomputed; plus the logits: fp32 logits, their
-                 log-softmax and gradient, 12 * s*b*V (x2 with a teacher for the teacher's logits)
+                 log-softmax and gradient, 12 * s*b*V (x2 with a teacher for the teacher's logits); with the
+                 chunked loss (`loss_chunk`, LOSS_CHUNK: "auto" by default, `models.lm_head`) those of one chunk
+                 of c tokens, 12 * c*V (x2 with a live teacher, whose hidden states, 2 * s*b*h, stay whole)
     teacher      its weights in bf16 (distill)
     cached       distill from a teacher cache (`teacher_topk=k`): no teacher weights and no teacher logits; the
                  batch's top-k instead, 24 * s*b*k (int32 ids and their int64 copy, fp32 log-probabilities, their
-                 exp and the student's gathered log-probabilities)
+                 exp and the student's gathered log-probabilities); chunked, the batch's 8 * s*b*k and one
+                 chunk's 16 * c*k
     QAT          (`qat="int4"`/"int8") the fake-quantized copy of every quantized linear weight, in the weights'
                  dtype, which the matmul keeps for the backward: all of them at the start of the backward (one
                  layer's with checkpointing, the rest are recomputed); scales (1/group of that) are left out
@@ -49,6 +52,7 @@ from tpu_helpers.backend.units import block_params
 from tpu_helpers.choices import FINETUNE_METHODS, QAT_SCHEMES, check_choice
 from tpu_helpers.memory.report import MemoryEstimate
 from tpu_helpers.memory.sharded import ShardingPlan, sharding_plan
+from tpu_helpers.models.lm_head import planned_chunk
 from tpu_helpers.models.qat import quantized_linears
 
 
@@ -75,9 +79,11 @@ def hf_finetune_estimate(config: Any, batch_size: int, seq_len: int, *, method: 
                          lora_targets: list[str] | str = ("q_proj", "k_proj", "v_proj", "o_proj"),
                          precision: str = "bf16", gradient_checkpointing: bool = False, grad_accum: int = 1,
                          teacher_config: Any = None, model: torch.nn.Module | None = None,
-                         teacher_topk: int = 0, qat: str | None = None) -> MemoryEstimate:
+                         teacher_topk: int = 0, qat: str | None = None, loss_chunk: int | str = "auto"
+                         ) -> MemoryEstimate:
     """Per-chip peak bytes of one fine-tuning step (see the module docstring); `teacher_topk` > 0: distillation
-    from a cache of that many tokens per position (no teacher in the step); `qat`: fake-quantized linear weights."""
+    from a cache of that many tokens per position (no teacher in the step); `qat`: fake-quantized linear weights;
+    `loss_chunk`: the chunked loss's setting (LOSS_CHUNK; 0: the whole batch's logits)."""
     check_choice("method", method, FINETUNE_METHODS)
     if qat is not None:
         check_choice("qat", qat, QAT_SCHEMES)
@@ -100,8 +106,13 @@ def hf_finetune_estimate(config: Any, batch_size: int, seq_len: int, *, method: 
     else:
         layers = L * per_layer
     cached = method == "distill" and teacher_topk > 0
-    logits = 12 * s * b * V * (2 if method == "distill" and not cached else 1) + (24 * s * b * teacher_topk if cached
-                                                                                  else 0)
+    live = method == "distill" and not cached
+    chunk = planned_chunk(loss_chunk, s * b, V)
+    if chunk:
+        logits = 12 * chunk * V * (2 if live else 1) + (8 * s * b * teacher_topk + 16 * chunk * teacher_topk if cached
+                                                        else 0) + (2 * s * b * h if live else 0)
+    else:
+        logits = 12 * s * b * V * (2 if live else 1) + (24 * s * b * teacher_topk if cached else 0)
     teacher = 0
     if method == "distill" and teacher_config is not None and not cached:
         teacher = sum(p.numel() for p in meta_model(teacher_config).parameters()) * 2
@@ -114,6 +125,8 @@ def hf_finetune_estimate(config: Any, batch_size: int, seq_len: int, *, method: 
         if gradient_checkpointing:
             fake_quant //= L
         notes.append(f"QAT {qat}: {lin:,} linear weights fake-quantized")
+    if chunk:
+        notes.append(f"chunked loss: the logits of {chunk} tokens at a time (LOSS_CHUNK={loss_chunk!r})")
     if cached:
         notes.append(f"teacher from a cache: top-{teacher_topk} per position, no teacher in the step")
     kept = grads if grad_accum > 1 else 0  # the earlier micro-batches' gradients, while the next one runs

@@ -34,7 +34,7 @@ from tpu_helpers.hardware import format_bytes
 from tpu_helpers.memory.hf_plan import gathered_bytes_per_param, meta_model
 from tpu_helpers.memory.report import MemoryEstimate, memory_report
 from tpu_helpers.memory.sharded import shard_estimate, sharding_plan
-from tpu_helpers.models import hf, lora
+from tpu_helpers.models import hf, lm_head, lora
 from tpu_helpers.recipes.base import Recipe
 from tpu_helpers.sharding import is_sharded, mesh_shape
 
@@ -68,6 +68,7 @@ class HFJobConfig(TrainConfig):
     export: str = "best"  # best: the best checkpoint's weights (lowest validation loss) when training evaluated | last
     num_samples: int = 8  # held-out prompts shown before and after training
     max_new_tokens: int = 4  # tokens generated per answer
+    loss_chunk: int | str = "auto"  # tokens per chunk of the loss's logits (models/lm_head.py); 0: the whole batch's
 
     methods: ClassVar[tuple[str, ...]] = ("lora", "full")
     recipe: ClassVar[str] = "a Hugging Face job"  # how messages name the recipe
@@ -85,6 +86,7 @@ class HFJobConfig(TrainConfig):
             raise ConfigError(f"lora_r={self.lora_r!r} must be >= 1 with method='lora'")
         if self.max_records is not None and self.max_records < 1:
             raise ConfigError(f"max_records={self.max_records!r} must be >= 1, or None for all")
+        lm_head.check_loss_chunk(self.loss_chunk)
         for name in ("num_samples", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 1")
@@ -136,7 +138,8 @@ class HFJob(Recipe):
         cfg = self.config
         return dict(method=cfg.method, lora_r=cfg.lora_r,
                     lora_targets=cfg.lora_target_list, precision=self.backend.precision,
-                    gradient_checkpointing=cfg.gradient_checkpointing, grad_accum=cfg.grad_accum)
+                    gradient_checkpointing=cfg.gradient_checkpointing, grad_accum=cfg.grad_accum,
+                    loss_chunk=cfg.loss_chunk)
 
     plan_what = "training"  # what the sharding advice calls the step
 
@@ -193,6 +196,7 @@ class HFJob(Recipe):
     def _loaded(self) -> tuple[torch.nn.Module, Any]:
         cfg = self.config
         model, tokenizer = self.load(self.source)
+        lm_head.set_loss_chunk(model, cfg.loss_chunk)  # what every loss of this model reads (SFT, distill, GRPO)
         self.prepare_model(model)
         if cfg.uses_lora:
             torch.manual_seed(cfg.seed)  # the adapters' initial values depend on the seed only
