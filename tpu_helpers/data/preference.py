@@ -75,7 +75,8 @@ def split_pair(record: Any, where: str = "record") -> tuple[list[dict], list[dic
         raise ConfigError(f"{where} is a {type(record).__name__}, not a dict with prompt, chosen and rejected")
     missing = [k for k in ("chosen", "rejected") if record.get(k) in (None, "", [])]
     if missing:
-        raise ConfigError(f"{where} has no {' or '.join(missing)} (its fields: {sorted(record)}); a preference "
+        present = sorted(k for k, v in record.items() if v is not None)  # a file's missing field reads as None
+        raise ConfigError(f"{where} has no {' or '.join(missing)} (its fields: {present}); a preference "
                           "record needs 'chosen' and 'rejected' (and a 'prompt' unless they are whole conversations)")
     chosen = _messages(record["chosen"], "assistant", where, "chosen")
     rejected = _messages(record["rejected"], "assistant", where, "rejected")
@@ -123,9 +124,10 @@ def _render(tokenizer: Any, messages: list[dict], prompt: bool) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def build_preference_dataset(tokenizer: Any, records: Sequence[dict], *, seq_len: int,
-                             where: str = "record") -> tuple[PreferenceDataset, dict]:
-    """Every record as a pair of rows (see the module docstring); stats: pairs, cut answers, answer tokens."""
+def build_preference_dataset(tokenizer: Any, records: Sequence[dict], *, seq_len: int, where: str = "record",
+                             numbers: Sequence[int] | None = None) -> tuple[PreferenceDataset, dict]:
+    """Every record as a pair of rows (see the module docstring); stats: pairs, cut answers, answer tokens.
+    `numbers`: each record's index in the data as read (what an error names), default its position here."""
     check_chat_template(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
@@ -133,7 +135,7 @@ def build_preference_dataset(tokenizer: Any, records: Sequence[dict], *, seq_len
     ids, masks, labels = [], [], []
     stats = {"pairs": len(records), "truncated": 0, "tokens_trained": 0}
     for k, record in enumerate(records):
-        at = f"{where} {k}"
+        at = f"{where} {numbers[k] if numbers is not None else k}"
         prompt, chosen, rejected = split_pair(record, at)
         head = _render(tokenizer, prompt, True)
         if len(head) >= seq_len:
@@ -160,9 +162,9 @@ def build_preference_dataset(tokenizer: Any, records: Sequence[dict], *, seq_len
     return data, stats
 
 
-def split_records(records: Sequence[dict], val_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
-    """(train, validation) records, shuffled with `seed` (at least one validation record when asked for any)."""
-    order = list(range(len(records)))
+def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, validation) indices of `n` records, shuffled with `seed` (at least one for validation)."""
+    order = list(range(n))
     random.Random(seed).shuffle(order)
-    n_val = max(1, int(len(order) * val_fraction)) if val_fraction > 0 else 0
-    return [records[i] for i in order[n_val:]], [records[i] for i in order[:n_val]]
+    n_val = max(1, int(n * val_fraction))
+    return order[n_val:], order[:n_val]

@@ -39,8 +39,8 @@ from tpu_helpers.algorithms.preference_loss import PreferenceSettings
 from tpu_helpers.data.preference import (
     build_preference_dataset,
     load_preference_records,
+    split_indices,
     split_pair,
-    split_records,
 )
 from tpu_helpers.data.sft import DEFAULT_DATASET, exact_match
 from tpu_helpers.extras import require_extra
@@ -153,10 +153,13 @@ class Preference(HFJob):
         records = self.read_records(lambda source, max_records: load_preference_records(
             source, split=cfg.dataset_split, max_records=max_records))
         split_pair(records[0], f"DATASET={cfg.dataset!r} record 0")
-        train_rec, val_rec = split_records(records, cfg.val_fraction, cfg.seed)
-        train, stats = build_preference_dataset(self.tokenizer, train_rec, seq_len=cfg.seq_len,
-                                                where=f"DATASET={cfg.dataset!r} record")
-        val = build_preference_dataset(self.tokenizer, val_rec, seq_len=cfg.seq_len)[0] if val_rec else None
+        where = f"DATASET={cfg.dataset!r} record"
+        built = []
+        for idx in split_indices(len(records), cfg.val_fraction, cfg.seed):  # errors name the record as read
+            built.append(build_preference_dataset(self.tokenizer, [records[i] for i in idx], seq_len=cfg.seq_len,
+                                                  where=where, numbers=idx))
+        (train, stats), (val, _) = built
+        val_rec = [records[i] for i in split_indices(len(records), cfg.val_fraction, cfg.seed)[1]]
         held = load_preference_records(DEFAULT_DATASET, split="test") if cfg.dataset == DEFAULT_DATASET else val_rec
         return JobData(train, val, stats, held, records)
 
