@@ -11,10 +11,12 @@ when this interpreter cannot import it and none is given, the TRL side is skippe
 The job, on both sides: the offline tiny Qwen2 (`hf.TINY`, built locally), LoRA r=16, alpha 32 on every linear
 layer (the reference: the model with the adapter off), the generated preference pairs (`data.preference`: the
 instruction task's right answer chosen, a wrong one rejected) as chat messages through the chat template, rows of
-at most 48 tokens, 8 pairs per step, DPO's sigmoid loss with beta 0.1, AdamW (weight decay 0.1, clipping 1.0), lr
-5e-3 with 10 warm-up steps and a cosine decay to 0.1 x, fp32, eager attention, dropout off, the same seed (the data
-order differs: each side shuffles its own way). On the CPU the TRL process runs with USE_TORCH_XLA=0: accelerate
-takes any process that can import torch_xla for an XLA one, even with use_cpu=True.
+24 tokens (the longest pair's rows are 22: the package pads every row to SEQ_LEN, TRL each batch to its longest
+row, so a SEQ_LEN far above the data costs the package time on the CPU), 8 pairs per step, DPO's sigmoid loss with
+beta 0.1, AdamW (weight decay 0.1, clipping 1.0), lr 5e-3 with 10 warm-up steps and a cosine decay to 0.1 x, fp32,
+eager attention, dropout off, the same seed (the data order differs: each side shuffles its own way). On the CPU
+the TRL process runs with USE_TORCH_XLA=0: accelerate takes any process that can import torch_xla for an XLA one,
+even with use_cpu=True.
 
 Printed per side: seconds per step after the first (mean), the mean loss and reward accuracy over the first and the
 last 10 steps, on XLA the graphs compiled; then the loss of every 5th step, side by side. `--device xla` runs on
@@ -34,7 +36,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-JOB = dict(batch_size=8, seq_len=48, beta=0.1, lr=5e-3, warmup_steps=10, lora_r=16, lora_alpha=32, seed=0)
+JOB = dict(batch_size=8, seq_len=24, beta=0.1, lr=5e-3, warmup_steps=10, lora_r=16, lora_alpha=32, seed=0)
 SMOKE_JOB = dict(batch_size=2, warmup_steps=1)  # --smoke (CI): every part, toy-sized
 
 

@@ -73,7 +73,7 @@ _GRPO = {
 }
 
 _PREF_CPU = {"MODEL": "tiny", "DATASET": "instructions", "ALGORITHM": "dpo", "METHOD": "lora", "STEPS": 100,
-             "BATCH_SIZE": 8, "SEQ_LEN": 48, "LR": 5e-3, "WARMUP_STEPS": 10}
+             "BATCH_SIZE": 8, "SEQ_LEN": 32, "LR": 5e-3, "WARMUP_STEPS": 10}
 # DPO of the instruct model on UltraFeedback's preference pairs: LoRA, so the reference costs no second copy.
 _PREF_QWEN = {"MODEL": "Qwen/Qwen2.5-0.5B-Instruct", "DATASET": "HuggingFaceH4/ultrafeedback_binarized",
               "DATASET_SPLIT": "train_prefs", "MAX_RECORDS": 20000, "ALGORITHM": "dpo", "BETA": 0.1, "METHOD": "lora",

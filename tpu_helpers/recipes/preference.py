@@ -88,7 +88,7 @@ class PreferenceConfig(HFJobConfig):
     label_smoothing: float = 0.0  # cDPO: the assumed share of flipped labels, sigmoid only
     orpo_lambda: float = 0.1  # ORPO: weight of the odds-ratio term
     precompute_ref: bool = False  # DPO: the reference's log-probabilities once, before training
-    seq_len: int = 48
+    seq_len: int = 32  # the generated pairs' rows are at most 22 tokens
     batch_size: int = 8
     steps: int = 100
     lr: float = 1e-3
