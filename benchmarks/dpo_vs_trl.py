@@ -100,7 +100,10 @@ def run_trl(args) -> dict:
                       lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1},
                       weight_decay=0.1, max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[],
                       seed=JOB["seed"], use_cpu=args.device == "cpu", bf16=False, fp16=False,
-                      dataloader_num_workers=0, disable_tqdm=True, disable_dropout=True)
+                      dataloader_num_workers=0, disable_tqdm=True, disable_dropout=True,
+                      gradient_checkpointing=args.trl_checkpointing,
+                      # transformers' default AdamW is the fused one, which refuses XLA tensors
+                      optim="adamw_torch" if args.device == "xla" else "adamw_torch_fused")
     lora = LoraConfig(r=JOB["lora_r"], lora_alpha=JOB["lora_alpha"], lora_dropout=0.0, target_modules="all-linear",
                       task_type="CAUSAL_LM")
     trainer = DPOTrainer(model=model, args=targs, train_dataset=data, processing_class=tok, peft_config=lora,
@@ -138,6 +141,8 @@ def main() -> None:
     parser.add_argument("--sides", default="package,trl")
     parser.add_argument("--trl-python", default=sys.executable, help="an interpreter that can import trl")
     parser.add_argument("--trl-timeout", type=float, default=None, help="seconds before the TRL side is stopped")
+    parser.add_argument("--trl-checkpointing", action="store_true",
+                        help="TRL's default gradient checkpointing (off here: the package's job recomputes nothing)")
     parser.add_argument("--out", default=None, help="output directory (default: a temporary one)")
     parser.add_argument("--child", choices=["package", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--smoke", action="store_true", help="3 steps of 2 pairs (CI)")
@@ -169,7 +174,8 @@ def main() -> None:
         # accelerate takes any process that can import torch_xla for an XLA one (even with use_cpu): off on CPU.
         side_env = {**env, "USE_TORCH_XLA": "0"} if side == "trl" and args.device == "cpu" else env
         cmd = [python, __file__, "--child", side, "--steps", str(args.steps), "--device", args.device, "--out",
-               args.out] + (["--smoke"] if args.smoke else [])
+               args.out] + (["--smoke"] if args.smoke else []) + (["--trl-checkpointing"] if args.trl_checkpointing
+                                                                     else [])
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, env=side_env, capture_output=True, text=True,
