@@ -20,7 +20,13 @@ even with use_cpu=True.
 
 Printed per side: seconds per step after the first (mean), the mean loss and reward accuracy over the first and the
 last 10 steps, on XLA the graphs compiled; then the loss of every 5th step, side by side. `--device xla` runs on
-XLA:CPU (PJRT_DEVICE=CPU); `--trl-timeout` bounds the TRL side and the report says how far it got.
+XLA:CPU (PJRT_DEVICE=CPU); `--trl-timeout` bounds the TRL side and the report says how far it got. With TRL 1.16,
+accelerate 1.15 and transformers 5.24 on XLA:CPU: with its default gradient checkpointing TRL fails in its first
+forward (torch.utils.checkpoint looks up `torch.xla` for the device type "xla": AttributeError); without it, at its
+first optimizer step (transformers' default fused AdamW refuses XLA tensors); with plain AdamW (what this script
+asks for on XLA) it trains, compiling 46 graphs in 10 steps (each batch padded to its own longest row, and the
+metrics read with .item() in every step), 15.2 s/step against the package's 4.7 with 2 graphs (load average 5-7 on
+2 shared cores).
 """
 
 from __future__ import annotations
