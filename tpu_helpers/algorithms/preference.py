@@ -59,8 +59,9 @@ def pair_logps(model: torch.nn.Module, rows: dict) -> tuple[torch.Tensor, torch.
 class PreferenceTrainer(Trainer):
     """DPO or ORPO over pairs (see the module docstring)."""
 
-    # DPO's sigmoid loss starts at log 2 and IPO's at 1/(4 beta^2): a falling loss bounded below, as cross entropy.
-    watches_loss_spikes = True
+    # DPO's and IPO's losses fall towards 0 as the pairs separate, where a window of a few harder pairs is several
+    # times the last one: the relative spike rule (training/divergence.py) would stop sound runs. nan/inf still stop.
+    watches_loss_spikes = False
 
     def __init__(self, model: torch.nn.Module, train_data: Any, val_data: Any = None, *,
                  settings: PreferenceSettings, ref_model: torch.nn.Module | None = None, **kwargs: Any) -> None:

@@ -199,8 +199,9 @@ class Preference(HFJob):
             answers.append(chosen[-1]["content"])
         model = self.trainer.model
         before = self.backend.metrics().get("compilations", 0)
+        # Every prompt fits SEQ_LEN (the rows were built so): a shorter width would cut the longer prompts' starts.
         preds = hf.generate(model, self.tokenizer, prompts, device=self.backend.device, sync=self.backend.sync,
-                            max_new_tokens=self.config.max_new_tokens, prompt_len=self.config.seq_len // 2)
+                            max_new_tokens=self.config.max_new_tokens, prompt_len=self.config.seq_len)
         rows = [{"prompt": p[-1]["content"], "chosen": a, "prediction": y}
                 for p, a, y in zip(prompts, answers, preds, strict=True)]
         return {"exact_match": exact_match(preds, answers), "rows": rows,
