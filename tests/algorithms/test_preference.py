@@ -154,3 +154,15 @@ def test_bad_preference_input_names_the_record_and_value(tmp_path):
         job = _job(tmp_path, dataset=_write(tmp_path, records))
         with pytest.raises(ConfigError, match=message):
             _ = job.train_data
+
+
+def test_sibling_recipes_refuse_each_others_fields_by_name():
+    from tpu_helpers.recipes.finetune import FinetuneConfig
+    from tpu_helpers.recipes.grpo import GRPOConfig
+
+    for config, field, owner in ((PreferenceConfig, "num_generations", "GRPOConfig"),
+                                 (PreferenceConfig, "teacher", "FinetuneConfig"),
+                                 (GRPOConfig, "orpo_lambda", "PreferenceConfig"),
+                                 (FinetuneConfig, "precompute_ref", "PreferenceConfig")):
+        with pytest.raises(ConfigError, match=rf"'{field}' is a setting of {owner}, not of {config.__name__}"):
+            config(**{field: None})
