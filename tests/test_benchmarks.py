@@ -37,6 +37,8 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
                                             r"second/first compile time = "]),
     "distill_cache": (["--steps", "2", "--top-k", "8"],
                       [rf"^cached +{NUMBER} ", rf"^cache: {NUMBER} MiB for", rf"LoRA r=16 instead of 8 adds {NUMBER} GB"]),
+    "dpo_vs_trl": (["--smoke"], [rf"^package +{NUMBER} s/step after the first, loss {NUMBER}",
+                                 rf"^trl(: skipped \(trl is not installed| +{NUMBER} s/step)"]),
     "finetune_memory": (["--smoke"], [rf"^lora \+ checkpointing \(\d+ s\) +{NUMBER} +{NUMBER} +{NUMBER}",
                                       rf"^full \+ checkpointing \(\d+ s\) +{NUMBER} +{NUMBER} +-"]),
     "finetune_vs_hf_trainer": (["--steps", "30", "--window-start", "10", "--window-end", "20", "--batch-size", "2",

@@ -22,12 +22,12 @@ parts below it in mind:
                                                            corpus, tokenizers, loaders, SFT rows; crash-safe files
     5. models                                              the GPT, Hugging Face loading and generation, LoRA
     6. training                                            the loop and what a run needs around it
-    7. algorithms, memory                                  SFT, distillation, GRPO and rewards on the loop (each
-                                                           with its settings as one checked object); estimates and
+    7. algorithms, memory                                  SFT, distillation, GRPO and rewards, DPO and ORPO (each
+                                                           on the loop, its settings one checked object); estimates and
                                                            the probe (of the trainer's step)
     8. recipes, panel                                      whole jobs: GPT pretraining, the Hugging Face job and its
-                                                           siblings fine-tuning and GRPO, the XLA demo; the
-                                                           batch-size tuning panel
+                                                           siblings fine-tuning, GRPO and preference tuning
+                                                           (DPO, ORPO), the XLA demo; the batch-size tuning panel
     9. launch                                              papermill runs, CLI, platform setup, multichip, doctor
 
 The names below load their module on first use (PEP 562), so `import tpu_helpers.hardware` or
@@ -59,6 +59,7 @@ _EXPORTS = {
     "Pretrain": "tpu_helpers.recipes.pretrain", "train_gpt": "tpu_helpers.recipes.pretrain",
     "Finetune": "tpu_helpers.recipes.finetune", "FinetuneConfig": "tpu_helpers.recipes.finetune",
     "GRPO": "tpu_helpers.recipes.grpo", "GRPOConfig": "tpu_helpers.recipes.grpo",
+    "Preference": "tpu_helpers.recipes.preference", "PreferenceConfig": "tpu_helpers.recipes.preference",
     "Callback": "tpu_helpers.callbacks",
     "Trainer": "tpu_helpers.training.trainer", "fit": "tpu_helpers.training.trainer",
 }

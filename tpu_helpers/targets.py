@@ -72,6 +72,22 @@ _GRPO = {
     "kaggle-v5e-8": {**_GRPO_QWEN, "BATCH_SIZE": 4, "OUT_DIR": "/kaggle/working/runs/grpo"},
 }
 
+_PREF_CPU = {"MODEL": "tiny", "DATASET": "instructions", "ALGORITHM": "dpo", "METHOD": "lora", "STEPS": 100,
+             "BATCH_SIZE": 8, "SEQ_LEN": 32, "LR": 5e-3, "WARMUP_STEPS": 10}
+# DPO of the instruct model on UltraFeedback's preference pairs: LoRA, so the reference costs no second copy.
+_PREF_QWEN = {"MODEL": "Qwen/Qwen2.5-0.5B-Instruct", "DATASET": "HuggingFaceH4/ultrafeedback_binarized",
+              "DATASET_SPLIT": "train_prefs", "MAX_RECORDS": 20000, "ALGORITHM": "dpo", "BETA": 0.1, "METHOD": "lora",
+              "SEQ_LEN": 512, "STEPS": 500, "LR": 5e-5, "WARMUP_STEPS": 20, "GRADIENT_CHECKPOINTING": True,
+              "MAX_NEW_TOKENS": 64}
+_PREF = {
+    "cpu": _PREF_CPU, "xla-cpu": _PREF_CPU, "xla-cpu-8": _PREF_CPU,
+    "gpu": {**_PREF_QWEN, "BATCH_SIZE": 4, "GRAD_ACCUM": 4},
+    "colab-v5e-1": {**_PREF_QWEN, "BATCH_SIZE": 2, "GRAD_ACCUM": 8},
+    "colab-v6e-1": {**_PREF_QWEN, "BATCH_SIZE": 4, "GRAD_ACCUM": 4},
+    "tpuvm-v5e-8": {**_PREF_QWEN, "BATCH_SIZE": 2, "GRAD_ACCUM": 2},
+    "kaggle-v5e-8": {**_PREF_QWEN, "BATCH_SIZE": 2, "GRAD_ACCUM": 2, "OUT_DIR": "/kaggle/working/runs/preference"},
+}
+
 TARGETS: dict[str, Target] = {
     "local": Target("the notebook's own defaults, on whatever device it detects"),
     "cpu": Target("CPU: a tiny GPT that trains in a few minutes", {"DEVICE": "cpu", **_CPU_DEMO}),
@@ -94,3 +110,5 @@ for _name, _params in _FT.items():
     TARGETS[_name].notebooks["finetune_llm"] = _params
 for _name, _params in _GRPO.items():
     TARGETS[_name].notebooks["grpo_llm"] = _params
+for _name, _params in _PREF.items():
+    TARGETS[_name].notebooks["preference_llm"] = _params

@@ -1,0 +1,231 @@
+"""Preference tuning (DPO, ORPO) on the package's Trainer: push a causal LM towards the chosen answer of each pair
+and away from the rejected one.
+
+    settings = PreferenceSettings(algorithm="dpo", beta=0.1, precompute_ref=True)   # algorithms.preference_loss
+    trainer = PreferenceTrainer(model, pairs, val_pairs, config=cfg, settings=settings)  # data.preference rows
+    report = trainer.fit()          # resume, signals, the run lock, the XLA detector as for SFT
+
+Each micro-batch of B pairs (`data.preference.PreferenceDataset`) goes through the model as 2B rows, chosen then
+rejected, in one forward; `token_logps` gives the answers' per-token log-probabilities, summed per row (DPO) or
+averaged (ORPO's odds). The loss of an optimizer step is the mean over all its pairs (over `grad_accum`
+micro-batches, counted up front, one graph per step); ORPO adds the NLL of the chosen answers' tokens, averaged
+over the step's chosen tokens as the package's SFT does.
+
+DPO's reference: under LoRA the same model with the adapter disabled (no second copy of the weights); otherwise
+`ref_model`, a frozen copy (bf16 where the step computes in bf16), run without gradients in the step's graph. With
+`precompute_ref` the reference's log-probabilities of every training and validation pair are computed once when
+`fit` starts (fixed batches, no host read) and looked up by pair index in the step; a frozen copy is then dropped.
+They are not saved: a resumed run computes them again, the same numbers (the reference never trains), so resume
+stays bit-identical. ORPO has no reference.
+
+Logged per log step (summed on the device, read in a step closure at log steps only, as GRPO does): the loss, the
+mean chosen and rejected rewards (DPO: beta x log-ratio to the reference; ORPO: lambda x mean log-probability),
+their margin, and the preference accuracy (the share of pairs whose chosen reward is the higher).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from tpu_helpers.algorithms.preference_loss import (
+    PairLoss,
+    PreferenceSettings,
+    dpo_loss,
+    orpo_loss,
+    token_logps,
+)
+from tpu_helpers.config import ConfigError
+from tpu_helpers.data.loaders import fixed_batches
+from tpu_helpers.models import lora
+from tpu_helpers.training.trainer import Trainer
+
+_METRICS = ("chosen", "rejected", "correct", "pairs")  # summed over a log window on the device
+
+
+def stack_pairs(batch: dict) -> dict:
+    """A batch of B pairs (B, 2, L) as 2B rows: the chosen rows, then the rejected ones."""
+    return {k: torch.cat([batch[k][:, 0], batch[k][:, 1]]) for k in ("input_ids", "attention_mask", "labels")}
+
+
+def pair_logps(model: torch.nn.Module, rows: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(summed answer log-probabilities, answer token counts, per-token log-probabilities) of 2B stacked rows."""
+    per_token, mask = token_logps(model, rows["input_ids"], rows["attention_mask"], rows["labels"])
+    return per_token.sum(-1), mask.sum(-1), per_token
+
+
+class PreferenceTrainer(Trainer):
+    """DPO or ORPO over pairs (see the module docstring)."""
+
+    # DPO's and IPO's losses fall towards 0 as the pairs separate, where a window of a few harder pairs is several
+    # times the last one: the relative spike rule (training/divergence.py) would stop sound runs. nan/inf still stop.
+    watches_loss_spikes = False
+
+    def __init__(self, model: torch.nn.Module, train_data: Any, val_data: Any = None, *,
+                 settings: PreferenceSettings, ref_model: torch.nn.Module | None = None, **kwargs: Any) -> None:
+        super().__init__(model, train_data, val_data, **kwargs)
+        self.settings = settings
+        self.ref_model = None
+        if settings.uses_reference and not lora.is_peft(model):
+            if ref_model is None:
+                raise ConfigError("DPO without LoRA needs ref_model, a frozen copy of the starting model")
+            ref_model.requires_grad_(False).eval()
+            if self.backend.precision == "bf16":
+                ref_model = ref_model.to(torch.bfloat16)
+            self.ref_model = self.backend.move_model(ref_model)  # not a submodule: no optimizer, no checkpoint
+        self.ref_tables: dict[str, torch.Tensor] | None = None  # precomputed: split -> (pairs, 2) on the device
+        self._metrics = self._zero_metrics()
+        self._device_log: list[float] = []
+
+    @property
+    def tokens_per_step(self) -> int:
+        return 2 * super().tokens_per_step  # two rows per pair
+
+    # ---- the reference ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def reference_logps(self, rows: dict) -> torch.Tensor:
+        """The reference's summed answer log-probabilities of 2B stacked rows (the adapter disabled under LoRA)."""
+        if self.ref_model is not None:
+            return pair_logps(self.ref_model, rows)[0]
+        if not lora.is_peft(self.raw_model):
+            raise ConfigError("the reference model was dropped after precomputing; reference_logps needs it")
+        with self.raw_model.disable_adapter():
+            return pair_logps(self.model, rows)[0]
+
+    @torch.no_grad()
+    def _reference_rows(self, data: Any) -> torch.Tensor:
+        """The reference's summed log-probabilities (pairs, 2) of a PreferenceDataset, on the device: fixed batches
+        of the training batch's shape (one graph), a sync after each, no host read."""
+        b = self.backend
+        parts = []
+        was_training = self.model.training
+        self.model.eval()
+        for idx, real in fixed_batches(len(data), self.loader_batch_size):
+            with b.autocast():
+                ref = self.reference_logps(stack_pairs(b.to_device(_gather(data, idx)))).float()
+            parts.append(torch.stack(ref.chunk(2), 1)[:real])
+            b.sync()
+        self.model.train(was_training)
+        return torch.cat(parts)
+
+    def precompute_reference(self) -> None:
+        """The reference's log-probabilities of every training and validation pair, kept on the device; a frozen
+        copy is dropped afterwards (the point of precomputing: no reference weights held while training)."""
+        tables = {}
+        for split, loader in (("train", self.train_loader), ("val", self.val_loader)):
+            data = getattr(loader, "dataset", None) if loader is not None else None
+            if data is not None:
+                tables[split] = self._reference_rows(data)
+        self.ref_tables = tables
+        self.ref_model = None
+
+    def reference_table(self, data: Any) -> torch.Tensor:
+        """The reference's summed log-probabilities (pairs, 2) of `data`, on the CPU (DPO only)."""
+        return self.backend.to_cpu(self._reference_rows(data))
+
+    def fit(self):
+        if self.settings.precompute_ref and self.ref_tables is None and self.train_loader is not None:
+            self.precompute_reference()
+        return super().fit()
+
+    # ---- the loss ---------------------------------------------------------------------------------------------
+    def pair_loss(self, batch: dict, split: str = "train") -> tuple[PairLoss, torch.Tensor, torch.Tensor]:
+        """(per-pair loss, chosen NLL token sum, chosen token count) of one micro-batch of pairs."""
+        rows = stack_pairs(batch)
+        sums, counts, per_token = pair_logps(self.model, rows)
+        chosen, rejected = sums.chunk(2)
+        n_chosen, n_rejected = counts.chunk(2)
+        s = self.settings
+        if s.algorithm == "orpo":
+            out = orpo_loss(chosen / n_chosen.clamp(min=1), rejected / n_rejected.clamp(min=1), settings=s)
+            return out, -chosen.sum(), n_chosen.sum()
+        if self.ref_tables is not None:
+            ref = self.ref_tables[split][batch["index"]]
+            ref_chosen, ref_rejected = ref[:, 0], ref[:, 1]
+        else:
+            ref_chosen, ref_rejected = self.reference_logps(rows).float().chunk(2)
+        out = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, settings=s, chosen_tokens=n_chosen,
+                       rejected_tokens=n_rejected)
+        zero = torch.zeros((), device=chosen.device)
+        return out, zero, zero
+
+    def compute_loss(self, batch: Any) -> torch.Tensor:
+        """The loss of one batch of pairs (evaluation: the validation pairs)."""
+        out, nll, tokens = self.pair_loss(batch, split="val")
+        loss = out.losses.mean()
+        return loss + nll / tokens.clamp(min=1) if self.settings.algorithm == "orpo" else loss
+
+    def train_step(self, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        b, accum = self.backend, self.config.grad_accum
+        micro = [next(batches) for _ in range(accum)]
+        pairs = float(sum(m["input_ids"].shape[0] for m in micro))  # a host number: shapes are fixed
+        orpo = self.settings.algorithm == "orpo"
+        if orpo:  # every chosen token of the step weighs the same, as in one big batch (the package's SFT)
+            count = sum((m["labels"][:, 0, 1:] != -100).sum() for m in micro).clamp(min=1).float()
+        total, sums = None, None
+        for batch in micro:
+            with b.autocast():
+                out, nll, _ = self.pair_loss(batch)
+                loss = out.losses.sum() / pairs
+                if orpo:
+                    loss = loss + nll / count
+            b.backward(loss)
+            total = loss.detach() if total is None else total + loss.detach()
+            c, r = out.chosen_rewards, out.rejected_rewards
+            part = torch.stack([c.sum(), r.sum(), (c > r).float().sum()])
+            sums = part if sums is None else sums + part
+        self._metrics = self._metrics + torch.cat([sums, torch.ones_like(sums[:1]) * pairs])
+        if self.cadence.is_log_step(self.step + 1):
+            b.add_step_closure(self._read_metrics, self.step + 1, self._metrics)
+            self._metrics = self._zero_metrics()
+        return total, self.apply_gradients()
+
+    # ---- held-out pairs ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def score_pairs(self, data: Any, ref: torch.Tensor | None = None) -> dict:
+        """Over `data` (a PreferenceDataset), in fixed batches, one host read at the end: the policy's summed
+        log-probabilities of chosen and rejected (pairs, 2), and, for DPO with `ref` (pairs, 2) given, the
+        rewards. Returns {"logps", "rewards"} as CPU tensors (rewards None without a reference for DPO)."""
+        b, rows, s = self.backend, self.loader_batch_size, self.settings
+        was_training = self.model.training
+        self.model.eval()
+        logps, means = [], []
+        for idx, real in fixed_batches(len(data), rows):
+            batch = b.to_device(_gather(data, idx))
+            with b.autocast():
+                sums, counts, _ = pair_logps(self.model, stack_pairs(batch))
+            logps.append(torch.stack(sums.float().chunk(2), 1)[:real])
+            means.append(torch.stack((sums.float() / counts.clamp(min=1)).chunk(2), 1)[:real])
+            b.sync()
+        self.model.train(was_training)
+        host = b.to_cpu({"logps": torch.cat(logps), "means": torch.cat(means)})
+        if s.algorithm == "orpo":
+            rewards = s.orpo_lambda * host["means"]
+        else:
+            rewards = None if ref is None else s.beta * (host["logps"] - ref)
+        return {"logps": host["logps"], "rewards": rewards}
+
+    # ---- logging -----------------------------------------------------------------------------------------------
+    def _zero_metrics(self) -> torch.Tensor:
+        # Copied in as data, like the trainer's loss window: the step after a log is the same graph.
+        return torch.zeros(len(_METRICS)).to(self.backend.device)
+
+    def _read_metrics(self, step: int, metrics: torch.Tensor) -> None:
+        self._device_log = [step, *metrics.tolist()]
+
+    def log_extras(self, step: int) -> dict:
+        if not (self._device_log and self._device_log[0] == step):
+            return {}
+        _, chosen, rejected, correct, pairs = self._device_log
+        pairs = max(pairs, 1.0)
+        return {"rewards/chosen": chosen / pairs, "rewards/rejected": rejected / pairs,
+                "rewards/margin": (chosen - rejected) / pairs, "rewards/accuracy": correct / pairs}
+
+
+def _gather(data: Any, idx: list[int]) -> dict:
+    """Rows `idx` of a PreferenceDataset as one batch (the loader's collation, without a loader)."""
+    t = torch.as_tensor(idx, dtype=torch.long)
+    return {"input_ids": data.input_ids[t], "attention_mask": data.attention_mask[t], "labels": data.labels[t],
+            "index": t}
