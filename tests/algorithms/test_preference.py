@@ -13,6 +13,7 @@ import torch
 from tests.support import StopAt
 from tpu_helpers.callbacks import Callback
 from tpu_helpers.config import ConfigError, config_from_parameters
+from tpu_helpers.models import lm_head
 from tpu_helpers.recipes.preference import Preference, PreferenceConfig
 
 
@@ -106,6 +107,19 @@ def test_a_precomputed_reference_trains_as_the_live_one(tmp_path):
     with torch.no_grad():
         want = torch.stack(pair_logps(base, rows)[0].chunk(2), 1)
     torch.testing.assert_close(pre.trainer.ref_tables["train"][:3], want, atol=1e-4, rtol=1e-4)
+
+
+def test_the_chunked_log_probabilities_train_as_the_whole_logits(tmp_path):
+    # LOSS_CHUNK 16 splits each micro-batch's 2 x 4 x 40 positions into 20 chunks (models/lm_head.py), policy and
+    # reference alike; the losses and margins follow the whole-logits run to float32 rounding.
+    whole = _job(tmp_path / "whole", steps=3, log_every=1, loss_chunk=0)
+    whole.train()
+    chunked = _job(tmp_path / "chunked", steps=3, log_every=1, loss_chunk=16)
+    chunked.train()
+    assert lm_head.chunk_size(chunked.model, 2 * 4 * 40, chunked.model.config.vocab_size) == 16
+    for a, b in zip(whole.history.train, chunked.history.train, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["rewards/margin"] == pytest.approx(
+            b["rewards/margin"], rel=1e-3, abs=1e-5)
 
 
 def test_kill_and_resume_with_a_precomputed_reference_is_bit_identical(tmp_path):

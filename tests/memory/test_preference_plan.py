@@ -9,7 +9,7 @@ from tpu_helpers.memory.preference_plan import preference_estimate
 
 
 def test_pairs_are_two_rows_and_the_reference_costs_a_copy_and_a_forward_unless_precomputed():
-    kw = dict(precision="bf16", gradient_checkpointing=True, grad_accum=2)
+    kw = dict(precision="bf16", gradient_checkpointing=True, grad_accum=2, loss_chunk=0)  # the whole logits
     params = sum(p.numel() for p in meta_model(QWEN_05B).parameters())
     # 8 pairs over 2 micro-batches: 8 rows of 512 tokens each in the step, as fine-tuning counts them.
     for method in ("lora", "full"):
@@ -24,6 +24,9 @@ def test_pairs_are_two_rows_and_the_reference_costs_a_copy_and_a_forward_unless_
     assert pre.phases[end]["params"] == sft.phases[end]["params"] + 20000 * 2 * 4  # two floats per pair
     forward = live.phases["the reference's forward"]
     assert forward["temporaries"] == 8 * 8 * 512 * 151936 and forward["grads"] > 0  # fp32 logits + log-softmax
+    chunked = preference_estimate(QWEN_05B, 8, 512, method="full", reference=True, **{**kw, "loss_chunk": 256})
+    assert chunked.phases["the reference's forward"]["temporaries"] == 8 * 256 * 151936  # one chunk's, as the step's
+    assert chunked.peak_bytes < live.peak_bytes
     lora = preference_estimate(QWEN_05B, 8, 512, method="lora", reference=True, **kw)
     assert lora.phases[end]["params"] == hf_finetune_estimate(QWEN_05B, 8, 512, method="lora",
                                                               **kw).phases[end]["params"]  # adapter off: no copy

@@ -6,8 +6,9 @@ and away from the rejected one.
     report = trainer.fit()          # resume, signals, the run lock, the XLA detector as for SFT
 
 Each micro-batch of B pairs (`data.preference.PreferenceDataset`) goes through the model as 2B rows, chosen then
-rejected, in one forward; `token_logps` gives the answers' per-token log-probabilities, summed per row (DPO) or
-averaged (ORPO's odds). The loss of an optimizer step is the mean over all its pairs (over `grad_accum`
+rejected, in one forward; `pair_logps` gives the answers' per-token log-probabilities (`models.lm_head`: in
+chunks of positions where LOSS_CHUNK says so, so the logits of the 2B rows never exist whole), summed per row (DPO)
+or averaged (ORPO's odds). The loss of an optimizer step is the mean over all its pairs (over `grad_accum`
 micro-batches, counted up front, one graph per step); ORPO adds the NLL of the chosen answers' tokens, averaged
 over the step's chosen tokens as the package's SFT does.
 
@@ -35,11 +36,10 @@ from tpu_helpers.algorithms.preference_loss import (
     PreferenceSettings,
     dpo_loss,
     orpo_loss,
-    token_logps,
 )
 from tpu_helpers.config import ConfigError
 from tpu_helpers.data.loaders import fixed_batches
-from tpu_helpers.models import lora
+from tpu_helpers.models import lm_head, lora
 from tpu_helpers.training.trainer import Trainer
 
 _METRICS = ("chosen", "rejected", "correct", "pairs")  # summed over a log window on the device
@@ -52,7 +52,8 @@ def stack_pairs(batch: dict) -> dict:
 
 def pair_logps(model: torch.nn.Module, rows: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(summed answer log-probabilities, answer token counts, per-token log-probabilities) of 2B stacked rows."""
-    per_token, mask = token_logps(model, rows["input_ids"], rows["attention_mask"], rows["labels"])
+    per_token = lm_head.token_logps(model, rows["input_ids"], rows["labels"], attention_mask=rows["attention_mask"])
+    mask = (rows["labels"][:, 1:] != -100).float()
     return per_token.sum(-1), mask.sum(-1), per_token
 
 

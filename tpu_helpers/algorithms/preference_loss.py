@@ -20,8 +20,8 @@ log(p_c / (1 - p_c)) - log(p_r / (1 - p_r)) of the length-normalised (mean per t
 Its rewards are lambda x those mean log-probabilities (TRL's). The chosen NLL here is over the completion tokens
 (the labels), as the package's SFT trains; TRL's ORPOTrainer counts the prompt tokens too.
 
-`token_logps` is the one place per-token log-probabilities are computed (plainly: the full logits in float32), so
-that a chunked version can take its place.
+The log-probabilities come in (`algorithms.preference.pair_logps` computes them from the model, in chunks of
+positions through `models.lm_head`): everything here is a function of tensors.
 """
 
 from __future__ import annotations
@@ -128,13 +128,3 @@ def orpo_loss(chosen_mean_logps: torch.Tensor, rejected_mean_logps: torch.Tensor
     losses = -lam * F.logsigmoid(orpo_log_odds(chosen_mean_logps, rejected_mean_logps))
     return PairLoss(losses, lam * chosen_mean_logps.float().detach(), lam * rejected_mean_logps.float().detach())
 
-
-def token_logps(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(per-token log-probabilities of the labels (rows, L - 1), 0 where the label is -100; that mask as float):
-    position t scores token t + 1. Plain: the whole logits in float32 (a chunked version may replace this)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
-    target = labels[:, 1:]
-    mask = (target != -100).float()
-    picked = logits.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return (picked - logits.logsumexp(-1)) * mask, mask

@@ -9,7 +9,8 @@ Per chip, for B pairs per step of SEQ_LEN tokens each (split into GRAD_ACCUM mic
                    rejected both go through the model
     reference      DPO without PRECOMPUTE_REF: under LoRA the adapter-disabled model (no copy), under full
                    fine-tuning a frozen bf16 copy (2 bytes per parameter); its forward runs without gradients
-                   before the policy's, so only its logits (fp32, and their log-softmax) are at their peak then
+                   before the policy's, so only its logits (fp32, and their log-softmax; one chunk of them under
+                   LOSS_CHUNK, as the step's) are at their peak then
     precomputed    two float32 numbers per training pair (the reference's log-probabilities), no reference weights
     ORPO           no reference at all
 
@@ -25,21 +26,23 @@ import torch
 
 from tpu_helpers.memory.hf_plan import hf_finetune_estimate, meta_model
 from tpu_helpers.memory.report import MemoryEstimate
+from tpu_helpers.models.lm_head import planned_chunk
 
 
 def preference_estimate(config: Any, pairs: int, seq_len: int, *, method: str = "lora", lora_r: int = 8,
                         lora_targets: list[str] | str = ("q_proj", "k_proj", "v_proj", "o_proj"),
                         precision: str = "bf16", gradient_checkpointing: bool = False, grad_accum: int = 1,
-                        reference: bool = True, precomputed_pairs: int = 0,
+                        reference: bool = True, precomputed_pairs: int = 0, loss_chunk: int | str = "auto",
                         model: torch.nn.Module | None = None) -> MemoryEstimate:
     """Per-chip peak bytes of a preference step over `pairs` pairs per chip (see the module docstring);
     `reference`: DPO with a reference forward in the step; `precomputed_pairs`: the pairs whose reference
-    log-probabilities are kept instead."""
+    log-probabilities are kept instead; `loss_chunk`: LOSS_CHUNK (the policy's and the reference's logits one chunk
+    at a time; 0: the whole batch's)."""
     model = model if model is not None else meta_model(config)
     rows = max(1, 2 * pairs // grad_accum)
     step = hf_finetune_estimate(config, rows, seq_len, method=method, lora_r=lora_r, lora_targets=lora_targets,
                                 precision=precision, gradient_checkpointing=gradient_checkpointing,
-                                grad_accum=grad_accum, model=model)
+                                grad_accum=grad_accum, loss_chunk=loss_chunk, model=model)
     params = sum(p.numel() for p in model.parameters())
     copy = params * 2 if reference and method == "full" else 0
     table = precomputed_pairs * 2 * 4
@@ -48,10 +51,12 @@ def preference_estimate(config: Any, pairs: int, seq_len: int, *, method: str = 
         phases[name] = {**parts, "params": parts["params"] + copy + table}
     if reference:
         held = step.phases["the start of the backward"]
-        # Its logits in fp32 and their log-softmax; the earlier micro-batches' gradients are held meanwhile.
+        # Its logits in fp32 and their log-softmax (one chunk's when chunked); the earlier micro-batches' gradients
+        # are held meanwhile.
+        chunk = planned_chunk(loss_chunk, rows * seq_len, config.vocab_size) or rows * seq_len
         phases["the reference's forward"] = {"params": held["params"] + copy + table, "optimizer": held["optimizer"],
                                              "grads": held["grads"], "activations": 0,
-                                             "temporaries": 8 * rows * seq_len * config.vocab_size}
+                                             "temporaries": 8 * chunk * config.vocab_size}
     where = ("a frozen bf16 copy, " + f"{copy / 2**20:,.0f} MiB" if copy else "the adapter-disabled model (no copy)")
     notes = [f"{pairs} pairs = {2 * pairs} rows of {seq_len} tokens per chip, {rows} rows per micro-batch",
              f"reference: {where}, its forward in every step" if reference else
