@@ -11,7 +11,8 @@ What a job's parts are, all built on first use (no call-order traps): `model` an
 model the job trains from; `prepare_model` adds what a recipe puts on the base before LoRA, e.g. QAT), `plan()`
 and `sharding_plan()` (from the model's config alone: nothing large allocated), `records` (DATASET read once),
 `export()` (the PEFT adapter under LoRA, a merged safetensors model; `write_exports` is where a recipe adds its
-own files). The checks of the shared fields are here, once; a field of another recipe's config is refused by name
+own files). QUANTIZE_BASE ("nf4" | "int4", METHOD "lora"): the base loads in 4 bits (`models.quant4`, quantized
+layer by layer as it loads), the plan counts it so, and the merged export is its dequantized base plus the adapter. The checks of the shared fields are here, once; a field of another recipe's config is refused by name
 (`config.unknown_fields_message`).
 """
 
