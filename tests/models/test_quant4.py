@@ -125,6 +125,13 @@ def test_the_merged_export_is_the_dequantized_base_plus_the_adapter(tmp_path, ti
     ref = reloaded.state_dict()
     assert all(torch.equal(v, ref[k].to(torch.bfloat16)) for k, v in merged.state_dict().items())
     assert json.loads((tmp_path / "out" / "adapter" / "adapter_config.json").read_text())["r"] == 4
+    # The adapter on the 4-bit base loaded again: the trained model itself.
+    from peft import PeftModel
+
+    again = PeftModel.from_pretrained(quant4.load_quantized_lm(job.source, "int4", 32, attn_implementation="eager"),
+                                      paths["adapter"])
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=IDS).logits, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.xla
