@@ -56,6 +56,8 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
                                   rf"^trl(: skipped \(trl is not installed| +{NUMBER} s/step)"]),
     "kill_soak": (["--kills", "3", "--sigterms", "1", "--steps", "60"],
                   [r"^stops survived +4 ", r"^final weights +identical bit for bit"]),
+    "qlora_memory": (["--smoke"], [rf"^bf16 +no +{NUMBER} +{NUMBER} +{NUMBER}$", rf"^nf4 +no +{NUMBER} +{NUMBER} +{NUMBER}$",
+                                   rf"^nf4 / bf16 step time = {NUMBER}$"]),
     "loop_overhead": (["--device", "cpu", "--steps", "10", "--repeats", "1"], [rf"median ratio {NUMBER}"]),
     # On the CPU: on XLA each runner compiles in a process pinned to one core (minutes on a busy 2-core machine); the
     # package's XLA loop runs in graph_hygiene and zero_grad (which trains loop_vs_peers' model).
@@ -82,7 +84,7 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
 # Started first (the longest runs, slowest first, as timed side by side), so that the two workers end together rather
 # than one finishing the alphabet's last long run alone.
 SLOWEST = ("sharding", "memory_accuracy", "loop_vs_peers", "attention_impl", "finetune_memory", "distill_cache",
-           "finetune_vs_hf_trainer", "zero_grad", "sharded_checkpoint")
+           "qlora_memory", "finetune_vs_hf_trainer", "zero_grad", "sharded_checkpoint")
 
 
 def _scripts() -> list[str]:

@@ -5,6 +5,8 @@ kill and resume bit-identical with a precomputed reference; bad input named."""
 
 from __future__ import annotations
 
+import math
+
 import json
 
 import pytest
@@ -120,6 +122,20 @@ def test_the_chunked_log_probabilities_train_as_the_whole_logits(tmp_path):
     for a, b in zip(whole.history.train, chunked.history.train, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["rewards/margin"] == pytest.approx(
             b["rewards/margin"], rel=1e-3, abs=1e-5)
+
+
+def test_dpo_on_a_4bit_base_takes_the_adapter_off_base_as_its_reference(tmp_path):
+    # QLoRA: the policy's base and the reference are the same NF4 layers (the adapter off), so the first step's
+    # loss is log 2 exactly as with a full-precision base; the plan counts the 4-bit base.
+    from tpu_helpers.models.quant4 import Linear4bit
+
+    job = _job(tmp_path, steps=2, log_every=1, quantize_base="nf4", quantize_group_size=32)
+    assert any("4-bit base (nf4" in n for n in job.plan().estimate.notes)
+    job.train()
+    assert any(isinstance(m, Linear4bit) for m in job.model.modules())
+    losses = [r["loss"] for r in job.history.train]
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-5) and all(math.isfinite(x) for x in losses)
+    assert losses[1] < losses[0]  # one update on the 4-bit base moved the next pairs the right way
 
 
 def test_kill_and_resume_with_a_precomputed_reference_is_bit_identical(tmp_path):

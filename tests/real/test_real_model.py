@@ -6,6 +6,7 @@ test). Every test prints its figures (run with -s, as `make test-real` does):
 - GRPO on the generated sums raises the held-out mean reward of the answer reward;
 - QAT int4 costs held-out loss, and a LoRA trained on the int4 base ends about where the same LoRA on the unquantized
   base does;
+- QLoRA: an NF4 base costs held-out loss, and 8 LoRA steps on it end about where they end on the fp32 base;
 - distillation from a teacher cache built from the real model into a student of 8 of its 30 layers;
 - the greedy tokens of `hf.generate` equal `model.generate`'s on chat prompts: tests/models/test_smollm2.py, in
   `make test`.
@@ -77,23 +78,42 @@ def test_grpo_raises_the_real_models_held_out_reward(smollm2_dir, tmp_path):
     assert after["reward"] >= before["reward"] + 0.3
 
 
-def test_qat_int4_costs_the_real_model_loss_and_a_recovery_lora_wins_it_back(smollm2_dir, tmp_path):
+def _lora_losses(tmp_path, name, **overrides) -> tuple[float, float]:
+    """Held-out loss of the base alone (the adapters start at zero) and after 8 LoRA steps: training's own first
+    evaluation (before step 1) and last."""
+    report = _lora_sft(tmp_path, name, steps=8, eval_every=8, save_every=8, **overrides).train()
+    return report.first_val_loss, report.final_val_loss
+
+
+@pytest.fixture(scope="module")
+def unquantized_lora(smollm2_dir, tmp_path_factory) -> tuple[float, float]:
+    """The unquantized run QAT's and QLoRA's are held to, run once for both (the same rows and settings)."""
+    return _lora_losses(tmp_path_factory.mktemp("unquantized"), "unquantized")
+
+
+def test_qat_int4_costs_the_real_model_loss_and_a_recovery_lora_wins_it_back(unquantized_lora, tmp_path):
     """The question QAT answers: does a LoRA trained on the int4 base end where one trained on the unquantized base
     does? Both train the same 8 steps on the same rows (the task is new to the model, so both losses fall far);
     the gap between them must be much smaller than the gap int4 opened before training."""
     pytest.importorskip("torchao")
-    losses = {}
     t0 = time.time()
-    for name, qat in (("unquantized", None), ("int4", "int4")):
-        job = _lora_sft(tmp_path, name, qat=qat, steps=8, eval_every=8, save_every=8)
-        before = job.trainer.evaluate()  # the adapters start at zero: the (fake-quantized) base alone
-        job.train()
-        losses[name] = (before, job.trainer.evaluate())
-    (fp0, fp1), (q0, q1) = losses["unquantized"], losses["int4"]
+    (fp0, fp1), (q0, q1) = unquantized_lora, _lora_losses(tmp_path, "int4", qat="int4")
     print(f"\nQAT int4 (group 32), held-out loss before -> after 8 LoRA steps: unquantized {fp0:.3f} -> {fp1:.3f}, "
-          f"int4 {q0:.3f} -> {q1:.3f} ({time.time() - t0:.0f} s)")
+          f"int4 {q0:.3f} -> {q1:.3f} ({time.time() - t0:.0f} s for int4)")
     assert q0 > fp0 + 0.1  # 4-bit weights cost the real model something measurable
     assert abs(q1 - fp1) < 0.5 * (q0 - fp0)  # the recovery LoRA wins most of it back
+
+
+def test_qlora_on_an_nf4_base_ends_close_to_lora_on_the_full_precision_one(unquantized_lora, tmp_path):
+    """QLoRA's claim on the real model: the NF4 base (group 64, models/quant4.py; the base's linear layers stored in
+    4 bits, dequantized in every forward) costs held-out loss before training, and the same 8 LoRA steps on it end
+    about where they end on the fp32 base."""
+    t0 = time.time()
+    (fp0, fp1), (q0, q1) = unquantized_lora, _lora_losses(tmp_path, "nf4", quantize_base="nf4")
+    print(f"\nQLoRA, NF4 base (group 64), held-out loss before -> after 8 LoRA steps: fp32 base {fp0:.3f} -> "
+          f"{fp1:.3f}, NF4 base {q0:.3f} -> {q1:.3f} ({time.time() - t0:.0f} s for NF4)")
+    assert q0 > fp0  # 4 bits cost the untrained model something
+    assert abs(q1 - fp1) < 0.1 * (fp0 - fp1)  # both fall far; they end within a tenth of that fall of each other
 
 
 def _student(source, out, layers: int):

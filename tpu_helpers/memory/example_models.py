@@ -4,6 +4,7 @@ tiny Qwen2 of the fine-tuning path, with their batch factories.
     from tpu_helpers.memory.example_models import SmallCNN, cnn_batch
     est = traced_estimate(SmallCNN, cnn_batch, batch_size=32, loss_fn=torch.nn.functional.cross_entropy)
     est = traced_estimate(tiny_causal_lm_lora, lm_batch(64, TINY_LM_VOCAB), 4)   # dict batches: the model's loss
+    est = traced_estimate(tiny_causal_lm_qlora, lm_batch(64, TINY_LM_VOCAB), 4)  # a 4-bit base (QLoRA)
 """
 
 from __future__ import annotations
@@ -107,3 +108,12 @@ def wide_vocab_lm_lora_chunked() -> nn.Module:
 def wide_vocab_batch(batch_size: int) -> dict[str, torch.Tensor]:
     ids = torch.randint(0, WIDE_VOCAB, (batch_size, TINY_LM_SEQ))
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def tiny_causal_lm_qlora() -> nn.Module:
+    """The tiny model with its linear layers (but the head) in NF4 (group 32, `models.quant4`) and LoRA (r=8) on
+    q/k/v/o: QLoRA."""
+    from tpu_helpers.models.lora import add_lora
+    from tpu_helpers.models.quant4 import quantize_model
+
+    return add_lora(quantize_model(tiny_causal_lm(), "nf4", 32), r=8, targets="q_proj,k_proj,v_proj,o_proj")

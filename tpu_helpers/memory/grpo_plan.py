@@ -7,7 +7,7 @@
 Per chip, for B prompts x G samples = R rows of P prompt + N new tokens (L layers, h wide, V vocabulary):
 
     policy       as for fine-tuning (`hf_plan.hf_finetune_estimate`): weights, the trainable parameters' gradients
-                 and AdamW state (LoRA: the adapters only)
+                 and AdamW state (LoRA: the adapters only); with `quantize_base` the base's linears in 4 bits
     reference    none under LoRA (the same model with the adapter disabled); a frozen bf16 copy (2 bytes per
                  parameter) under full fine-tuning with KL_BETA > 0
     KV cache     2 x L x R x (P + N) x kv_heads x head_dim x 2 bytes (4 in fp32), held while generating
@@ -44,7 +44,8 @@ def grpo_estimate(config: Any, prompts: int, *, num_generations: int, max_prompt
                   method: str = "lora", lora_r: int = 8,
                   lora_targets: list[str] | str = ("q_proj", "k_proj", "v_proj", "o_proj"), precision: str = "bf16",
                   gradient_checkpointing: bool = False, grad_accum: int = 1, kl_beta: float = 0.04,
-                  model: torch.nn.Module | None = None, loss_chunk: int | str = "auto") -> MemoryEstimate:
+                  model: torch.nn.Module | None = None, quantize_base: str | None = None,
+                  quantize_group_size: int = 64, loss_chunk: int | str = "auto") -> MemoryEstimate:
     """Per-chip peak bytes of GRPO with `prompts` prompts per chip (see the module docstring)."""
     model = model if model is not None else meta_model(config)
     rows = prompts * num_generations
@@ -52,7 +53,8 @@ def grpo_estimate(config: Any, prompts: int, *, num_generations: int, max_prompt
     seq = max_prompt_len + max_new_tokens
     step = hf_finetune_estimate(config, micro, seq, method=method, lora_r=lora_r, lora_targets=lora_targets,
                                 precision=precision, gradient_checkpointing=gradient_checkpointing,
-                                grad_accum=grad_accum, model=model, loss_chunk=0)
+                                grad_accum=grad_accum, model=model, quantize_base=quantize_base,
+                                quantize_group_size=quantize_group_size, loss_chunk=0)
     params = sum(p.numel() for p in model.parameters())
     V, h, heads = config.vocab_size, config.hidden_size, config.num_attention_heads
     half = precision in ("bf16", "fp16")

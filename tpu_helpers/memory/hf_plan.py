@@ -21,6 +21,10 @@ Per chip, data parallel (everything replicated), batch b, sequence s, L layers o
                  batch's top-k instead, 24 * s*b*k (int32 ids and their int64 copy, fp32 log-probabilities, their
                  exp and the student's gathered log-probabilities); chunked, the batch's 8 * s*b*k and one
                  chunk's 16 * c*k
+    4-bit base   (`quantize_base="nf4"`/"int4", QLoRA) the quantized linear weights (all but the head) at 0.5 byte
+                 each plus an fp32 scale per `quantize_group_size` of them (`models.quant4`), the rest of the base as
+                 above; and, as a temporary, the largest layer's weight dequantized (fp32, then the compute dtype):
+                 the forward and the backward dequantize one layer at a time and keep only the codes
     QAT          (`qat="int4"`/"int8") the fake-quantized copy of every quantized linear weight, in the weights'
                  dtype, which the matmul keeps for the backward: all of them at the start of the backward (one
                  layer's with checkpointing, the rest are recomputed); scales (1/group of that) are left out
@@ -50,10 +54,12 @@ import torch
 
 from tpu_helpers.backend.units import block_params
 from tpu_helpers.choices import FINETUNE_METHODS, QAT_SCHEMES, check_choice
+from tpu_helpers.config import ConfigError
 from tpu_helpers.memory.report import MemoryEstimate
 from tpu_helpers.memory.sharded import ShardingPlan, sharding_plan
 from tpu_helpers.models.lm_head import planned_chunk
 from tpu_helpers.models.qat import quantized_linears
+from tpu_helpers.models.quant4 import DEFAULT_GROUP_SIZE, FORMATS, bytes_per_weight
 
 
 def meta_model(config: Any) -> torch.nn.Module:
@@ -79,11 +85,13 @@ def hf_finetune_estimate(config: Any, batch_size: int, seq_len: int, *, method: 
                          lora_targets: list[str] | str = ("q_proj", "k_proj", "v_proj", "o_proj"),
                          precision: str = "bf16", gradient_checkpointing: bool = False, grad_accum: int = 1,
                          teacher_config: Any = None, model: torch.nn.Module | None = None,
-                         teacher_topk: int = 0, qat: str | None = None, loss_chunk: int | str = "auto"
+                         teacher_topk: int = 0, qat: str | None = None, loss_chunk: int | str = "auto",
+                         quantize_base: str | None = None, quantize_group_size: int = DEFAULT_GROUP_SIZE
                          ) -> MemoryEstimate:
     """Per-chip peak bytes of one fine-tuning step (see the module docstring); `teacher_topk` > 0: distillation
     from a cache of that many tokens per position (no teacher in the step); `qat`: fake-quantized linear weights;
-    `loss_chunk`: the chunked loss's setting (LOSS_CHUNK; 0: the whole batch's logits)."""
+    `loss_chunk`: the chunked loss's setting (LOSS_CHUNK; 0: the whole batch's logits); `quantize_base`: a 4-bit
+    frozen base (LoRA)."""
     check_choice("method", method, FINETUNE_METHODS)
     if qat is not None:
         check_choice("qat", qat, QAT_SCHEMES)
@@ -94,6 +102,7 @@ def hf_finetune_estimate(config: Any, batch_size: int, seq_len: int, *, method: 
                                      else lora_targets) if lora else params
     half = precision in ("bf16", "fp16")  # 16-bit autocast (fp16 keeps the bytes of bf16)
     weights = params * gathered_bytes_per_param(method, precision) + (trainable * 4 if lora else 0)
+    weights, dequantized = _four_bit_base(model, weights, method, precision, quantize_base, quantize_group_size)
     grads = trainable * 4
     optimizer = trainable * 8
     b, s = batch_size, seq_len
@@ -127,13 +136,30 @@ def hf_finetune_estimate(config: Any, batch_size: int, seq_len: int, *, method: 
         notes.append(f"QAT {qat}: {lin:,} linear weights fake-quantized")
     if chunk:
         notes.append(f"chunked loss: the logits of {chunk} tokens at a time (LOSS_CHUNK={loss_chunk!r})")
+    if quantize_base is not None:
+        notes.append(f"4-bit base ({quantize_base}, group {quantize_group_size}): "
+                     f"{bytes_per_weight(quantize_group_size):g} bytes per quantized linear weight")
     if cached:
         notes.append(f"teacher from a cache: top-{teacher_topk} per position, no teacher in the step")
     kept = grads if grad_accum > 1 else 0  # the earlier micro-batches' gradients, while the next one runs
-    held = {"params": weights + teacher, "optimizer": optimizer, "temporaries": 0}
+    held = {"params": weights + teacher, "optimizer": optimizer, "temporaries": dequantized}
     return MemoryEstimate.from_phases("plan", b, {
         "the start of the backward": {**held, "grads": kept, "activations": int(layers + logits + fake_quant)},
         "the end of the backward": {**held, "grads": grads, "activations": int(per_layer)}}, notes=notes)
+
+
+def _four_bit_base(model: torch.nn.Module, weights: int, method: str, precision: str, fmt: str | None,
+                   group_size: int) -> tuple[int, int]:
+    """(the weights' bytes with the quantized linears at 4 bits, the one dequantized weight alive at a time)."""
+    if fmt is None:
+        return weights, 0
+    check_choice("quantize_base", fmt, FORMATS)
+    if method != "lora":
+        raise ConfigError(f"quantize_base={fmt!r} is a frozen 4-bit base under LoRA; method={method!r}")
+    sizes = [m.in_features * m.out_features for m in quantized_linears(model).values()]
+    stored = sum(sizes) * gathered_bytes_per_param(method, precision)
+    compute = 2 if precision in ("bf16", "fp16") else 4
+    return weights - stored + int(sum(sizes) * bytes_per_weight(group_size)), max(sizes, default=0) * (4 + compute)
 
 
 _WHAT = {"lora": "LoRA fine-tuning", "full": "full fine-tuning", "distill": "distillation"}

@@ -27,22 +27,26 @@ import torch
 from tpu_helpers.memory.hf_plan import hf_finetune_estimate, meta_model
 from tpu_helpers.memory.report import MemoryEstimate
 from tpu_helpers.models.lm_head import planned_chunk
+from tpu_helpers.models.quant4 import DEFAULT_GROUP_SIZE
 
 
 def preference_estimate(config: Any, pairs: int, seq_len: int, *, method: str = "lora", lora_r: int = 8,
                         lora_targets: list[str] | str = ("q_proj", "k_proj", "v_proj", "o_proj"),
                         precision: str = "bf16", gradient_checkpointing: bool = False, grad_accum: int = 1,
                         reference: bool = True, precomputed_pairs: int = 0, loss_chunk: int | str = "auto",
+                        quantize_base: str | None = None, quantize_group_size: int = DEFAULT_GROUP_SIZE,
                         model: torch.nn.Module | None = None) -> MemoryEstimate:
     """Per-chip peak bytes of a preference step over `pairs` pairs per chip (see the module docstring);
     `reference`: DPO with a reference forward in the step; `precomputed_pairs`: the pairs whose reference
     log-probabilities are kept instead; `loss_chunk`: LOSS_CHUNK (the policy's and the reference's logits one chunk
-    at a time; 0: the whole batch's)."""
+    at a time; 0: the whole batch's); `quantize_base`: a 4-bit frozen base (QLoRA; the reference is that base
+    with the adapter off, no copy)."""
     model = model if model is not None else meta_model(config)
     rows = max(1, 2 * pairs // grad_accum)
     step = hf_finetune_estimate(config, rows, seq_len, method=method, lora_r=lora_r, lora_targets=lora_targets,
                                 precision=precision, gradient_checkpointing=gradient_checkpointing,
-                                grad_accum=grad_accum, loss_chunk=loss_chunk, model=model)
+                                grad_accum=grad_accum, loss_chunk=loss_chunk, quantize_base=quantize_base,
+                                quantize_group_size=quantize_group_size, model=model)
     params = sum(p.numel() for p in model.parameters())
     copy = params * 2 if reference and method == "full" else 0
     table = precomputed_pairs * 2 * 4

@@ -61,8 +61,11 @@ def resolve_model_source(model: str, cache_dir: str | os.PathLike | None = None)
 
 
 def load_causal_lm(model: str, *, dtype: torch.dtype | None = None, attn_implementation: str | None = DEFAULT_ATTN,
-                   cache_dir: str | os.PathLike | None = None) -> tuple[torch.nn.Module, Any]:
-    """(model, tokenizer) through the Auto classes; the tokenizer gets a pad token (eos) when it has none."""
+                   cache_dir: str | os.PathLike | None = None, quantize: str | None = None,
+                   group_size: int = 64) -> tuple[torch.nn.Module, Any]:
+    """(model, tokenizer) through the Auto classes; the tokenizer gets a pad token (eos) when it has none.
+    `quantize` "nf4"/"int4": the linear layers (but the head) in 4 bits with a scale per `group_size` input
+    columns, quantized as the weights stream in (`models.quant4.load_quantized_lm`)."""
     require_extra("hf", "loading a Hugging Face model (tpu_helpers.models.hf)", ("transformers", "tokenizers"))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -75,7 +78,12 @@ def load_causal_lm(model: str, *, dtype: torch.dtype | None = None, attn_impleme
         kwargs["dtype"] = dtype
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    lm = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    if quantize is not None:
+        from tpu_helpers.models.quant4 import load_quantized_lm
+
+        lm = load_quantized_lm(source, quantize, group_size, dtype=dtype, attn_implementation=attn_implementation)
+    else:
+        lm = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     lm.config.use_cache = False  # training: no KV cache (it changes shapes per step)
     lm.name_or_path = source
     return lm, tokenizer

@@ -62,6 +62,10 @@ def add_lora(model: torch.nn.Module, *, r: int = 8, alpha: int = 16, dropout: fl
         raise ConfigError(f"LORA_DROPOUT={dropout!r} must be in [0, 1)")
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=parse_targets(model, targets),
                         task_type="CAUSAL_LM")
+    from tpu_helpers.models import quant4
+
+    if quant4.is_quantized(model):  # a 4-bit base (QLoRA): peft's LoRA forward, a merge that dequantizes
+        config._register_custom_module({quant4.Linear4bit: quant4.lora_layer_class()})
     return get_peft_model(model, config)
 
 

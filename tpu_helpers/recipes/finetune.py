@@ -100,6 +100,9 @@ class FinetuneConfig(HFJobConfig):
         self.distill  # noqa: B018 (checks DISTILL_TEMPERATURE and DISTILL_ALPHA)
         if self.qat is not None:
             check_choice("qat", self.qat, QAT_SCHEMES)
+        if self.qat is not None and self.quantize_base is not None:
+            raise ConfigError(f"qat={self.qat!r} and quantize_base={self.quantize_base!r}: choose one (QAT trains "
+                              "on fake-quantized weights, QUANTIZE_BASE stores the frozen base in 4 bits)")
         if isinstance(self.qat_group_size, bool) or self.qat_group_size < 2:
             raise ConfigError(f"qat_group_size={self.qat_group_size!r} must be an integer >= 2 that divides the "
                               "width of every linear layer's input (e.g. 32, 64, 128)")

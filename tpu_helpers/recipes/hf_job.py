@@ -11,7 +11,8 @@ What a job's parts are, all built on first use (no call-order traps): `model` an
 model the job trains from; `prepare_model` adds what a recipe puts on the base before LoRA, e.g. QAT), `plan()`
 and `sharding_plan()` (from the model's config alone: nothing large allocated), `records` (DATASET read once),
 `export()` (the PEFT adapter under LoRA, a merged safetensors model; `write_exports` is where a recipe adds its
-own files). The checks of the shared fields are here, once; a field of another recipe's config is refused by name
+own files). QUANTIZE_BASE ("nf4" | "int4", METHOD "lora"): the base loads in 4 bits (`models.quant4`, quantized
+layer by layer as it loads), the plan counts it so, and the merged export is its dequantized base plus the adapter. The checks of the shared fields are here, once; a field of another recipe's config is refused by name
 (`config.unknown_fields_message`).
 """
 
@@ -34,7 +35,7 @@ from tpu_helpers.hardware import format_bytes
 from tpu_helpers.memory.hf_plan import gathered_bytes_per_param, meta_model
 from tpu_helpers.memory.report import MemoryEstimate, memory_report
 from tpu_helpers.memory.sharded import shard_estimate, sharding_plan
-from tpu_helpers.models import hf, lm_head, lora
+from tpu_helpers.models import hf, lm_head, lora, quant4
 from tpu_helpers.recipes.base import Recipe
 from tpu_helpers.sharding import is_sharded, mesh_shape
 
@@ -62,6 +63,8 @@ class HFJobConfig(TrainConfig):
     lora_alpha: int = 16
     lora_dropout: float = 0.0
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj"  # comma-separated linear names, or "all-linear"
+    quantize_base: str | None = None  # nf4 | int4 | None: QLoRA, the frozen base's linear layers in 4 bits (lora)
+    quantize_group_size: int = 64  # QUANTIZE_BASE: input columns that share one scale
     max_records: int | None = None
     attn_implementation: str = hf.DEFAULT_ATTN  # sdpa | eager (see models/hf.py for the measured figures)
     export_merged: bool = True
@@ -84,6 +87,18 @@ class HFJobConfig(TrainConfig):
             raise ConfigError(f"lora_r={self.lora_r!r} must be >= 1 (or 0 for full distillation)")
         if self.method == "lora" and self.lora_r < 1:
             raise ConfigError(f"lora_r={self.lora_r!r} must be >= 1 with method='lora'")
+        if self.quantize_base is not None:
+            check_choice("quantize_base", self.quantize_base, quant4.FORMATS)
+            if self.method != "lora":
+                raise ConfigError(f"quantize_base={self.quantize_base!r} (QLoRA) freezes the base in 4 bits and "
+                                  f"trains LoRA adapters on it: it needs method='lora', not {self.method!r}")
+            if is_sharded(self.sharding):
+                raise ConfigError(f"quantize_base={self.quantize_base!r} with sharding={self.sharding!r}: a 4-bit "
+                                  "base is not sharded yet; use sharding='data' (a 7B 4-bit base fits one chip)")
+        if (isinstance(self.quantize_group_size, bool) or not isinstance(self.quantize_group_size, int)
+                or self.quantize_group_size < 2 or self.quantize_group_size % 2):
+            raise ConfigError(f"quantize_group_size={self.quantize_group_size!r} must be an even integer >= 2 that "
+                              "divides the width of every linear layer's input (e.g. 32, 64, 128)")
         if self.max_records is not None and self.max_records < 1:
             raise ConfigError(f"max_records={self.max_records!r} must be >= 1, or None for all")
         lm_head.check_loss_chunk(self.loss_chunk)
@@ -136,10 +151,13 @@ class HFJob(Recipe):
     def plan_options(self) -> dict:
         """The estimate's keyword arguments every HF recipe shares."""
         cfg = self.config
-        return dict(method=cfg.method, lora_r=cfg.lora_r,
-                    lora_targets=cfg.lora_target_list, precision=self.backend.precision,
-                    gradient_checkpointing=cfg.gradient_checkpointing, grad_accum=cfg.grad_accum,
-                    loss_chunk=cfg.loss_chunk)
+        options = dict(method=cfg.method, lora_r=cfg.lora_r,
+                       lora_targets=cfg.lora_target_list, precision=self.backend.precision,
+                       gradient_checkpointing=cfg.gradient_checkpointing, grad_accum=cfg.grad_accum,
+                       loss_chunk=cfg.loss_chunk)
+        if cfg.quantize_base:  # only then: an estimate that knows no 4-bit base still takes the rest
+            options.update(quantize_base=cfg.quantize_base, quantize_group_size=cfg.quantize_group_size)
+        return options
 
     plan_what = "training"  # what the sharding advice calls the step
 
@@ -184,9 +202,13 @@ class HFJob(Recipe):
 
     def load(self, source: str, *, frozen: bool = False) -> tuple[torch.nn.Module, Any]:
         """(model, tokenizer) of `source` with this job's attention; `frozen`: a model that only runs forward (a
-        teacher, a reference), bf16 where the step computes in bf16."""
+        teacher, a reference), bf16 where the step computes in bf16. QUANTIZE_BASE: the trained model's base in 4
+        bits, quantized as it loads (a frozen teacher or reference stays as it is)."""
+        cfg = self.config
         dtype = (torch.bfloat16 if self.backend.precision == "bf16" else None) if frozen else self._dtype()
-        return hf.load_causal_lm(source, dtype=dtype, attn_implementation=self.config.attn_implementation)
+        quantize = dict(quantize=cfg.quantize_base, group_size=cfg.quantize_group_size) \
+            if cfg.quantize_base and not frozen else {}
+        return hf.load_causal_lm(source, dtype=dtype, attn_implementation=cfg.attn_implementation, **quantize)
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         """What a recipe puts on the loaded base before LoRA (QAT's fake quantizers); nothing by default. A
@@ -274,6 +296,8 @@ class HFJob(Recipe):
                  "lora_targets": cfg.lora_targets if cfg.uses_lora else ""}
         if cfg.uses_lora:
             ident.update(lora.base_fingerprint(self.model, self.source))
+        if cfg.quantize_base:
+            ident.update(quantize_base=cfg.quantize_base, quantize_group_size=cfg.quantize_group_size)
         return ident
 
     def trainer_options(self) -> dict[str, Any]:
@@ -341,7 +365,10 @@ class HFJob(Recipe):
 
     def merged_base(self, model: torch.nn.Module, merged: bool) -> tuple[dict | None, torch.dtype]:
         """(the base weights the merged export takes instead of the source's, or None; its dtype). A recipe whose
-        training changed what the base computes (QAT) says so here."""
+        training changed what the base computes (QAT) says so here; a 4-bit base (QUANTIZE_BASE) merges its
+        dequantized weights, in bf16: what the adapters were trained on."""
+        if self.config.quantize_base:
+            return (quant4.dequantized_state(model) if merged else None), torch.bfloat16
         return None, torch.float32
 
     def extra_exports(self, model: torch.nn.Module) -> Callable[[Path], dict[str, str]] | None:
