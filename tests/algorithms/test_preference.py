@@ -5,9 +5,8 @@ kill and resume bit-identical with a precomputed reference; bad input named."""
 
 from __future__ import annotations
 
-import math
-
 import json
+import math
 
 import pytest
 import torch
