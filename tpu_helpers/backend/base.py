@@ -189,6 +189,12 @@ class Backend(TorchSharding):
     def sync(self) -> None:
         """End of an optimizer step: on XLA this cuts and launches the graph; eager backends need nothing."""
 
+    def compile_step(self, fn: Callable) -> Callable:
+        """`fn` captured once per shape and replayed without re-running its Python (XLA: dynamo's openxla
+        backend), for a step whose tracing costs more host time than the device spends on it (a decode step). Eager
+        backends run `fn` as it is: their Python is the compute itself (CPU) or only launches kernels (CUDA)."""
+        return fn
+
     def barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier()

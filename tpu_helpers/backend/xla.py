@@ -17,6 +17,7 @@ What it does that a hand-written TPU loop must remember:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pickle
 from collections.abc import Callable, Iterable
@@ -188,6 +189,9 @@ class XlaBackend(SpmdSharding, Backend):
     def sync(self) -> None:
         torch_xla.sync()
 
+    def compile_step(self, fn: Callable) -> Callable:
+        return _compiled(fn)
+
     def _hosts_group(self) -> bool:
         """Under SPMD on a pod slice (several hosts): a gloo group over the hosts, found by torch_xla's xla://
         rendezvous, started on first use. False for one process, or one process per chip (xmp.spawn)."""
@@ -291,6 +295,21 @@ class XlaBackend(SpmdSharding, Backend):
         hbm = mem["bytes_limit"] if mem and mem.get("bytes_limit") else self.hardware.hbm_bytes
         layout = " (SPMD)" if self.mesh is not None else ""
         return f"{self.hardware.name} x{self.num_replicas}{layout}, {format_bytes(hbm)} HBM/chip, {self.precision}"
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(fn: Callable) -> Callable:
+    """`fn` under dynamo with torch_xla's openxla backend: traced once per guard set (the arguments' shapes, dtypes
+    and Python values), its XLA graph then replayed with each call's tensors, no lazy tracing. One wrapper per
+    function (dynamo keeps the captures on the function's code, so later wrappers would find them too; this keeps
+    the recompile limit counting one function). dynamic=False: a new shape captures a new static graph, never a
+    symbolic one XLA would compile per size anyway."""
+    import torch._dynamo
+
+    # Each (shape, sampling) of a decode step is one capture: room for a few models and shapes before dynamo falls
+    # back to running the Python (its default limit is 8 per function).
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    return torch.compile(fn, backend="openxla", dynamic=False)
 
 
 def xla_metrics() -> dict:
