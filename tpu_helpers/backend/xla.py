@@ -190,7 +190,9 @@ class XlaBackend(SpmdSharding, Backend):
         torch_xla.sync()
 
     def compile_step(self, fn: Callable) -> Callable:
-        return _compiled(fn)
+        # One device per process only: the tests here never ran the openxla bridge on an SPMD mesh's sharded
+        # tensors, so a mesh keeps the lazily traced step (correct, only slower on the host).
+        return fn if self.mesh is not None else _compiled(fn)
 
     def _hosts_group(self) -> bool:
         """Under SPMD on a pod slice (several hosts): a gloo group over the hosts, found by torch_xla's xla://
@@ -287,6 +289,13 @@ class XlaBackend(SpmdSharding, Backend):
     def reset_metrics(self) -> None:
         met.clear_all()
 
+    def device_seconds(self) -> float | None:
+        # ExecuteTime's total: the time from each graph's launch to its outputs being ready, summed (measured on
+        # XLA:CPU: it equals the wait after an asynchronous sync). Its sample list comes with it: read it at log
+        # steps and at the end, not every step.
+        data = met.metric_data("ExecuteTime")
+        return float(data[1]) / 1e9 if data else 0.0
+
     def status(self) -> str:
         if not self.on_tpu:
             layout = f" x{self.num_replicas} (SPMD)" if self.mesh is not None else f" x{self.world_size}"
@@ -301,15 +310,26 @@ class XlaBackend(SpmdSharding, Backend):
 def _compiled(fn: Callable) -> Callable:
     """`fn` under dynamo with torch_xla's openxla backend: traced once per guard set (the arguments' shapes, dtypes
     and Python values), its XLA graph then replayed with each call's tensors, no lazy tracing. One wrapper per
-    function (dynamo keeps the captures on the function's code, so later wrappers would find them too; this keeps
-    the recompile limit counting one function). dynamic=False: a new shape captures a new static graph, never a
-    symbolic one XLA would compile per size anyway."""
+    function (dynamo keeps the captures on the function's code; this keeps the recompile limit counting one
+    function). dynamic=False: a new shape captures a new static graph, never a symbolic one XLA would compile per
+    size anyway. fullgraph=True: a graph break would run the pieces between captures as Python and re-check their
+    guards, so a step that cannot be captured whole raises `ReplayUnsupported` (at tracing, before it ran)."""
     import torch._dynamo
 
     # Each (shape, sampling) of a decode step is one capture: room for a few models and shapes before dynamo falls
     # back to running the Python (its default limit is 8 per function).
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    return torch.compile(fn, backend="openxla", dynamic=False)
+    compiled = torch.compile(fn, backend="openxla", dynamic=False, fullgraph=True)
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return compiled(*args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ReplayUnsupported(f"{getattr(fn, '__qualname__', fn)} cannot be captured whole: {first}") from err
+
+    return run
 
 
 def xla_metrics() -> dict:

@@ -43,7 +43,6 @@ without re-tracing the model in Python for every token (see `generate_ids`).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +50,7 @@ from typing import Any
 import torch
 
 from tpu_helpers.config import ConfigError
+from tpu_helpers.models.replay import kept_cache, lazy_steps, release_caches, replayed_steps  # noqa: F401
 from tpu_helpers.models.sampling import GREEDY, Sampling, exponentials, pick  # noqa: F401  (re-exported)
 
 
@@ -226,33 +226,6 @@ def _decode(model: torch.nn.Module, cache: Any, st: tuple, fixed: tuple, width: 
     return _record(logits, st, fixed, sampling, pad)
 
 
-# Caches kept for `replay` (model -> {(batch, slots, dtype): cache}): the captured step reads the cache's layers as
-# the same Python objects call after call (its guards check them), so each shape keeps one cache, overwritten by
-# every call's prefill. Weak keys: a model's caches go with it; `release_caches(model)` frees them sooner.
-_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def release_caches(model: torch.nn.Module) -> None:
-    """Free the key/value caches that `generate_ids(..., replay=...)` keeps for `model` between calls."""
-    _KEPT.pop(model, None)
-
-
-def _kept_cache(model: torch.nn.Module, batch: int, total: int, dtype: torch.dtype) -> Any:
-    kept = _KEPT.setdefault(model, {})
-    cache = kept.get((batch, total, dtype))
-    if cache is None:
-        cache = kept[(batch, total, dtype)] = make_cache(model, total)
-    elif cache.layers[0].is_initialized:
-        # Back to the state a fresh cache's prefill finds, so the prefill is the first call's graph again (no
-        # compile): keys and values zeros built in the graph, the write position a device value 0.
-        zero = torch.zeros((), dtype=cache.layers[0].cumulative_length.dtype).to(cache.layers[0].keys.device)
-        for layer in cache.layers:
-            layer.keys.zero_()
-            layer.values.zero_()
-            layer.cumulative_length.copy_(zero)
-    return cache
-
-
 @torch.no_grad()
 def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
                  max_new_tokens: int, eos_token_id: int | Sequence[int] | None, pad_token_id: int,
@@ -297,7 +270,8 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     was_training = model.training
     model.eval()
     try:
-        cache = make_cache(model, total) if replay is None else _kept_cache(model, batch, total, dtype)
+        cache = make_cache(model, total) if replay is None else \
+            kept_cache(model, (batch, total, dtype), lambda: make_cache(model, total))
         prompt_mask = attention_mask.to(torch.long)
         # Slots: the prompt's P, then one per new token; a slot holds a token when its prompt mask is 1 or it is
         # a generated slot already written (the causal condition below).
@@ -320,19 +294,11 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
         st = _record(logits, st, fixed, sampling, pad_token_id)
         sync()
         if replay is None:
-            for _ in range(max_new_tokens - 1):
-                st = _decode(model, cache, st, fixed, width, window, hybrid, dtype, sampling, pad_token_id)
-                sync()
+            st = lazy_steps(_decode, model, cache, st, fixed, max_new_tokens - 1, sync,
+                            (width, window, hybrid, dtype, sampling, pad_token_id))
         elif max_new_tokens > 1:
-            step_fn = replay(_decode)  # each replay runs as a graph of its own: no sync
-            args = (width, window, hybrid, dtype, sampling, pad_token_id)
-            st = step_fn(model, cache, st, fixed, *args)
-            # The first step checked the capture's guards (shapes, dtypes, the Python values, the model's and the
-            # cache's objects); the others pass the same objects and shapes, so checking them again per token (a
-            # few ms of host time for a 30-layer model) is skipped.
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                for _ in range(max_new_tokens - 2):
-                    st = step_fn(model, cache, st, fixed, *args)
+            st = replayed_steps(replay, _decode, model, cache, st, fixed, max_new_tokens - 1, sync,
+                                (width, window, hybrid, dtype, sampling, pad_token_id))
     finally:
         model.train(was_training)
     return Generated(st[2], st[3], st[4])
