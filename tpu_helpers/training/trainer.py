@@ -103,7 +103,7 @@ class Trainer:
         self.tracking = Tracking(cfg) if cfg.trackers and self.backend.is_main else None
         if self.tracking is not None:
             self.callbacks.append(self.tracking)
-        self.timer = StepTimer()
+        self.timer = StepTimer(device_clock=self.backend.device_seconds)  # device time per step where known
         # How the run ends: its stop reason (a signal, a callback, a divergence) and what diverged (outcome.py).
         self.outcome = RunOutcome(cfg)
         # A finite loss spike (training/divergence.py), checked on the losses the loop reads anyway.
