@@ -228,7 +228,8 @@ def main() -> None:
                 same = r.get("same_tokens_as_cached", "")
                 dev = f"{r['device_ms_per_tok']:.2f}" if r["device_ms_per_tok"] is not None else "-"
                 print(f"{name:8}{r['tokens']:>5}  {r['side']:9}{r['first_tok_s']:>10.0f}{r['second_tok_s']:>11.0f}"
-                      f"{graphs[0]:>11}{graphs[1]:>12}{r['host_ms_per_tok']:>12.2f}{r['python_ms_per_tok']:>14.2f}{dev:>14}"
+                      f"{graphs[0]:>11}{graphs[1]:>12}{r['host_ms_per_tok']:>12.2f}"
+                      f"{r['python_ms_per_tok']:>14.2f}{dev:>14}"
                       f"  {same}", flush=True)
         if proc.returncode:
             sys.exit(f"the {device} run failed (exit {proc.returncode})")

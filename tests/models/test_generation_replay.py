@@ -4,6 +4,8 @@ weights updated in place between calls, and nothing captured or compiled again a
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -98,4 +100,24 @@ def test_later_calls_capture_and_compile_nothing_and_read_updated_weights(tiny_l
     assert torch.equal(replayed_after.ids, lazy_after.ids), (replayed_after.ids, lazy_after.ids)
     assert not torch.equal(replayed_after.ids, before[2].ids)  # the update changed the answers
     assert _captures() == captures
+    generation.release_caches(model)
+
+
+def test_a_step_that_cannot_be_captured_whole_runs_lazily_with_one_warning(one_thread):
+    """A forward hook that reads a value on the host (a graph break): the capture is refused before anything ran,
+    the steps are traced lazily instead (the same tokens), one warning says why, and later calls do not try again."""
+    b = XLA_BACKEND
+    model = random_model(FAMILIES["llama3"].config(VOCAB, pad=0), seed=1)
+    p = _rows(0)
+    want = _gen(model, p, "cpu")
+    model = b.move_model(model)
+    model.get_input_embeddings().register_forward_hook(lambda module, args, out: None if out.sum().item() else None)
+    with pytest.warns(UserWarning, match="cannot be captured whole.*traced per token instead") as caught:
+        got = _gen(model, p, b.device, sync=b.sync, replay=b.compile_step)
+    assert torch.equal(got.ids, want.ids)
+    assert sum("cannot be captured" in str(w.message) for w in caught) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second call goes lazily at once: no new attempt, no warning
+        again = _gen(model, p, b.device, sync=b.sync, replay=b.compile_step)
+    assert torch.equal(again.ids, want.ids)
     generation.release_caches(model)

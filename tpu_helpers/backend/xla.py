@@ -32,7 +32,7 @@ import torch_xla.runtime as xr
 import torch_xla.utils.checkpoint as xla_checkpoint
 
 from tpu_helpers.backend import runtime_env
-from tpu_helpers.backend.base import Backend, tree_map_tensors
+from tpu_helpers.backend.base import Backend, ReplayUnsupported, tree_map_tensors
 from tpu_helpers.backend.sharding_xla import SpmdSharding
 from tpu_helpers.hardware import detect_tpu, format_bytes, lookup
 
@@ -291,8 +291,10 @@ class XlaBackend(SpmdSharding, Backend):
 
     def device_seconds(self) -> float | None:
         # ExecuteTime's total: the time from each graph's launch to its outputs being ready, summed (measured on
-        # XLA:CPU: it equals the wait after an asynchronous sync). Its sample list comes with it: read it at log
-        # steps and at the end, not every step.
+        # XLA:CPU: it equals the wait after an asynchronous sync). A graph launched while the previous one still
+        # runs counts its time in the queue too, so when the device bounds the loop this overstates the device's
+        # share (never when the host bounds it, the case the host-bound advice is about). Its sample list comes
+        # with it: read it at log steps and at the end, not every step.
         data = met.metric_data("ExecuteTime")
         return float(data[1]) / 1e9 if data else 0.0
 
@@ -306,7 +308,7 @@ class XlaBackend(SpmdSharding, Backend):
         return f"{self.hardware.name} x{self.num_replicas}{layout}, {format_bytes(hbm)} HBM/chip, {self.precision}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(fn: Callable) -> Callable:
     """`fn` under dynamo with torch_xla's openxla backend: traced once per guard set (the arguments' shapes, dtypes
     and Python values), its XLA graph then replayed with each call's tensors, no lazy tracing. One wrapper per

@@ -54,10 +54,11 @@ def kept_cache(model: torch.nn.Module, key: tuple, make: Callable[[], Any]) -> A
     return cache
 
 
-def replayed_steps(replay: Callable, decode: Callable, model: torch.nn.Module, cache: Any, st: tuple, fixed: tuple, steps: int,
-                    sync: Callable[[], None], args: tuple) -> tuple:
-    """`steps` calls of `decode` (models/generation.py's step) through `replay(decode)`, each replay a graph of its own (no sync). A model whose step
-    cannot be captured whole (`ReplayUnsupported`: nothing ran) is warned about once and traced lazily from then on."""
+def replayed_steps(replay: Callable, decode: Callable, model: torch.nn.Module, cache: Any, st: tuple, fixed: tuple,
+                   steps: int, sync: Callable[[], None], args: tuple) -> tuple:
+    """`steps` calls of `decode` (models/generation.py's step) through `replay(decode)`, each replay a graph of its
+    own (no sync). A model whose step cannot be captured whole (`ReplayUnsupported`: nothing ran) is warned about
+    once and traced lazily from then on."""
     kept = _KEPT.setdefault(model, {})
     if kept.get("lazy"):
         return lazy_steps(decode, model, cache, st, fixed, steps, sync, args)

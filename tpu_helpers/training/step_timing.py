@@ -11,8 +11,10 @@
 - other: evaluation, checkpoints, callbacks;
 - device (XLA): the device's busy time per steady step, from the runtime's execution time
   (`backend.device_seconds()`, read when the steady steps begin, at tracker windows and at the end, never per
-  step). Beside host it tells who bounds the step: `diagnostics.detector.host_bound(timing)` says so when tracing takes longer than the
-  device runs (a deep narrow model on a fast chip), with what to do.
+  step; a graph queued behind the previous one counts its wait too, so it overstates the device when the device
+  bounds the loop, and is exact when the host does). Beside host it tells who bounds the step:
+  `diagnostics.detector.host_bound(timing)` says so when tracing takes longer than the device runs (a deep narrow
+  model on a fast chip), with what to do.
 
 Over many steps the host cannot run ahead of the device, so the steady-state step time (data wait + host + sync,
 the first `warmup_steps` steps excluded because they compile) is the honest training step time. Tokens/s and MFU
