@@ -226,6 +226,11 @@ def _decode(model: torch.nn.Module, cache: Any, st: tuple, fixed: tuple, width: 
     return _record(logits, st, fixed, sampling, pad)
 
 
+def _autocast(device: torch.device) -> torch.dtype | None:
+    """The autocast dtype in force on `device` (the cache's keys take it), None without autocast."""
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+
+
 @torch.no_grad()
 def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
                  max_new_tokens: int, eos_token_id: int | Sequence[int] | None, pad_token_id: int,
@@ -271,7 +276,7 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     model.eval()
     try:
         cache = make_cache(model, total) if replay is None else \
-            kept_cache(model, (batch, total, dtype), lambda: make_cache(model, total))
+            kept_cache(model, (batch, total, dtype, _autocast(device)), lambda: make_cache(model, total))
         prompt_mask = attention_mask.to(torch.long)
         # Slots: the prompt's P, then one per new token; a slot holds a token when its prompt mask is 1 or it is
         # a generated slot already written (the causal condition below).
