@@ -3,6 +3,7 @@
     PYTHONPATH=. python benchmarks/generation.py --tokens 16,128,512 --devices cpu,xla
     PYTHONPATH=. python benchmarks/generation.py --model smollm2-135m --tokens 64,256 --sides cached,hf
     PYTHONPATH=. python benchmarks/generation.py --model DIR --random-init --bf16 --devices cuda   # a GPU machine
+    PYTHONPATH=. python benchmarks/generation.py --arch llama30x64 --devices xla --sides cached,replay --tokens 24,72
 
 The model is a randomly initialised Qwen2 (4 layers, width 256, 4 heads, 2 KV heads, the tiny model's BPE
 vocabulary, eager attention as `models.hf.load_causal_lm` loads it), or `--model` (a name or directory, e.g. the
@@ -12,13 +13,20 @@ left-padded to 32. For each number of new tokens and each side:
 - `cached`: `models.generation.generate_ids` with the cache slots bucketed as `hf.generate` does (`cache_bucket`);
 - `uncached`: `models.generation.generate_ids_uncached`, the loop `hf.generate` ran before the cache (every token
   runs the whole (B, P + N) buffer through the model again);
+- `replay`: `cached` with `replay=backend.compile_step`: on XLA the decode step captured once (dynamo, openxla)
+  and replayed, no per-token tracing; on the CPU the same as `cached`;
 - `hf`: `model.generate(do_sample=False, min_new_tokens=N)` with transformers' default (dynamic) cache; on XLA every
   token has a new shape, so it compiles about one graph per token (`--hf-xla-tokens` limits which lengths it runs;
   `--uncached-tokens` likewise the uncached loop, whose time grows with the square of the new tokens).
 Each device runs in its own process (PJRT_DEVICE=CPU for XLA:CPU, so the XLA metrics are the side's own). Printed
 per case: tokens/s of the first call (compilation included) and the best of `--repeats` identical calls after it
 (the best, as the machine may be shared; the uncached loop past 16 tokens: one call on the CPU, two on XLA), the graphs compiled by the first call and by any later one (XLA only),
-and whether the other sides' tokens equal the cached ones.
+whether the other sides' tokens equal the cached ones, and for the best call per token: host (the call until it
+returns, before the wait for the outputs), python (host less the time blocked in the call that runs a replayed graph,
+which on XLA:CPU returns only once the graph ran: the host's own work, what a TPU would wait for) and device (XLA's
+execution time, `backend.device_seconds`: launch to outputs ready, so it also counts the time a graph queued behind
+the previous one when the host runs ahead). `--arch llama30x64`: a 30-layer Llama of width 64 (4 heads, 2 KV heads), so narrow that
+the arithmetic is negligible and the host's time per token is what shows (the issue's "host ms per token" figure).
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ARCH = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=2048)
+NARROW = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=30, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=2048)
 
 
 def _setup(args, device):
@@ -54,6 +64,13 @@ def _setup(args, device):
                                                  attn_implementation=DEFAULT_ATTN)
     elif args.model:
         model, tok = load_causal_lm(args.model)
+    elif args.arch == "llama30x64":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        _, tok = load_causal_lm("tiny")
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), pad_token_id=tok.pad_token_id, **NARROW))
+        model.config._attn_implementation = DEFAULT_ATTN
     else:
         _, tok = load_causal_lm("tiny")
         model = hf_tiny.build_tiny_model(tok, seed=0, **ARCH)
@@ -67,6 +84,26 @@ def _setup(args, device):
     return model.eval().to(device, dtype), tok, batch.ids.to(device), batch.mask.to(device)
 
 
+def _time_replay_runs() -> list[float]:
+    """Seconds spent inside torch_xla's call that runs a replayed graph (dynamo's openxla bridge), summed into the
+    returned list's one entry: on XLA:CPU that call returns when the graph has run (the device is the host's own
+    cores), so the host's own work per token is the call's time less this."""
+    import torch_xla
+
+    total = [0.0]
+    run = torch_xla._XLAC._run_cached_graph
+
+    def timed(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return run(*a, **k)
+        finally:
+            total[0] += time.perf_counter() - t0
+
+    torch_xla._XLAC._run_cached_graph = timed
+    return total
+
+
 def child(args) -> None:
     import torch
 
@@ -75,6 +112,7 @@ def child(args) -> None:
     from tpu_helpers.models.hf import cache_bucket
 
     backend = get_backend(args.child, precision="bf16" if args.bf16 else "fp32", spmd=False, compile_cache_dir=None)
+    blocked = _time_replay_runs() if backend.compiles_graphs else [0.0]
     torch.set_num_threads(args.threads)
     model, tok, ids, mask = _setup(args, backend.device)
     xla = backend.compiles_graphs
@@ -83,6 +121,10 @@ def child(args) -> None:
         return generate_ids(model, ids, mask, max_new_tokens=n, eos_token_id=None, pad_token_id=tok.pad_token_id,
                             sync=backend.sync, cache_len=cache_bucket(args.prompt + n)).ids
 
+    def replay(n):
+        return generate_ids(model, ids, mask, max_new_tokens=n, eos_token_id=None, pad_token_id=tok.pad_token_id,
+                            sync=backend.sync, cache_len=cache_bucket(args.prompt + n), replay=backend.compile_step).ids
+
     def uncached(n):
         return generate_ids_uncached(model, ids, mask, max_new_tokens=n, sync=backend.sync)
 
@@ -90,7 +132,7 @@ def child(args) -> None:
         return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                               do_sample=False, pad_token_id=tok.pad_token_id)[:, args.prompt:]
 
-    sides = {"cached": cached, "uncached": uncached, "hf": hf}
+    sides = {"cached": cached, "replay": replay, "uncached": uncached, "hf": hf}
     for n in args.tokens:
         outputs = {}
         for side in args.sides:
@@ -100,18 +142,26 @@ def child(args) -> None:
                 print(json.dumps({"device": args.child, "tokens": n, "side": side, "skipped": why}), flush=True)
                 continue
             row = {"device": args.child, "tokens": n, "side": side}
-            times, graphs = [], []
+            times, graphs, host, python, device = [], [], [], [], []
             # The uncached loop beyond 16 tokens is slow (minutes): one call on the CPU, where the first call
             # compiles nothing, and the compiling call plus one on XLA.
             calls = 1 + args.repeats if side != "uncached" or n <= 16 else 2 if xla else 1
             for _ in range(calls):
                 before = backend.metrics().get("compilations", 0)
+                busy, inside = backend.device_seconds(), blocked[0]
                 t0 = time.perf_counter()
                 with torch.no_grad():
-                    out = backend.to_cpu(sides[side](n))[:, :n]
+                    result = sides[side](n)
+                    host.append(time.perf_counter() - t0)  # the call returned: what remains is the device's
+                    python.append(host[-1] - (blocked[0] - inside))
+                    out = backend.to_cpu(result)[:, :n]
                 times.append(time.perf_counter() - t0)
+                device.append(backend.device_seconds() - busy if busy is not None else None)
                 graphs.append(backend.metrics().get("compilations", 0) - before if xla else None)
             later = times[1:] or times  # on the CPU a single call is a steady one (nothing to compile)
+            best = times.index(min(later), len(times) - len(later))
+            row.update(host_ms_per_tok=host[best] / n * 1e3, python_ms_per_tok=python[best] / n * 1e3,
+                       device_ms_per_tok=device[best] / n * 1e3 if device[best] is not None else None)
             row.update(first_tok_s=args.batch * n / times[0], first_graphs=graphs[0],
                        second_tok_s=args.batch * n / min(later), second_graphs=max(graphs[1:]) if graphs[1:] and xla
                        else None)
@@ -138,6 +188,9 @@ def main() -> None:
                         "random 4-layer Qwen2 above)")
     parser.add_argument("--random-init", action="store_true",
                         help="with --model: its config and tokenizer, random weights (same speed, no weights needed)")
+    parser.add_argument("--arch", choices=["qwen4x256", "llama30x64"], default="qwen4x256",
+                        help="the random model without --model: a 4-layer Qwen2 of width 256, or a 30-layer Llama of "
+                        "width 64 (the host's time per token shows)")
     parser.add_argument("--bf16", action="store_true", help="weights and compute in bf16 (default fp32)")
     parser.add_argument("--child", choices=["cpu", "xla", "cuda"], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -145,12 +198,14 @@ def main() -> None:
     args.sides = args.sides.split(",")
     if args.child:
         return child(args)
+    arch = NARROW if args.arch == "llama30x64" else ARCH
     what = (f"{args.model}{' (random weights)' if args.random_init else ''}" if args.model else
-            f"Qwen2 {ARCH['num_hidden_layers']} layers x {ARCH['hidden_size']}")
+            f"{'Llama' if arch is NARROW else 'Qwen2'} {arch['num_hidden_layers']} layers x {arch['hidden_size']}")
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; batch {args.batch}, prompt "
           f"{args.prompt}, {what}, {'bf16' if args.bf16 else 'fp32'}", flush=True)
     print(f"{'device':8}{'new':>5}  {'side':9}{'tok/s 1st':>10}{'tok/s best':>11}{'graphs 1st':>11}"
-          f"{'graphs then':>12}  same as cached", flush=True)
+          f"{'graphs then':>12}{'host ms/tok':>12}{'python ms/tok':>14}{'device ms/tok':>14}  same as cached",
+          flush=True)
     for device in args.devices.split(","):
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         if device == "xla":
@@ -158,7 +213,7 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--child", device, "--tokens", ",".join(map(str, args.tokens)),
                "--sides", ",".join(args.sides), "--batch", str(args.batch), "--prompt", str(args.prompt),
                "--threads", str(args.threads), "--repeats", str(args.repeats), "--hf-xla-tokens", str(args.hf_xla_tokens),
-               "--uncached-tokens", str(args.uncached_tokens), "--model", args.model]
+               "--uncached-tokens", str(args.uncached_tokens), "--model", args.model, "--arch", args.arch]
         cmd += ["--random-init"] * args.random_init + ["--bf16"] * args.bf16
         with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True) as proc:
             for line in proc.stdout:
@@ -171,8 +226,11 @@ def main() -> None:
                     continue
                 graphs = [str(r[k]) if r[k] is not None else "-" for k in ("first_graphs", "second_graphs")]
                 same = r.get("same_tokens_as_cached", "")
+                dev = f"{r['device_ms_per_tok']:.2f}" if r["device_ms_per_tok"] is not None else "-"
                 print(f"{name:8}{r['tokens']:>5}  {r['side']:9}{r['first_tok_s']:>10.0f}{r['second_tok_s']:>11.0f}"
-                      f"{graphs[0]:>11}{graphs[1]:>12}  {same}", flush=True)
+                      f"{graphs[0]:>11}{graphs[1]:>12}{r['host_ms_per_tok']:>12.2f}"
+                      f"{r['python_ms_per_tok']:>14.2f}{dev:>14}"
+                      f"  {same}", flush=True)
         if proc.returncode:
             sys.exit(f"the {device} run failed (exit {proc.returncode})")
 

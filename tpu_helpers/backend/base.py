@@ -36,6 +36,11 @@ class BackendUnavailable(RuntimeError):
     """The requested device cannot be used here; the message says what is missing and how to fix it."""
 
 
+class ReplayUnsupported(RuntimeError):
+    """`compile_step`'s function could not be captured whole (a graph break); nothing of it ran. The caller runs
+    the step as plain Python instead (lazily traced on XLA)."""
+
+
 def tree_map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
     """Apply `fn` to every tensor in nested dicts/lists/tuples (optimizer states, batches)."""
     if isinstance(obj, torch.Tensor):
@@ -189,6 +194,13 @@ class Backend(TorchSharding):
     def sync(self) -> None:
         """End of an optimizer step: on XLA this cuts and launches the graph; eager backends need nothing."""
 
+    def compile_step(self, fn: Callable) -> Callable:
+        """`fn` captured once per shape and replayed without re-running its Python (XLA: dynamo's openxla
+        backend), for a step whose tracing costs more host time than the device spends on it (a decode step). Eager
+        backends run `fn` as it is: their Python is the compute itself (CPU) or only launches kernels (CUDA).
+        The capture is whole or nothing: what cannot be captured raises `ReplayUnsupported` before anything ran."""
+        return fn
+
     def barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier()
@@ -279,6 +291,12 @@ class Backend(TorchSharding):
 
     def reset_metrics(self) -> None:
         pass
+
+    def device_seconds(self) -> float | None:
+        """Seconds the device has spent running graphs since `reset_metrics` (XLA: the runtime's execution time,
+        read without a sync), for host-versus-device time per step; None where it cannot be told apart from the
+        host's time without waiting (the CPU runs the step in the host's own thread; CUDA would need events)."""
+        return None
 
     def status(self) -> str:
         cores = os.cpu_count() or 1

@@ -17,6 +17,7 @@ What it does that a hand-written TPU loop must remember:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pickle
 from collections.abc import Callable, Iterable
@@ -31,7 +32,7 @@ import torch_xla.runtime as xr
 import torch_xla.utils.checkpoint as xla_checkpoint
 
 from tpu_helpers.backend import runtime_env
-from tpu_helpers.backend.base import Backend, tree_map_tensors
+from tpu_helpers.backend.base import Backend, ReplayUnsupported, tree_map_tensors
 from tpu_helpers.backend.sharding_xla import SpmdSharding
 from tpu_helpers.hardware import detect_tpu, format_bytes, lookup
 
@@ -188,6 +189,11 @@ class XlaBackend(SpmdSharding, Backend):
     def sync(self) -> None:
         torch_xla.sync()
 
+    def compile_step(self, fn: Callable) -> Callable:
+        # One device per process only: the tests here never ran the openxla bridge on an SPMD mesh's sharded
+        # tensors, so a mesh keeps the lazily traced step (correct, only slower on the host).
+        return fn if self.mesh is not None else _compiled(fn)
+
     def _hosts_group(self) -> bool:
         """Under SPMD on a pod slice (several hosts): a gloo group over the hosts, found by torch_xla's xla://
         rendezvous, started on first use. False for one process, or one process per chip (xmp.spawn)."""
@@ -283,6 +289,15 @@ class XlaBackend(SpmdSharding, Backend):
     def reset_metrics(self) -> None:
         met.clear_all()
 
+    def device_seconds(self) -> float | None:
+        # ExecuteTime's total: the time from each graph's launch to its outputs being ready, summed (measured on
+        # XLA:CPU: it equals the wait after an asynchronous sync). A graph launched while the previous one still
+        # runs counts its time in the queue too, so when the device bounds the loop this overstates the device's
+        # share (never when the host bounds it, the case the host-bound advice is about). Its sample list comes
+        # with it: read it at log steps and at the end, not every step.
+        data = met.metric_data("ExecuteTime")
+        return float(data[1]) / 1e9 if data else 0.0
+
     def status(self) -> str:
         if not self.on_tpu:
             layout = f" x{self.num_replicas} (SPMD)" if self.mesh is not None else f" x{self.world_size}"
@@ -291,6 +306,32 @@ class XlaBackend(SpmdSharding, Backend):
         hbm = mem["bytes_limit"] if mem and mem.get("bytes_limit") else self.hardware.hbm_bytes
         layout = " (SPMD)" if self.mesh is not None else ""
         return f"{self.hardware.name} x{self.num_replicas}{layout}, {format_bytes(hbm)} HBM/chip, {self.precision}"
+
+
+@functools.cache
+def _compiled(fn: Callable) -> Callable:
+    """`fn` under dynamo with torch_xla's openxla backend: traced once per guard set (the arguments' shapes, dtypes
+    and Python values), its XLA graph then replayed with each call's tensors, no lazy tracing. One wrapper per
+    function (dynamo keeps the captures on the function's code; this keeps the recompile limit counting one
+    function). dynamic=False: a new shape captures a new static graph, never a symbolic one XLA would compile per
+    size anyway. fullgraph=True: a graph break would run the pieces between captures as Python and re-check their
+    guards, so a step that cannot be captured whole raises `ReplayUnsupported` (at tracing, before it ran)."""
+    import torch._dynamo
+
+    # Each (shape, sampling) of a decode step is one capture: room for a few models and shapes before dynamo falls
+    # back to running the Python (its default limit is 8 per function).
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    compiled = torch.compile(fn, backend="openxla", dynamic=False, fullgraph=True)
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return compiled(*args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ReplayUnsupported(f"{getattr(fn, '__qualname__', fn)} cannot be captured whole: {first}") from err
+
+    return run
 
 
 def xla_metrics() -> dict:

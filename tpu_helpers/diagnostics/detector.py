@@ -20,6 +20,10 @@ counters (never a device tensor), after each step's sync, and tells apart:
 - `cpu_fallback`: an `aten::*` counter, i.e. an op without an XLA kernel that ran on the CPU (a transfer both
   ways each time); `FALLBACK_HINTS` names XLA-friendly replacements, e.g. `xla_safe_kl_div`.
 
+At the end of `fit` it also says whether the host bounds the step (`host_bound`: tracing a step took longer than
+the device ran it, from the run report's step timing), in `report.xla["host_bound"]` and the report; advice, never
+a strict error (a small model on XLA:CPU is host-bound by nature), warned on a TPU.
+
 Warm-up (`warmup_steps`, default 2) may compile: the first step has no optimizer state, the second is the steady
 state; a resumed run's first evaluation compiles its own graph (a fresh run evaluates before step 1). Why a graph was compiled, in XLA's own words, is what
 `tpu_helpers.diagnostics.xla_debug` collects (PT_XLA_DEBUG_LEVEL).
@@ -181,6 +185,11 @@ class XlaDetector(Callback):
     def on_fit_end(self, trainer, report) -> None:
         if self.active:
             report.xla["problems"] = [f.to_dict() for f in self.findings]
+            # Who bounds the step: advice, never a strict error (a small model on XLA:CPU is host-bound by nature).
+            line = host_bound(report.timing)
+            report.xla["host_bound"] = line
+            if line and self.warn and trainer.backend.on_tpu:
+                warnings.warn(line, XlaPerformanceWarning, stacklevel=2)
 
     # ---- reporting ---------------------------------------------------------------------------------------------
     def _report(self, cause: str, key: Any, step: int, message: str) -> None:
@@ -202,6 +211,28 @@ class XlaDetector(Callback):
         """The XLA counters as read after the latest step (`backend.step_metrics()`), None before the first one: what
         else reports them per step (experiment trackers) reads them here instead of again."""
         return getattr(self, "_last", None) if self.active else None
+
+
+# Below this much host time per step the question does not arise (a step of a millisecond traces as fast as any).
+HOST_BOUND_FLOOR_MS = 1.0
+
+
+def host_bound(timing: dict) -> str | None:
+    """The diagnosis "host-bound: X s of host per step vs Y s on the device", with what to do, when the steady
+    steps' host time (tracing the step: the `host` part, sync and data wait aside) exceeds the device's busy time
+    per step: the chip then idles while Python traces. None when it does not, or where device time is unknown."""
+    device_ms = timing.get("device_ms") if timing else None
+    if device_ms is None:
+        return None
+    host_ms = timing["median_ms"]["host"]
+    if host_ms < HOST_BOUND_FLOOR_MS or host_ms <= device_ms:
+        return None
+    return (f"host-bound: {host_ms / 1e3:.3g} s of host per step vs {device_ms / 1e3:.3g} s on the device; the "
+            f"chip idles {1 - device_ms / host_ms:.0%} of each step while Python traces it. Tracing costs per op, "
+            "not per FLOP (a deep narrow model is the worst case): give each trace more work, a larger batch_size or "
+            "seq_len (the same trace, more device time); generation replays its decode step instead "
+            "(generate_ids(replay=backend.compile_step)).")
+
 
 
 def detector_for(trainer) -> XlaDetector | None:

@@ -155,4 +155,6 @@ def _xla_extra_lines(xla: dict) -> list[str]:
         lines.append(line)
     for problem in xla.get("problems") or []:
         lines.append(f"XLA problem   step {problem['step']}: {problem['message']}")
+    if xla.get("host_bound"):
+        lines.append(f"XLA advice    {xla['host_bound']}")
     return lines

@@ -28,7 +28,7 @@ APPLIED_ON_RESUME = ("lr", "weight_decay", "steps", "warmup_steps", "min_lr_rati
 TAKES_EFFECT = ("device", "fallback", "precision", "spmd", "sharding", "gradient_checkpointing", "batch_size",
                 "grad_accum", "eval_every", "eval_batches", "log_every", "out_dir", "save_every", "keep_last", "resume",
                 "on_nonfinite", "on_divergence", "divergence_factor", "best_metric", "compile_cache_dir",
-                "xla_checks", "trackers", "project", "run_name", "extra")
+                "xla_checks", "replay_steps", "trackers", "project", "run_name", "extra")
 
 
 def same_dataset(old: Any, new: Any) -> bool:

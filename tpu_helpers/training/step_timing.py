@@ -8,7 +8,13 @@
 - sync: time in `backend.sync()`. On XLA this cuts the graph, compiles it when new, and launches it; torch_xla
   runs graphs asynchronously, so it blocks only when the device is behind. On an asynchronous device the device
   time therefore appears wherever the host waits for it (sync, the next transfer, a log read);
-- other: evaluation, checkpoints, callbacks.
+- other: evaluation, checkpoints, callbacks;
+- device (XLA): the device's busy time per steady step, from the runtime's execution time
+  (`backend.device_seconds()`, read when the steady steps begin, at tracker windows and at the end, never per
+  step; a graph queued behind the previous one counts its wait too, so it overstates the device when the device
+  bounds the loop, and is exact when the host does). Beside host it tells who bounds the step:
+  `diagnostics.detector.host_bound(timing)` says so when tracing takes longer than the device runs (a deep narrow
+  model on a fast chip), with what to do.
 
 Over many steps the host cannot run ahead of the device, so the steady-state step time (data wait + host + sync,
 the first `warmup_steps` steps excluded because they compile) is the honest training step time. Tokens/s and MFU
@@ -45,12 +51,17 @@ def model_flops_per_token(model: Any, seq_len: int) -> float | None:
 class StepTimer:
     """Host-side split of each step; see the module docstring for what each part means."""
 
-    def __init__(self, warmup_steps: int = 2) -> None:
+    def __init__(self, warmup_steps: int = 2, device_clock: Callable[[], float | None] | None = None) -> None:
         self.warmup_steps = warmup_steps
         self.steps: list[tuple[float, float, float, float]] = []  # (data_wait, host, sync, other) per step
         self._wait = 0.0
         self._begin = self._synced = 0.0
         self._sync = 0.0
+        # The device's busy seconds so far (`backend.device_seconds`), read when the steady steps begin, at each
+        # tracker window and at the end only: (steps timed, seconds) at the steady start and at the last window.
+        self._device_clock = device_clock
+        self._steady_mark: tuple[int, float] | None = None
+        self._window_mark: tuple[int, float] | None = None
 
     def wrap(self, batches: Iterator) -> Iterator:
         """Yield from `batches`, adding the time spent waiting for each batch to the current step."""
@@ -63,7 +74,14 @@ class StepTimer:
             self._wait += time.perf_counter() - t0
             yield batch
 
+    def _device_now(self) -> float | None:
+        return self._device_clock() if self._device_clock is not None else None
+
     def begin(self) -> None:
+        if self._steady_mark is None and len(self.steps) == self.warmup_steps:
+            now = self._device_now()
+            if now is not None:
+                self._steady_mark = self._window_mark = (len(self.steps), now)
         self._begin, self._wait, self._sync = time.perf_counter(), 0.0, 0.0
         self._synced = self._begin
 
@@ -90,7 +108,12 @@ class StepTimer:
         mfu = None
         if flops_per_token and peak_tflops and tokens_per_s:
             mfu = tokens_per_s * flops_per_token / (peak_tflops * 1e12 * chips)
+        device_ms = None
+        now = self._device_now() if self._steady_mark is not None else None
+        if now is not None and len(self.steps) > self._steady_mark[0]:
+            device_ms = (now - self._steady_mark[1]) / (len(self.steps) - self._steady_mark[0]) * 1e3
         return {
+            "device_ms": device_ms,  # the device's busy time per steady step (XLA), None where not known
             "steps_timed": len(self.steps),
             "warmup_steps": min(self.warmup_steps, len(self.steps)),
             "warmup_s": sum(sum(s) for s in self.steps[: self.warmup_steps]),
@@ -109,7 +132,13 @@ class StepTimer:
         if not steps:
             return {}
         split = {p: median(s[i] for s in steps) * 1e3 for i, p in enumerate(PARTS)}
-        return {**split, "step": sum(s[0] + s[1] + s[2] for s in steps) / len(steps) * 1e3}
+        out = {**split, "step": sum(s[0] + s[1] + s[2] for s in steps) / len(steps) * 1e3}
+        # The device's busy time per step since the last window (steady steps only: warm-up compiles).
+        now = self._device_now() if self._window_mark is not None else None
+        if now is not None and len(self.steps) > self._window_mark[0]:
+            out["device"] = (now - self._window_mark[1]) / (len(self.steps) - self._window_mark[0]) * 1e3
+            self._window_mark = (len(self.steps), now)
+        return out
 
     def fill_report(self, report: Any, *, tokens_per_step: int, mfu: tuple[float | None, float | None, int]) -> None:
         """Put the summary into `report.timing` and `report.mfu`; `mfu` is what `mfu_inputs` returns."""
@@ -132,6 +161,8 @@ def format_timing(timing: dict) -> str:
         return ""
     ms = timing["median_ms"]
     mfu = f", MFU {timing['mfu']:.1%}" if timing.get("mfu") is not None else ""
+    device = f"; device {timing['device_ms']:.1f} ms per step" if timing.get("device_ms") is not None else ""
     return (f"step time     {timing['steady_step_ms']:.1f} ms steady (median: data wait {ms['data_wait']:.1f}, "
-            f"host {ms['host']:.1f}, sync {ms['sync']:.1f}, eval/save {ms['other']:.1f} ms); "
+            f"host {ms['host']:.1f}, sync {ms['sync']:.1f}, eval/save {ms['other']:.1f} ms{device}); "
             f"{timing['steady_tokens_per_s']:,.0f} tokens/s{mfu}")
+

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,6 +39,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from tpu_helpers.backend import Backend, backend_for
+from tpu_helpers.backend.base import ReplayUnsupported
 from tpu_helpers.callbacks import Callback, as_callback
 from tpu_helpers.config import ConfigError, TrainConfig
 from tpu_helpers.data import make_loader
@@ -103,7 +105,8 @@ class Trainer:
         self.tracking = Tracking(cfg) if cfg.trackers and self.backend.is_main else None
         if self.tracking is not None:
             self.callbacks.append(self.tracking)
-        self.timer = StepTimer()
+        self.timer = StepTimer(device_clock=self.backend.device_seconds)  # device time per step where known
+        self._replayed_loss = self.backend.compile_step(batch_loss) if cfg.replay_steps else None
         # How the run ends: its stop reason (a signal, a callback, a divergence) and what diverged (outcome.py).
         self.outcome = RunOutcome(cfg)
         # A finite loss spike (training/divergence.py), checked on the losses the loop reads anyway.
@@ -162,6 +165,12 @@ class Trainer:
     # ---- the step ------------------------------------------------------------------------------------------------
     def compute_loss(self, batch: Any) -> torch.Tensor:
         # (inputs, targets) pairs or Hugging Face dict batches; anything else is an error listing both forms.
+        if self._replayed_loss is not None:  # config.replay_steps: replayed, or lazily once it cannot be captured
+            try:
+                return self._replayed_loss(self.model, batch, self.loss_fn)
+            except ReplayUnsupported as err:
+                self._replayed_loss = None
+                warnings.warn(f"{err}; the steps are traced lazily instead (replay_steps=False)", stacklevel=2)
         return batch_loss(self.model, batch, self.loss_fn)
 
     def train_step(self, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor | None]:
