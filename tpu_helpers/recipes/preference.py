@@ -201,7 +201,8 @@ class Preference(HFJob):
         before = self.backend.metrics().get("compilations", 0)
         # Every prompt fits SEQ_LEN (the rows were built so): a shorter width would cut the longer prompts' starts.
         preds = hf.generate(model, self.tokenizer, prompts, device=self.backend.device, sync=self.backend.sync,
-                            max_new_tokens=self.config.max_new_tokens, prompt_len=self.config.seq_len)
+                            max_new_tokens=self.config.max_new_tokens, prompt_len=self.config.seq_len,
+                            replay=self.backend.compile_step)
         rows = [{"prompt": p[-1]["content"], "chosen": a, "prediction": y}
                 for p, a, y in zip(prompts, answers, preds, strict=True)]
         return {"exact_match": exact_match(preds, answers), "rows": rows,
