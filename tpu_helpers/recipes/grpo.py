@@ -251,7 +251,8 @@ class GRPO(HFJob):
     # ---- 4. samples -----------------------------------------------------------------------------------------------
     def samples(self, n: int | None = None) -> dict:
         """Held-out prompts answered with the run's sampling (a fixed stream) in the training step's shapes (on XLA
-        the generation graphs training compiled): mean reward, each reward's mean, rows, graphs compiled."""
+        the generation graphs training compiled): mean reward, mean completion tokens, each reward's mean, rows,
+        graphs compiled."""
         cfg, b = self.config, self.backend
         records = self.held_out if n is None else self.held_out[:n]
         held, _ = build_prompt_dataset(self.tokenizer, records, max_prompt_len=cfg.max_prompt_len,
@@ -277,7 +278,8 @@ class GRPO(HFJob):
         table = [{"prompt": p if isinstance(p, str) else p[-1]["content"], "answer": r.get(cfg.answer_field),
                   "completion": c, "reward": t}
                  for p, r, c, t in zip(scored["prompts"], kept, scored["completions"], total, strict=True)]
-        return {"reward": sum(total) / len(total),
+        lengths = scored["completion_tokens"]
+        return {"reward": sum(total) / len(total), "completion_tokens": sum(lengths) / len(lengths),
                 "rewards": {k: sum(v) / len(v) for k, v in scored["rewards"].items()}, "rows": table,
                 "compilations": b.metrics().get("compilations", 0) - before}
 
