@@ -101,6 +101,18 @@ def test_grad_accum_1_and_2_give_the_same_gradients_for_every_loss_type(tmp_path
         torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-7, msg=loss_type)
 
 
+def test_the_batch_std_spans_every_process_rows(tmp_path, monkeypatch):
+    # SCALE_REWARDS "batch": TRL divides by the std of the rewards it gathered from every process; here a host
+    # gather of the reward floats where processes hold different rows (this one the second of two, faked).
+    trainer = _job(tmp_path, scale_rewards="batch").trainer
+    mine, other = [1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 3.0, 0.0]
+    monkeypatch.setattr(type(trainer.backend), "loader_rank_and_world", property(lambda self: (1, 2)))
+    monkeypatch.setattr(trainer.backend, "gather_objects", lambda value: [other, value])
+    want = group_advantages(torch.tensor(mine), 2, scale="batch", batch=torch.tensor(other + mine))
+    torch.testing.assert_close(trainer.advantages(mine), want)
+    assert not torch.allclose(want, group_advantages(torch.tensor(mine), 2, scale="batch"))
+
+
 def odd_first_character(prompts, completions):
     """A reward by import path that varies even for an untrained model's answers (the built-ins give it 0)."""
     return [float(bool(c) and ord(c[0]) % 2 == 1) for c in completions]
