@@ -54,6 +54,9 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
     "graph_hygiene": (["--steps", "12", "--eval-every", "6", "--log-every", "3", "--save-every", "6"],
                       [r"^distinct graphs compiled: \d+", r"^last step that compiled: \d+",
                        r"^host transfers in \d+ steps between log intervals: \d+"]),
+    "grpo_loss_types": (["--smoke"], [rf"^held-out before training: mean reward {NUMBER}",
+                                      *(rf"^{t} +{NUMBER} +{NUMBER} +{NUMBER} +{NUMBER} +{NUMBER} +{NUMBER}$"
+                                        for t in ("grpo", "bnpo", "dr_grpo", "dapo"))]),
     "grpo_vs_trl": (["--smoke"], [rf"^package +{NUMBER} s/step after the first, generation \d+%",
                                   rf"^trl(: skipped \(trl is not installed| +{NUMBER} s/step)"]),
     "kill_soak": (["--kills", "3", "--sigterms", "1", "--steps", "60"],

@@ -4,6 +4,7 @@ adapter-disabled model), kill and resume with the same sampling stream, and bad 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from tests.support import StopAt
-from tpu_helpers.algorithms.grpo import GRPOSettings, completion_logps, group_advantages
+from tpu_helpers.algorithms.grpo import GRPOSettings, completion_logps
+from tpu_helpers.algorithms.grpo_loss import group_advantages
 from tpu_helpers.callbacks import Callback
 from tpu_helpers.config import ConfigError, config_from_parameters
 from tpu_helpers.recipes.grpo import GRPO, GRPOConfig
@@ -70,6 +72,47 @@ def test_the_loss_of_two_prompts_by_two_samples_matches_a_hand_computation(tmp_p
     torch.testing.assert_close(ref_now, torch.tensor(logp), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("importance", ["token", "sequence"])
+def test_grad_accum_1_and_2_give_the_same_gradients_for_every_loss_type(tmp_path, importance):
+    """Each type's divisor spans the whole step (grpo_loss's docstring): the gradients of one step over 4 answers
+    of different lengths (11 and 3 completion tokens in the two halves) are the same in one micro-batch or two.
+    TRL's own bnpo divides each micro-batch by its own count; tests/algorithms/test_grpo_loss.py shows that differs."""
+    job = _job(tmp_path, num_iterations=2, kl_beta=0.1, epsilon_high=0.28)
+    trainer, tok = job.trainer, job.tokenizer
+    prompts = job.train_data.input_ids[:2].repeat_interleave(2, 0)
+    pmask = job.train_data.attention_mask[:2].repeat_interleave(2, 0)
+    completion = torch.tensor([[5, 6, 7], [8, 9, 10], [11, tok.eos_token_id, 0], [12, 13, 14]])
+    cmask = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 0, 0]])
+    g = torch.Generator().manual_seed(0)
+    rollout = {"ids": torch.cat([prompts, completion], 1), "mask": torch.cat([pmask, cmask], 1),
+               "completion_mask": cmask, "old_logp": -3 * torch.rand(4, 3, generator=g),
+               "ref_logp": -3 * torch.rand(4, 3, generator=g), "advantages": torch.tensor([0.7, -0.7, 1.1, -1.1])}
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
+        trainer.settings = dataclasses.replace(trainer.settings, loss_type=loss_type, importance=importance)
+        grads, losses = [], []
+        for micro_batches in (1, 2):
+            trainer.model.zero_grad(set_to_none=True)
+            loss, _, _ = trainer.accumulate(rollout, micro_batches)
+            losses.append(loss.item())
+            grads.append(torch.cat([p.grad.flatten() for p in params]))
+        assert grads[0].abs().max() > 0, loss_type
+        assert losses[1] == pytest.approx(losses[0], rel=1e-5), loss_type
+        torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-7, msg=loss_type)
+
+
+def test_the_batch_std_spans_every_process_rows(tmp_path, monkeypatch):
+    # SCALE_REWARDS "batch": TRL divides by the std of the rewards it gathered from every process; here a host
+    # gather of the reward floats where processes hold different rows (this one the second of two, faked).
+    trainer = _job(tmp_path, scale_rewards="batch").trainer
+    mine, other = [1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 3.0, 0.0]
+    monkeypatch.setattr(type(trainer.backend), "loader_rank_and_world", property(lambda self: (1, 2)))
+    monkeypatch.setattr(trainer.backend, "gather_objects", lambda value: [other, value])
+    want = group_advantages(torch.tensor(mine), 2, scale="batch", batch=torch.tensor(other + mine))
+    torch.testing.assert_close(trainer.advantages(mine), want)
+    assert not torch.allclose(want, group_advantages(torch.tensor(mine), 2, scale="batch"))
+
+
 def odd_first_character(prompts, completions):
     """A reward by import path that varies even for an untrained model's answers (the built-ins give it 0)."""
     return [float(bool(c) and ord(c[0]) % 2 == 1) for c in completions]
@@ -121,6 +164,42 @@ def test_strict_xla_grpo_with_checkpointing_reads_only_for_rewards_logs_and_save
     print(f"GRPO strict on XLA:CPU: compilations {report.xla['compilations']} (steps 1-2: "
           f"{[steps[k]['compilations'] for k in (1, 2)]}), transfers per step "
           f"{[steps[k]['device_to_host_transfers'] for k in sorted(steps)]}")
+
+
+@pytest.mark.xla
+def test_strict_xla_dapo_with_sequence_ratios_clip_higher_and_batch_std_compiles_nothing_after_warm_up(tmp_path):
+    from tests.support import XLA_BACKEND
+
+    counters = _Counters()
+    job = _job(tmp_path, "xla", backend=XLA_BACKEND, callbacks=[counters], steps=4, log_every=1, save_every=100,
+               num_iterations=2, grad_accum=2, loss_type="dapo", importance="sequence", epsilon_high=0.28,
+               scale_rewards="batch", rewards="tests.algorithms.test_grpo:odd_first_character")
+    report = job.train()  # strict: a recompilation or an undeclared host read after warm-up raises
+    steps = counters.steps
+    assert all(s["compilations"] == 0 for k, s in steps.items() if k > 2), steps
+    assert report.xla["problems"] == [] and report.xla["cpu_fallback_ops"] == {}
+    records = job.history.train
+    assert len(records) == 4 and all(math.isfinite(r["loss"]) and 0 <= r["clip_fraction"] <= 1 for r in records)
+    print(f"GRPO dapo + sequence ratios on XLA:CPU: compilations {report.xla['compilations']} (steps 1-2: "
+          f"{[steps[k]['compilations'] for k in (1, 2)]})")
+
+
+def test_bad_loss_settings_name_the_value():
+    with pytest.raises(ConfigError, match=r"LOSS_TYPE='ppo' is not one of \('grpo', 'bnpo', 'dr_grpo', 'dapo'\)"):
+        config_from_parameters({"LOSS_TYPE": "ppo"}, base=GRPOConfig())
+    with pytest.raises(ConfigError, match=r"IMPORTANCE='tokens' is not one of \('token', 'sequence'\)"):
+        config_from_parameters({"IMPORTANCE": "tokens"}, base=GRPOConfig())
+    with pytest.raises(ConfigError, match=r"SCALE_REWARDS='std' is not one of \('group', 'batch', 'none'\)"):
+        config_from_parameters({"SCALE_REWARDS": "std"}, base=GRPOConfig())
+    with pytest.raises(ConfigError, match=r"EPSILON_HIGH=0.1 must be a finite number >= CLIP_EPS=0.2"):
+        config_from_parameters({"EPSILON_HIGH": 0.1}, base=GRPOConfig())
+    with pytest.raises(ConfigError, match=r"EPSILON_HIGH=inf must be a finite number"):
+        config_from_parameters({"EPSILON_HIGH": float("inf")}, base=GRPOConfig())
+    with pytest.raises(ConfigError, match=r"SCALE_REWARDS=False has type bool; expected str"):
+        config_from_parameters({"SCALE_REWARDS": False}, base=GRPOConfig())
+    with pytest.raises(ConfigError, match=r"loss_type='GRPO' is not one of"):
+        GRPOSettings(loss_type="GRPO")
+    assert GRPOSettings(clip_eps=0.2, epsilon_high=0.2).epsilon_high == 0.2  # equal to the lower clip: allowed
 
 
 def test_kill_and_resume_continues_the_same_run_bit_for_bit(tmp_path):

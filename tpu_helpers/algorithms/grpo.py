@@ -18,24 +18,28 @@ Each generation step (the first of every `num_iterations` optimizer steps) takes
 2. reads the completions and the rows' record indices to the host in one transfer (the step's only read,
    declared through `Cadence.read_every`, so the XLA detector expects it), decodes them and calls the rewards
    (`algorithms.rewards`) with each record's fields;
-3. normalises the summed reward within each group, A = (r - mean) / (std + 1e-4) (std with Bessel's correction,
-   as TRL), and, with `kl_beta` > 0, computes the reference's log-probabilities of the completions: under LoRA the
-   same model with the adapter disabled (no second copy of the weights), otherwise `ref_model`, a frozen copy (bf16
-   where the step computes in bf16); then syncs, so the optimizer step is the same graph at every step.
+3. turns the summed rewards into advantages within each group, A = (r - mean) / (std + 1e-4) (`scale_rewards`
+   "group", std with Bessel's correction, as TRL; "batch": the step's std; "none": no division), and, with
+   `kl_beta` > 0, computes the reference's log-probabilities of the completions: under LoRA the same model with the
+   adapter disabled (no second copy of the weights), otherwise `ref_model`, a frozen copy (bf16 where the step
+   computes in bf16); then syncs, so the optimizer step is the same graph at every step.
 
 Every optimizer step then minimises, over the completion tokens of all B x G rows (split into `grad_accum`
-micro-batches; the sum is divided by the step's completion-token count, so every token weighs the same, as DAPO
-and the package's SFT loss do):
+micro-batches whose losses add up to the step's, so the gradient does not depend on `grad_accum`):
 
-    ratio = exp(logp - logp_old)
-    loss  = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) + beta * (exp(ref - logp) - (ref - logp) - 1)
+    ratio = exp(logp - logp_old)         (importance "sequence": per row, the exp of its tokens' mean log-ratio)
+    loss  = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A) + beta * (exp(ref - logp) - (ref - logp) - 1)
 
+summed over the tokens and divided as `loss_type` says (`algorithms.grpo_loss`: grpo, per-row means then their
+mean; bnpo, the step's token count; dr_grpo, rows x max_new_tokens; dapo, the token count averaged over
+data-parallel processes by an all-reduce on the device), each as TRL 1.16 defines it.
 logp under softmax(logits / temperature), as sampled (dropout off by default, `disable_dropout`, so the training
 forward computes what generation did). With `num_iterations` 1, logp_old is logp itself (detached:
 the ratio is exactly 1 and the update on-policy); with more, the generation's own log-probabilities are kept for
 the `num_iterations` updates over the same completions, as in the GRPO paper. Logged per log step: the loss, the
 mean reward (and each reward's), its spread within groups, the completion length, the KL to the reference, the
-share of clipped tokens, and the seconds spent generating and rewarding.
+share of clipped tokens (of clipped rows' tokens with the sequence ratio), and the seconds spent generating and
+rewarding.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from typing import Any
 
 import torch
 
+from tpu_helpers.algorithms import grpo_loss
 from tpu_helpers.algorithms.rewards import Reward, score
 from tpu_helpers.config import ConfigError
 from tpu_helpers.data.rl import prompt_and_answer
@@ -66,7 +71,9 @@ class GRPOSettings:
 
     num_generations: answers sampled per prompt (the group; >= 2); max_new_tokens: tokens per answer;
     temperature / top_k / top_p: the sampling (temperature > 0: a group of identical greedy answers teaches
-    nothing); kl_beta: weight of the k3 KL to the reference (0: no reference); clip_eps: the ratio's clip;
+    nothing); kl_beta: weight of the k3 KL to the reference (0: no reference); clip_eps: the ratio's clip
+    (epsilon_high: its upper side, DAPO's clip-higher, default clip_eps); loss_type (grpo | bnpo | dr_grpo | dapo),
+    importance (token | sequence) and scale_rewards (group | batch | none): see `algorithms.grpo_loss`;
     num_iterations: optimizer steps per batch of sampled answers; prompt_field / answer_field: the record fields
     the rewards read; disable_dropout: every dropout of the policy and the reference set to 0 when the trainer is
     built (generation runs in eval mode and the loss in train mode: with dropout the on-policy ratio would not be 1
@@ -80,6 +87,10 @@ class GRPOSettings:
     top_p: float = 1.0
     kl_beta: float = 0.04
     clip_eps: float = 0.2
+    epsilon_high: float | None = None
+    loss_type: str = "bnpo"
+    importance: str = "token"
+    scale_rewards: str = "group"
     num_iterations: int = 1
     prompt_field: str = "prompt"
     answer_field: str = "answer"
@@ -104,6 +115,13 @@ class GRPOSettings:
             raise ConfigError(f"kl_beta={self.kl_beta!r} must be a finite number >= 0 (0: no reference model)")
         if not 0 < self.clip_eps < 1:
             raise ConfigError(f"clip_eps={self.clip_eps!r} must be between 0 and 1")
+        high = self.epsilon_high
+        if high is not None and not (isinstance(high, (int, float)) and math.isfinite(high) and high >= self.clip_eps):
+            raise ConfigError(f"epsilon_high={high!r} must be a finite number >= clip_eps={self.clip_eps!r} (the "
+                              "upper clip, DAPO's clip-higher: e.g. 0.28), or None for clip_eps")
+        grpo_loss.check_choice("loss_type", self.loss_type, grpo_loss.LOSS_TYPES)
+        grpo_loss.check_choice("importance", self.importance, grpo_loss.IMPORTANCE_LEVELS)
+        grpo_loss.check_choice("scale_rewards", self.scale_rewards, grpo_loss.SCALE_REWARDS)
 
     @property
     def sampling(self) -> Sampling:
@@ -130,30 +148,6 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.p = 0.0
         if isinstance(getattr(module, "attention_dropout", None), float):
             module.attention_dropout = 0.0
-
-
-def group_advantages(rewards: torch.Tensor, group: int, eps: float = 1e-4) -> torch.Tensor:
-    """(r - group mean) / (group std + eps) for rewards laid out group by group (G consecutive rows each)."""
-    r = rewards.float().reshape(-1, group)
-    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).reshape(-1)
-
-
-def grpo_terms(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor | None,
-               advantages: torch.Tensor, mask: torch.Tensor, *, clip_eps: float,
-               kl_beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sums over the masked tokens of (rows, N) inputs: (clipped policy loss + beta * KL, KL, clipped tokens)."""
-    ratio = torch.exp(logp - old_logp)
-    adv = advantages.unsqueeze(-1)
-    per_token = -torch.minimum(ratio * adv, ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * adv)
-    clipped = ((ratio < 1.0 - clip_eps) & (adv < 0)) | ((ratio > 1.0 + clip_eps) & (adv > 0))
-    m = mask.float()
-    if ref_logp is None:
-        kl = torch.zeros_like(logp)
-    else:
-        diff = ref_logp - logp
-        kl = torch.exp(diff) - diff - 1.0
-        per_token = per_token + kl_beta * kl
-    return (per_token * m).sum(), (kl * m).sum(), (clipped.float() * m).sum()
 
 
 def completion_logps(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, completion: int,
@@ -250,7 +244,7 @@ class GRPOTrainer(Trainer):
         rewards, stats = self.score(host["ids"].tolist(), host["index"].tolist())
         rollout = {"ids": torch.cat([ids, gen.ids], 1), "mask": torch.cat([mask, gen.mask], 1),
                    "completion_mask": gen.mask, "old_logp": gen.logprobs,
-                   "advantages": group_advantages(torch.tensor(rewards), g).to(b.device)}
+                   "advantages": self.advantages(rewards).to(b.device)}
         if self.settings.kl_beta > 0:
             with torch.no_grad(), b.autocast():
                 rollout["ref_logp"] = self.reference_logps(rollout["ids"], rollout["mask"])
@@ -258,6 +252,17 @@ class GRPOTrainer(Trainer):
         self.rollout_seconds.append(time.perf_counter() - t0)
         self._host_log.append({**stats, "generate_s": self.rollout_seconds[-1]})
         return rollout
+
+    def advantages(self, rewards: list[float]) -> torch.Tensor:
+        """The rows' advantages from their summed rewards (host floats), as `settings.scale_rewards` says. The
+        "batch" std spans the rows of every process (TRL's spans its gathered rewards): a host gather of the floats,
+        where processes hold different rows."""
+        s, b = self.settings, self.backend
+        batch = None
+        if s.scale_rewards == "batch" and b.loader_rank_and_world[1] > 1:
+            batch = torch.tensor([x for part in b.gather_objects(rewards) for x in part])
+        return grpo_loss.group_advantages(torch.tensor(rewards), s.num_generations, scale=s.scale_rewards,
+                                          batch=batch)
 
     def sampling_key(self, index: int) -> torch.Tensor:
         """The sampling stream of generation `index`: a function of the seed, the index and the process (the
@@ -289,35 +294,48 @@ class GRPOTrainer(Trainer):
             return completion_logps(self.model, ids, mask, n, t)
 
     # ---- the optimizer step ---------------------------------------------------------------------------------------
-    def policy_loss(self, rollout: dict, rows: slice, count: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(loss, KL sum, clipped-token sum) of the rows `rows` of `rollout`, the loss over `count` tokens."""
-        n = self.settings.max_new_tokens
-        logp = completion_logps(self.model, rollout["ids"][rows], rollout["mask"][rows], n, self.settings.temperature)
-        old = logp.detach() if self.settings.num_iterations == 1 else rollout["old_logp"][rows]
+    def policy_loss(self, rollout: dict, rows: slice,
+                    divisor: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss, KL sum, clipped-token sum) of the rows `rows` of `rollout`: their share of the step's loss, whose
+        divisor (`grpo_loss.step_divisor`) spans every micro-batch of the step."""
+        s = self.settings
+        logp = completion_logps(self.model, rollout["ids"][rows], rollout["mask"][rows], s.max_new_tokens,
+                                s.temperature)
+        old = logp.detach() if s.num_iterations == 1 else rollout["old_logp"][rows]
         ref = rollout["ref_logp"][rows] if "ref_logp" in rollout else None
-        loss_sum, kl_sum, clipped = grpo_terms(logp, old, ref, rollout["advantages"][rows],
-                                               rollout["completion_mask"][rows], clip_eps=self.settings.clip_eps,
-                                               kl_beta=self.settings.kl_beta)
-        return loss_sum / count, kl_sum, clipped
+        mask = rollout["completion_mask"][rows]
+        per_token, kl, clipped = grpo_loss.policy_terms(
+            logp, old, ref, rollout["advantages"][rows], mask, clip_eps=s.clip_eps, epsilon_high=s.epsilon_high,
+            kl_beta=s.kl_beta, importance=s.importance)
+        m = mask.float()
+        loss = grpo_loss.micro_batch_loss(s.loss_type, per_token, mask, divisor)
+        return loss, (kl * m).sum(), (clipped * m).sum()
 
-    def train_step(self, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor | None]:
-        b, accum = self.backend, self.config.grad_accum
-        if self.step % self.settings.num_iterations == 0 or self.rollout is None:
-            self.rollout = self.make_rollout(next(batches))
-        r = self.rollout
-        rows = r["ids"].shape[0] // accum
-        count = r["completion_mask"].sum().clamp(min=1).float()
+    def accumulate(self, rollout: dict, micro_batches: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The backward passes of one optimizer step over `rollout`, split into `micro_batches`: (loss, KL sum,
+        clipped-token sum), device tensors. The gradients are the same for any split (the divisor is the step's)."""
+        b, s = self.backend, self.settings
+        rows = rollout["ids"].shape[0] // micro_batches
+        mask = rollout["completion_mask"]
+        divisor = grpo_loss.step_divisor(s.loss_type, mask, s.max_new_tokens, b.all_reduce_mean)
         total, kl, clipped = None, 0.0, 0.0
-        for k in range(accum):
+        for k in range(micro_batches):
             with b.autocast():
-                loss, kl_k, clipped_k = self.policy_loss(r, slice(k * rows, (k + 1) * rows), count)
+                loss, kl_k, clipped_k = self.policy_loss(rollout, slice(k * rows, (k + 1) * rows), divisor)
             b.backward(loss)
             total = loss.detach() if total is None else total + loss.detach()
             kl, clipped = kl + kl_k.detach(), clipped + clipped_k.detach()
+        return total, kl, clipped
+
+    def train_step(self, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.step % self.settings.num_iterations == 0 or self.rollout is None:
+            self.rollout = self.make_rollout(next(batches))
+        total, kl, clipped = self.accumulate(self.rollout, self.config.grad_accum)
+        count = self.rollout["completion_mask"].sum().clamp(min=1).float()
         one = torch.ones_like(count)
         self._metrics = self._metrics + torch.stack([kl / count, clipped / count, one])
         if self.cadence.is_log_step(self.step + 1):
-            b.add_step_closure(self._read_metrics, self.step + 1, self._metrics)
+            self.backend.add_step_closure(self._read_metrics, self.step + 1, self._metrics)
             self._metrics = self._zero_metrics()
         return total, self.apply_gradients()
 

@@ -18,9 +18,13 @@ settings go to the trainer whole as `algorithms.grpo.GRPOSettings`, checked ther
   OUT_DIR (its merged/ export, else its adapter/). `job.source` is that model's directory.
 - DATASET of prompts with reference answers (`data.rl`: "sums", generated; a file or hub set with PROMPT_FIELD and
   ANSWER_FIELD), REWARDS (`algorithms.rewards`: built-in names or import paths), NUM_GENERATIONS, MAX_PROMPT_LEN,
-  MAX_NEW_TOKENS, TEMPERATURE/TOP_K/TOP_P, KL_BETA, CLIP_EPS, NUM_ITERATIONS, DISABLE_DROPOUT (default True: dropout
-  off in the policy and reference, so the on-policy ratio is 1 and the KL clean). BATCH_SIZE counts prompts per chip
-  and step; each brings NUM_GENERATIONS rows (split over GRAD_ACCUM micro-batches).
+  MAX_NEW_TOKENS, TEMPERATURE/TOP_K/TOP_P, KL_BETA, CLIP_EPS and EPSILON_HIGH (the upper clip, DAPO's clip-higher),
+  LOSS_TYPE (grpo | bnpo | dr_grpo | dapo: what the token losses are divided by), IMPORTANCE (token | sequence:
+  GSPO's one ratio per answer), SCALE_REWARDS (group | batch | none: the advantages' std), all as TRL's GRPOTrainer
+  defines them (`algorithms.grpo_loss`), NUM_ITERATIONS, DISABLE_DROPOUT (default True: dropout off in the policy
+  and reference, so the on-policy ratio is 1 and the KL clean). BATCH_SIZE counts prompts per chip and step; each
+  brings NUM_GENERATIONS rows (split over GRAD_ACCUM micro-batches; the loss is the whole step's, whatever the
+  split).
 """
 
 from __future__ import annotations
@@ -94,6 +98,10 @@ class GRPOConfig(HFJobConfig):
     top_p: float = 1.0  # sampling: within this probability mass (1.0: all)
     kl_beta: float = 0.04
     clip_eps: float = 0.2
+    epsilon_high: float | None = None  # the upper clip (DAPO's clip-higher, e.g. 0.28); None: clip_eps
+    loss_type: str = "bnpo"  # grpo | bnpo | dr_grpo | dapo (algorithms.grpo_loss)
+    importance: str = "token"  # token | sequence (GSPO: one importance ratio per answer)
+    scale_rewards: str = "group"  # group | batch | none: the std the advantages are divided by
     num_iterations: int = 1  # optimizer steps per generation batch (the old log-probabilities kept)
     disable_dropout: bool = True  # every dropout of the policy and reference at 0 (ratio 1 on-policy, a clean KL)
     batch_size: int = 8
@@ -124,7 +132,9 @@ class GRPOConfig(HFJobConfig):
         """The algorithm's settings, as the trainer takes them."""
         return GRPOSettings(num_generations=self.num_generations, max_new_tokens=self.max_new_tokens,
                             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, kl_beta=self.kl_beta,
-                            clip_eps=self.clip_eps, num_iterations=self.num_iterations,
+                            clip_eps=self.clip_eps, epsilon_high=self.epsilon_high, loss_type=self.loss_type,
+                            importance=self.importance, scale_rewards=self.scale_rewards,
+                            num_iterations=self.num_iterations,
                             prompt_field=self.prompt_field, answer_field=self.answer_field,
                             disable_dropout=self.disable_dropout)
 
@@ -241,7 +251,8 @@ class GRPO(HFJob):
     # ---- 4. samples -----------------------------------------------------------------------------------------------
     def samples(self, n: int | None = None) -> dict:
         """Held-out prompts answered with the run's sampling (a fixed stream) in the training step's shapes (on XLA
-        the generation graphs training compiled): mean reward, each reward's mean, rows, graphs compiled."""
+        the generation graphs training compiled): mean reward, mean completion tokens, each reward's mean, rows,
+        graphs compiled."""
         cfg, b = self.config, self.backend
         records = self.held_out if n is None else self.held_out[:n]
         held, _ = build_prompt_dataset(self.tokenizer, records, max_prompt_len=cfg.max_prompt_len,
@@ -267,7 +278,8 @@ class GRPO(HFJob):
         table = [{"prompt": p if isinstance(p, str) else p[-1]["content"], "answer": r.get(cfg.answer_field),
                   "completion": c, "reward": t}
                  for p, r, c, t in zip(scored["prompts"], kept, scored["completions"], total, strict=True)]
-        return {"reward": sum(total) / len(total),
+        lengths = scored["completion_tokens"]
+        return {"reward": sum(total) / len(total), "completion_tokens": sum(lengths) / len(lengths),
                 "rewards": {k: sum(v) / len(v) for k, v in scored["rewards"].items()}, "rows": table,
                 "compilations": b.metrics().get("compilations", 0) - before}
 
