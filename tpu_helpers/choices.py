@@ -26,6 +26,15 @@ FINETUNE_METHODS = ("lora", "full", "distill")
 # Quantization-aware training (models/qat.py): the base model's linear weights fake-quantized in the forward pass,
 # symmetric per group of input columns, to 4 or 8 bits.
 QAT_SCHEMES = ("int4", "int8")
+# QLoRA (models/quant4.py): the frozen base's linear layers stored in 4 bits, NormalFloat or symmetric int4.
+QUANTIZE_FORMATS = ("nf4", "int4")
+# GRPO (algorithms/grpo_loss.py, TRL's names): the loss's normaliser, the importance ratio's level, the rewards' scale.
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+GRPO_IMPORTANCE = ("token", "sequence")
+GRPO_SCALE_REWARDS = ("group", "batch", "none")
+# Preference tuning (algorithms/preference_loss.py): the algorithm, and DPO's loss (TRL's names).
+PREFERENCE_ALGORITHMS = ("dpo", "orpo")
+DPO_LOSS_TYPES = ("sigmoid", "ipo")
 XLA_CHECKS = ("warn", "strict", "off")
 ON_NONFINITE = ("stop", "warn")
 # A loss that spikes but stays finite (training/divergence.py): stop the run | warn once and go on | do not check.

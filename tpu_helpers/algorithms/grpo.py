@@ -54,6 +54,7 @@ import torch
 
 from tpu_helpers.algorithms import grpo_loss
 from tpu_helpers.algorithms.rewards import Reward, score
+from tpu_helpers.choices import check_choice
 from tpu_helpers.config import ConfigError
 from tpu_helpers.data.rl import prompt_and_answer
 from tpu_helpers.models import lm_head, lora
@@ -119,9 +120,9 @@ class GRPOSettings:
         if high is not None and not (isinstance(high, (int, float)) and math.isfinite(high) and high >= self.clip_eps):
             raise ConfigError(f"epsilon_high={high!r} must be a finite number >= clip_eps={self.clip_eps!r} (the "
                               "upper clip, DAPO's clip-higher: e.g. 0.28), or None for clip_eps")
-        grpo_loss.check_choice("loss_type", self.loss_type, grpo_loss.LOSS_TYPES)
-        grpo_loss.check_choice("importance", self.importance, grpo_loss.IMPORTANCE_LEVELS)
-        grpo_loss.check_choice("scale_rewards", self.scale_rewards, grpo_loss.SCALE_REWARDS)
+        check_choice("loss_type", self.loss_type, grpo_loss.LOSS_TYPES)
+        check_choice("importance", self.importance, grpo_loss.IMPORTANCE_LEVELS)
+        check_choice("scale_rewards", self.scale_rewards, grpo_loss.SCALE_REWARDS)
 
     @property
     def sampling(self) -> Sampling:

@@ -50,18 +50,11 @@ from collections.abc import Callable
 
 import torch
 
-from tpu_helpers.config import ConfigError
+from tpu_helpers.choices import GRPO_IMPORTANCE, GRPO_LOSS_TYPES, GRPO_SCALE_REWARDS, check_choice
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-IMPORTANCE_LEVELS = ("token", "sequence")
-SCALE_REWARDS = ("group", "batch", "none")
-
-
-def check_choice(name: str, value: object, allowed: tuple[str, ...]) -> str:
-    """`value` if it is one of `allowed`, else a ConfigError naming the parameter, the value and what is allowed."""
-    if not isinstance(value, str) or value not in allowed:
-        raise ConfigError(f"{name}={value!r} is not one of {allowed}")
-    return value
+LOSS_TYPES = GRPO_LOSS_TYPES
+IMPORTANCE_LEVELS = GRPO_IMPORTANCE
+SCALE_REWARDS = GRPO_SCALE_REWARDS
 
 
 def group_advantages(rewards: torch.Tensor, group: int, *, scale: str = "group", batch: torch.Tensor | None = None,

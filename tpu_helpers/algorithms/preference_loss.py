@@ -33,10 +33,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from tpu_helpers.choices import DPO_LOSS_TYPES, PREFERENCE_ALGORITHMS
 from tpu_helpers.config import ConfigError
 
-ALGORITHMS = ("dpo", "orpo")
-LOSS_TYPES = ("sigmoid", "ipo")
+ALGORITHMS = PREFERENCE_ALGORITHMS
+LOSS_TYPES = DPO_LOSS_TYPES
 
 
 @dataclass(frozen=True)

@@ -53,9 +53,10 @@ import torch
 import torch.nn.functional as F
 
 from tpu_helpers.backend.units import plain_name
+from tpu_helpers.choices import QUANTIZE_FORMATS
 from tpu_helpers.config import ConfigError
 
-FORMATS = ("nf4", "int4")
+FORMATS = QUANTIZE_FORMATS
 DEFAULT_GROUP_SIZE = 64
 
 # The NormalFloat-4 table as torchao's NF4Tensor holds it (4 decimals of the paper's values, which bitsandbytes
