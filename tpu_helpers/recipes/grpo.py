@@ -47,6 +47,7 @@ from tpu_helpers.models import hf, lora
 from tpu_helpers.models.generation import check_generation_support, generate_ids
 from tpu_helpers.models.hf import eos_ids
 from tpu_helpers.recipes.hf_job import HFJob, HFJobConfig, JobData
+from tpu_helpers.training.results import panels_figure
 
 # As fine-tuning does: without transformers/peft the notebook stops at its first cell, naming the extra.
 require_extra("hf", "GRPO (tpu_helpers.recipes.grpo)")
@@ -61,20 +62,7 @@ def curves_figure(curves: dict[str, list], *, pyplot: bool = False):
     """Mean reward, completion tokens, KL and loss against step, from `GRPO.curves()` (or results.json's "curves").
     `pyplot=True`: a pyplot figure (a notebook shows it); otherwise a standalone Figure pyplot does not track (for
     files: nothing to close)."""
-    if pyplot:
-        import matplotlib.pyplot as plt
-
-        fig = plt.figure(figsize=(14, 3.2))
-    else:
-        from matplotlib.figure import Figure
-
-        fig = Figure(figsize=(14, 3.2))
-    for ax, (key, title) in zip(fig.subplots(1, len(CURVES)), CURVES, strict=True):
-        ax.plot(curves["step"], curves[key], ".-")
-        ax.set(xlabel="step", title=title)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    return fig
+    return panels_figure(curves, CURVES, width=14, pyplot=pyplot)
 
 
 @dataclass

@@ -47,6 +47,7 @@ from tpu_helpers.extras import require_extra
 from tpu_helpers.memory.preference_plan import preference_estimate
 from tpu_helpers.models import hf
 from tpu_helpers.recipes.hf_job import HFJob, HFJobConfig, JobData
+from tpu_helpers.training.results import panels_figure
 
 # As fine-tuning does: without transformers/peft the notebook stops at its first cell, naming the extra.
 require_extra("hf", "preference tuning (tpu_helpers.recipes.preference)")
@@ -59,20 +60,7 @@ CURVES = (("rewards/accuracy", "preference accuracy"), ("rewards/margin", "rewar
 def curves_figure(curves: dict[str, list], *, pyplot: bool = False):
     """Preference accuracy, margin, chosen and rejected rewards and loss against step, from `Preference.curves()`
     (or results.json's "curves"); `pyplot=True`: a figure a notebook shows, else a standalone one (for files)."""
-    if pyplot:
-        import matplotlib.pyplot as plt
-
-        fig = plt.figure(figsize=(16, 3.2))
-    else:
-        from matplotlib.figure import Figure
-
-        fig = Figure(figsize=(16, 3.2))
-    for ax, (key, title) in zip(fig.subplots(1, len(CURVES)), CURVES, strict=True):
-        ax.plot(curves["step"], curves[key], ".-")
-        ax.set(xlabel="step", title=title)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    return fig
+    return panels_figure(curves, CURVES, width=16, pyplot=pyplot)
 
 
 @dataclass

@@ -40,6 +40,27 @@ def render_png(figure: Any, *, dpi: int = 110) -> bytes:
     return buf.getvalue()
 
 
+def panels_figure(curves: dict[str, list], panels: tuple[tuple[str, str], ...], *, width: float,
+                  pyplot: bool = False) -> Any:
+    """One panel per (key, title) of `panels`, each `curves[key]` against `curves["step"]` (a recipe's curves, or
+    results.json's "curves"). `pyplot=True`: a pyplot figure (a notebook shows it); otherwise a standalone Figure
+    pyplot does not track (for files: nothing to close)."""
+    if pyplot:
+        import matplotlib.pyplot as plt
+
+        fig = plt.figure(figsize=(width, 3.2))
+    else:
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(width, 3.2))
+    for ax, (key, title) in zip(fig.subplots(1, len(panels)), panels, strict=True):
+        ax.plot(curves["step"], curves[key], ".-")
+        ax.set(xlabel="step", title=title)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
 def write_results(out_dir: str | Path, results: dict, *, name: str = "results", figure: Any = None,
                   figure_name: str = "loss.png", figures: dict[str, Any] | None = None, is_main: bool = True) -> Path:
     """Write `<name>.json` (and `figure_name` when a figure is given, and each of `figures`, {file name: figure})
