@@ -109,6 +109,19 @@ class StopAt(Callback):
             trainer.stop_reason = f"interrupted by the test at step {trainer.step}"
 
 
+class StepCounters(Callback):
+    """Compilations and device-to-host transfers of each step (`steps[step]`), from the backend's XLA counters read
+    on the host before and after it."""
+
+    def on_fit_start(self, trainer) -> None:
+        self.last, self.steps = trainer.backend.metrics(), {}
+
+    def on_step_end(self, trainer) -> None:
+        now = trainer.backend.metrics()
+        self.steps[trainer.step] = {k: now[k] - self.last[k] for k in ("compilations", "device_to_host_transfers")}
+        self.last = now
+
+
 def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """{tag: [(step, value)]} of a TensorBoard log directory, as TensorBoard shows them (its own reader, which
     applies purge_step)."""

@@ -11,10 +11,9 @@ import math
 import pytest
 import torch
 
-from tests.support import StopAt
+from tests.support import StepCounters, StopAt
 from tpu_helpers.algorithms.grpo import GRPOSettings, completion_logps
 from tpu_helpers.algorithms.grpo_loss import group_advantages
-from tpu_helpers.callbacks import Callback
 from tpu_helpers.config import ConfigError, config_from_parameters
 from tpu_helpers.recipes.grpo import GRPO, GRPOConfig
 
@@ -118,23 +117,11 @@ def odd_first_character(prompts, completions):
     return [float(bool(c) and ord(c[0]) % 2 == 1) for c in completions]
 
 
-class _Counters(Callback):
-    """Compilations and host transfers of each step (XLA counters, read on the host)."""
-
-    def on_fit_start(self, trainer):
-        self.last, self.steps = trainer.backend.metrics(), {}
-
-    def on_step_end(self, trainer):
-        now = trainer.backend.metrics()
-        self.steps[trainer.step] = {k: now[k] - self.last[k] for k in ("compilations", "device_to_host_transfers")}
-        self.last = now
-
-
 @pytest.mark.xla
 def test_strict_xla_grpo_with_checkpointing_reads_only_for_rewards_logs_and_saves(tmp_path):
     from tests.support import XLA_BACKEND
 
-    counters = _Counters()
+    counters = StepCounters()
     job = _job(tmp_path, "xla", backend=XLA_BACKEND, callbacks=[counters], steps=7, log_every=1, save_every=4,
                num_iterations=2, gradient_checkpointing=True, grad_accum=2,
                rewards="answer,tests.algorithms.test_grpo:odd_first_character")
@@ -170,7 +157,7 @@ def test_strict_xla_grpo_with_checkpointing_reads_only_for_rewards_logs_and_save
 def test_strict_xla_dapo_with_sequence_ratios_clip_higher_and_batch_std_compiles_nothing_after_warm_up(tmp_path):
     from tests.support import XLA_BACKEND
 
-    counters = _Counters()
+    counters = StepCounters()
     job = _job(tmp_path, "xla", backend=XLA_BACKEND, callbacks=[counters], steps=4, log_every=1, save_every=100,
                num_iterations=2, grad_accum=2, loss_type="dapo", importance="sequence", epsilon_high=0.28,
                scale_rewards="batch", rewards="tests.algorithms.test_grpo:odd_first_character")

@@ -11,8 +11,7 @@ import math
 import pytest
 import torch
 
-from tests.support import StopAt
-from tpu_helpers.callbacks import Callback
+from tests.support import StepCounters, StopAt
 from tpu_helpers.config import ConfigError, config_from_parameters
 from tpu_helpers.models import lm_head
 from tpu_helpers.recipes.preference import Preference, PreferenceConfig
@@ -29,24 +28,12 @@ def _job(tmp_path, device="cpu", *, backend=None, callbacks=None, **overrides):
     return Preference(_config(tmp_path, device, **overrides), backend=backend, progress=False, callbacks=callbacks)
 
 
-class _Counters(Callback):
-    """Compilations and host transfers of each step (XLA counters, read on the host)."""
-
-    def on_fit_start(self, trainer):
-        self.last, self.steps = trainer.backend.metrics(), {}
-
-    def on_step_end(self, trainer):
-        now = trainer.backend.metrics()
-        self.steps[trainer.step] = {k: now[k] - self.last[k] for k in ("compilations", "device_to_host_transfers")}
-        self.last = now
-
-
 @pytest.mark.xla
 @pytest.mark.parametrize("algorithm, method", [("dpo", "lora"), ("orpo", "full")])
 def test_strict_xla_with_accumulation_and_checkpointing_reads_only_at_logs_and_saves(tmp_path, algorithm, method):
     from tests.support import XLA_BACKEND
 
-    counters = _Counters()
+    counters = StepCounters()
     job = _job(tmp_path, "xla", backend=XLA_BACKEND, callbacks=[counters], algorithm=algorithm, method=method,
                steps=6, log_every=2, save_every=4, grad_accum=2, gradient_checkpointing=True, lr=3e-3)
     report = job.train()  # xla_checks="strict": a recompilation or an undeclared host read after warm-up raises
