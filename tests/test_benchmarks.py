@@ -37,7 +37,7 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
                                             r"second/first compile time = "]),
     "distill_cache": (["--steps", "2", "--top-k", "8"],
                       [rf"^cached +{NUMBER} ", rf"^cache: {NUMBER} MiB for", rf"LoRA r=16 instead of 8 adds {NUMBER} GB"]),
-    "dpo_vs_trl": (["--smoke"], [rf"^package +{NUMBER} s/step after the first, loss {NUMBER}",
+    "dpo_vs_trl": (["--smoke"], [rf"^package +{NUMBER} s/step after 2 warm-up steps \(median\), loss {NUMBER}",
                                  rf"^trl(: skipped \(trl is not installed| +{NUMBER} s/step)"]),
     "finetune_memory": (["--smoke"], [rf"^lora \+ checkpointing \(\d+ s\) +{NUMBER} +{NUMBER} +{NUMBER}",
                                       rf"^full \+ checkpointing \(\d+ s\) +{NUMBER} +{NUMBER} +-"]),
