@@ -46,6 +46,11 @@ Part 2 (load average 3.3-6.6; 171 s for batch 4, 234 s for batch 8), fp32, plan/
   softmax (4 bytes per score) where the plan counts 10; the two cancel near s*a/h = 15 (1,024 tokens here; at
   512 the plan counts 0.78x the layer). QAT's term is exact: compiled with and without QAT, the layer differs by
   60 MiB at fp32, the fake-quantized copy of every linear weight, which the plan counts.
+- What a bf16 layer keeps, dtype for dtype, is not settled here: the eager step's saved tensors (torch's
+  saved-tensor hooks, batch 1 x 1024, parameters left out) are 112.9 MiB bf16 + 84.1 MiB f32 per layer (the f32
+  softmax, 64 MiB, and RMSNorm's f32 upcasts) against the plan's 144 MiB (QAT's copy included); counted so, the plan
+  would be ~29 GB at batch 4, above the 22-28 GB the guide measured on a v6e-1, whose compiler need not keep what
+  eager autograd saves. Compiling L=1 and L=2 on a TPU would settle the per-layer term.
 - bf16 on XLA:CPU (`--plan-precision bf16`, the earlier run): batch 4 47.2 / 40.4 GB, batch 8 90.6 / 77.1, against a
   plan of 23.1 / 16.1 and 43.9 / 29.5: the f32 artefact above, not a TPU's figure.
 """
