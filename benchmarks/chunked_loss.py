@@ -12,19 +12,47 @@ batch's logits) and with chunks of 256 tokens ("auto" at this vocabulary), each 
 give each compiled program's memory (the largest is the step's); steady step time over a few steps after warm-up.
 
 Part 2 (`--plan`): the guide's job (Qwen3-0.6B sizes, int4 QAT, recovery LoRA r=16 on every linear layer, a
-top-128 cache, bf16, batch 4 x 1024) with 1 and 2 layers, compiled (not run: the first step's graph, through
+top-128 cache, batch 4 and 8 x 1024) with 1 and 2 layers, compiled (not run: the first step's graph, through
 torch_xla's `_xla_warm_up_cache`) chunked and unchunked; the per-layer difference extrapolates to 28 layers and is
-printed next to `hf_finetune_estimate`'s plan.
+printed next to `hf_finetune_estimate`'s plan at the same precision (and, for reference, the plan at bf16: the
+TPU's figure). `--plan-precision bf16` compiles the bf16 job instead; `--plan-batches 4` one batch size only.
+
+Why fp32 is the yardstick on XLA:CPU: XLA:CPU has no bf16 arithmetic. Its float normalization rewrites every bf16
+dot into an f32 one (all 58 dots of the L=1 step: bf16 before optimization, f32 after), so the operands are
+converted to f32 and the f32 copies are what the backward keeps: in the bf16 step's peak live set (the buffer
+assignment's "Live ranges at ... (peak)") every activation is f32, bf16 weights get f32 copies (the 151,936 x 1,024
+embedding/head: 593.5 MiB next to its 296.8 MiB bf16 parameter) and the f32 softmax gets a second, rounded, f32
+copy where a TPU keeps bf16 (`--xla_allow_excess_precision=false` does not change that). So XLA:CPU's bf16 step
+holds the fp32 step's activations and more (per layer at batch 1 x 1024: 380 MiB bf16, 346 MiB fp32), where a
+TPU holds most of them in bf16, and the plan at bf16 is compared with the guide's v6e-1 measurement instead (22-28 GB at
+batch 4 x 1024; plan 23.1 GB).
 
 Measured here (2 shared cores, load average 5.6-8):
 - part 1: compiled 1,831.5 MiB with the whole logits, 499.2 MiB in chunks of 256 (3.67x less; the fp32 logits alone
   are 593.5 MiB); steady step 3,972 ms vs 4,018 ms (x1.01).
-- part 2, batch 4: L=1 11,616 / 5,172 MiB (whole / chunked), L=2 12,851 / 6,406; extrapolated to 28 layers 47.2 /
-  40.4 GB against a plan of 23.1 / 16.1 GB. Batch 8: L=1 22,261 / 9,441 MiB, L=2 24,637 / 11,812; 90.6 / 77.1 GB
-  against 43.9 / 29.5. The saving of the chunked loss agrees (compiled 6.8 GB, planned 7.0 at batch 4; 13.4 and
-  14.5 at batch 8: within 10%); the totals do not: XLA:CPU keeps 1.2 GB per layer at batch 4 x 1024 where the
-  plan counts 0.5, and its 47 GB is twice the 22-24 GB the guide measured for this job on a v6e-1 (which the plan's
-  23 GB matches), so the XLA:CPU figure is no stand-in for the TPU's per-layer memory here.
+Part 2 (load average 3.3-6.6; 171 s for batch 4, 234 s for batch 8), fp32, plan/compiled at 28 layers:
+- batch 4: whole logits L=1 11,093 / L=2 12,100 MiB, 40.16 GB extrapolated against a plan of 38.52 (0.96);
+  chunked 4,649 / 5,657 MiB, 33.40 GB against 31.51 (0.94); the chunked loss saves 6.76 GB compiled, 7.01 planned.
+- batch 8: whole 21,482 / 23,373 MiB, 76.04 GB against 72.78 (0.96); chunked 8,663 / 10,553, 62.60 against 58.30
+  (0.93); saved 13.44 compiled, 14.49 planned. All within 10%.
+- Where they differ (the peak live sets): outside the layers, the top-k term's backward scatters its gradient into
+  a dense logits-sized buffer, so 4 logits-sized f32 buffers are live (16*s*b*V) where the plan counts 12*s*b*V:
+  2.3 GB more than planned at L=1, batch 4 (a TPU's compiler may fold the scatter into the gradient's sum; not
+  checked). Chunked, XLA:CPU runs the chunks' forwards before their backwards, so at batch 4 19 chunk-sized f32
+  logits buffers (and 19 4,096 x 1,024 hidden-sized ones) are live where the plan counts one chunk's 12*c*V: 2.6 GB
+  more at L=1, as with micro-batches (memory/compiled.py). Per layer the plan is 1,036 MiB at batch 4, compiled
+  1,007 (weights included), but by compensation: the layer keeps 39 values per token and width unit (156.6 bytes
+  at fp32, the same at 512 and 1,024 tokens) where the paper's factor counts 17 (68 bytes), and one f32 a*s^2*b
+  softmax (4 bytes per score) where the plan counts 10; the two cancel near s*a/h = 15 (1,024 tokens here; at
+  512 the plan counts 0.78x the layer). QAT's term is exact: compiled with and without QAT, the layer differs by
+  60 MiB at fp32, the fake-quantized copy of every linear weight, which the plan counts.
+- What a bf16 layer keeps, dtype for dtype, is not settled here: the eager step's saved tensors (torch's
+  saved-tensor hooks, batch 1 x 1024, parameters left out) are 112.9 MiB bf16 + 84.1 MiB f32 per layer (the f32
+  softmax, 64 MiB, and RMSNorm's f32 upcasts) against the plan's 144 MiB (QAT's copy included); counted so, the plan
+  would be ~29 GB at batch 4, above the 22-28 GB the guide measured on a v6e-1, whose compiler need not keep what
+  eager autograd saves. Compiling L=1 and L=2 on a TPU would settle the per-layer term.
+- bf16 on XLA:CPU (`--plan-precision bf16`, the earlier run): batch 4 47.2 / 40.4 GB, batch 8 90.6 / 77.1, against a
+  plan of 23.1 / 16.1 and 43.9 / 29.5: the f32 artefact above, not a TPU's figure.
 """
 
 from __future__ import annotations
@@ -140,35 +168,39 @@ def part1(config: dict, batch: int, seq: int, chunk: int, steps: int) -> None:
 
 
 def part2(batch: int, config: dict = QWEN3_06B, seq: int = 1024, top_k: int = 128, chunk: int | str = "auto",
-          what: str = "Qwen3-0.6B sizes", depths: tuple[int, ...] = (1, 2)) -> None:
+          what: str = "Qwen3-0.6B sizes", depths: tuple[int, ...] = (1, 2), precision: str = "fp32") -> None:
     import transformers
 
     from tpu_helpers.memory.hf_plan import hf_finetune_estimate
 
     depth = config["num_hidden_layers"]
-    print(f"\n2. guide's job ({what}, int4 QAT, LoRA r=16 all-linear, top-{top_k} cache, bf16), batch {batch} x "
-          f"{seq}, compiled (first step) on XLA:CPU, layer-scaled to {depth} layers")
-    print(f"{'':14}{'L=1 MiB':>10}{'L=2 MiB':>10}{f'L={depth} (ext.) GB':>16}{'plan GB':>10}{'plan/compiled':>15}")
+    print(f"\n2. guide's job ({what}, int4 QAT, LoRA r=16 all-linear, top-{top_k} cache) at {precision}, batch "
+          f"{batch} x {seq}, compiled (first step) on XLA:CPU, layer-scaled to {depth} layers")
+    print(f"{'':14}{'L=1 MiB':>10}{'L=2 MiB':>10}{f'L={depth} (ext.) GB':>16}{'plan GB':>10}{'plan/compiled':>15}"
+          f"{'plan bf16 GB':>14}")
     rows = {}
     for name, c in (("whole logits", 0), ("chunked", chunk)):
         got = rows[name] = {}
         for layers in depths:
             spec = dict(config={**config, "num_hidden_layers": layers}, qwen3=True, batch=batch, seq=seq,
-                        precision="bf16", lora_r=16, targets="all-linear", qat="int4", top_k=top_k, chunk=c,
+                        precision=precision, lora_r=16, targets="all-linear", qat="int4", top_k=top_k, chunk=c,
                         compile_only=True)
             got[layers] = measure(spec)["compiled_bytes"]
         got.setdefault(2, got[1])  # one depth only (the smoke): no extrapolation
-        full = got[1] + (depth - 1) * (got[2] - got[1])
-        plan = hf_finetune_estimate(transformers.Qwen3Config(**config), batch, seq, method="distill", lora_r=16,
-                                    lora_targets="all-linear", precision="bf16", teacher_topk=top_k, qat="int4",
-                                    loss_chunk=c).peak_bytes
-        got["plan"] = plan
+        got["full"] = full = got[1] + (depth - 1) * (got[2] - got[1])
+        plans = {p: hf_finetune_estimate(transformers.Qwen3Config(**config), batch, seq, method="distill",
+                                         lora_r=16, lora_targets="all-linear", precision=p, teacher_topk=top_k,
+                                         qat="int4", loss_chunk=c).peak_bytes for p in {precision, "bf16"}}
+        got["plan"] = plan = plans[precision]
         print(f"{name:14}{got[1] / 2**20:10.0f}{got[2] / 2**20:10.0f}{full / 1e9:16.2f}{plan / 1e9:10.2f}"
-              f"{plan / full:15.2f}")
+              f"{plan / full:15.2f}{plans['bf16'] / 1e9:14.2f}")
     whole, chunked = rows.values()
     saved, planned = whole[1] - chunked[1], whole["plan"] - chunked["plan"]
     print(f"the chunked loss saves {saved / 1e9:.2f} GB compiled (L=1), {planned / 1e9:.2f} GB planned: "
           f"plan/compiled {planned / saved:.2f}")
+    ratios = [r["plan"] / r["full"] for r in (whole, chunked)]
+    print(f"plan/compiled at {precision}: whole logits {ratios[0]:.2f}, chunked {ratios[1]:.2f} (within 10%: "
+          f"{'yes' if all(abs(r - 1) <= 0.1 for r in ratios) else 'no'})")
 
 
 def main() -> None:
@@ -178,6 +210,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--plan-precision", choices=("fp32", "bf16"), default="fp32",
+                   help="part 2's compiled step (fp32: the yardstick on XLA:CPU, see the docstring)")
+    p.add_argument("--plan-batches", default="4,8", help="part 2's batch sizes, comma-separated")
     p.add_argument("--child")
     args = p.parse_args()
     if args.child:
@@ -191,8 +226,8 @@ def main() -> None:
         return
     part1(QWEN25_STYLE, args.batch, args.seq, 256, args.steps)
     if args.plan:
-        for batch in (4, 8):
-            part2(batch)
+        for batch in map(int, args.plan_batches.split(",")):
+            part2(batch, precision=args.plan_precision)
 
 
 if __name__ == "__main__":

@@ -31,8 +31,10 @@ NUMBER = r"[-+]?\d[\d,]*(?:\.\d+)?"
 SMOKE: dict[str, tuple[list[str], list[str]]] = {
     "attention_impl": (["--smoke"], [rf"^sdpa +\d+ +{NUMBER} +{NUMBER}$"]),
     "chunked_loss": (["--smoke"], [rf"^whole logits +{NUMBER} +{NUMBER}$", rf"^chunks of 32 +{NUMBER} +{NUMBER}$",
-                                   rf"^saved {NUMBER} MiB", rf"^chunked +{NUMBER} +{NUMBER} +{NUMBER} +{NUMBER} +{NUMBER}$",
-                                   rf"^the chunked loss saves {NUMBER} GB compiled"]),
+                                   rf"^saved {NUMBER} MiB",
+                                   rf"^chunked +{NUMBER} +{NUMBER} +{NUMBER} +{NUMBER} +{NUMBER} +{NUMBER}$",
+                                   rf"^the chunked loss saves {NUMBER} GB compiled",
+                                   rf"^plan/compiled at fp32: whole logits {NUMBER}, chunked {NUMBER}"]),
     "compile_cache": (["--seq-len", "32"], [rf"^process 2: \d+ compilations, {NUMBER} s compiling",
                                             r"second/first compile time = "]),
     "distill_cache": (["--steps", "2", "--top-k", "8"],

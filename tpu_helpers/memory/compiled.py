@@ -31,6 +31,13 @@ XLA:CPU then keeps both micro-batches' activations rather than finishing one bac
 the tiny GPT at batch 8 x 64, 10.1 MB with ``grad_accum=1``, 17.4 MB with 2, 18.5 MB for one batch of 16 (the
 eager step, which the traced and analytic estimates count, adds only the kept gradients).
 
+bf16 on XLA:CPU: XLA:CPU has no bf16 arithmetic; its float normalization turns every bf16 dot into an f32 one, and
+the f32 copies of the operands are what the backward keeps. A bf16 step's figure on CPU therefore holds its
+activations (and copies of its bf16 weights) in f32: the Qwen3-0.6B QAT + top-128 job of
+benchmarks/chunked_loss.py keeps 380 MiB per layer at bf16 and 346 MiB at fp32 (batch 1 x 1024), where a TPU keeps
+most of them in bf16. Compare a bf16 plan with a TPU's figure; on XLA:CPU, compare the plan and the compiled step at
+fp32 (that benchmark: within 10%).
+
 ``python -m tpu_helpers.memory.compiled SPEC_JSON`` is the subprocess entry point.
 """
 
