@@ -109,6 +109,17 @@ class StopAt(Callback):
             trainer.stop_reason = f"interrupted by the test at step {trainer.step}"
 
 
+def assert_same_trainable_weights(whole, resumed) -> dict:
+    """The two models' trainable parameters are the same names and bit-identical (a run killed and resumed against
+    the same run left whole); returns the whole run's, by name."""
+    import torch
+
+    a = {n: p for n, p in whole.named_parameters() if p.requires_grad}
+    b = {n: p for n, p in resumed.named_parameters() if p.requires_grad}
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    return a
+
+
 class StepCounters(Callback):
     """Compilations and device-to-host transfers of each step (`steps[step]`), from the backend's XLA counters read
     on the host before and after it."""

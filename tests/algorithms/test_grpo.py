@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from tests.support import StepCounters, StopAt
+from tests.support import StepCounters, StopAt, assert_same_trainable_weights
 from tpu_helpers.algorithms.grpo import GRPOSettings, completion_logps
 from tpu_helpers.algorithms.grpo_loss import group_advantages
 from tpu_helpers.config import ConfigError, config_from_parameters
@@ -199,9 +199,7 @@ def test_kill_and_resume_continues_the_same_run_bit_for_bit(tmp_path):
     resumed = _job(tmp_path / "b", **opts)
     report = resumed.train()
     assert report.resumed_from == 3
-    a = {n: p for n, p in whole.model.named_parameters() if p.requires_grad}
-    b = {n: p for n, p in resumed.model.named_parameters() if p.requires_grad}
-    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert_same_trainable_weights(whole.model, resumed.model)
     # The same sampled answers after the resume: the rewards and completion lengths of every step agree.
     keys = ("step", "reward", "completion_tokens", "loss", "kl")
     assert [{k: r.get(k) for k in keys} for r in whole.history.train] == \

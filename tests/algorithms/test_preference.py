@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from tests.support import StepCounters, StopAt
+from tests.support import StepCounters, StopAt, assert_same_trainable_weights
 from tpu_helpers.config import ConfigError, config_from_parameters
 from tpu_helpers.models import lm_head
 from tpu_helpers.recipes.preference import Preference, PreferenceConfig
@@ -134,9 +134,7 @@ def test_kill_and_resume_with_a_precomputed_reference_is_bit_identical(tmp_path)
     resumed = _job(tmp_path / "b", **opts)  # a new process's job: the reference's table is computed again
     report = resumed.train()
     assert report.resumed_from == 3
-    a = {n: p for n, p in whole.model.named_parameters() if p.requires_grad}
-    b = {n: p for n, p in resumed.model.named_parameters() if p.requires_grad}
-    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert_same_trainable_weights(whole.model, resumed.model)
     keys = ("step", "loss", "rewards/chosen", "rewards/rejected", "rewards/accuracy")
     assert [{k: r.get(k) for k in keys} for r in whole.history.train] == \
            [{k: r.get(k) for k in keys} for r in resumed.history.train]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import StopAt
+from tests.support import StopAt, assert_same_trainable_weights
 from tpu_helpers.config import ConfigError, config_from_parameters
 from tpu_helpers.recipes.finetune import Finetune, FinetuneConfig
 
@@ -48,9 +48,7 @@ def test_lora_resume_is_bit_identical_and_checkpoints_hold_the_adapter_only(tmp_
     resumed = _job(tmp_path / "b", "cpu", steps=6, save_every=3, xla_checks="off")
     report = resumed.train()
     assert report.resumed_from == 3
-    a = {n: p for n, p in whole.model.named_parameters() if p.requires_grad}
-    b = {n: p for n, p in resumed.model.named_parameters() if p.requires_grad}
-    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    a = assert_same_trainable_weights(whole.model, resumed.model)
     ckpt = torch.load(tmp_path / "b" / "run" / "checkpoints" / "ckpt-00000006.pt", weights_only=False)
     assert set(ckpt["model"]) == set(a) and all("lora_" in k for k in ckpt["model"])
     adapter_bytes = sum(t.numel() * t.element_size() for t in ckpt["model"].values())
