@@ -112,3 +112,30 @@ def test_every_optimizer_of_the_vocabulary_trains_strictly_on_xla(tmp_path, tiny
     assert report.xla["compilations"] <= 4, report.xla
     state = next(iter(trainer.optimizer.state.values()))
     assert ("row" in state or "v" in state) if optimizer == "adafactor" else "momentum_buffer" in state
+
+
+def test_a_finished_run_leaves_no_loader_thread_or_worker_process_behind(tmp_path, tiny_data):
+    # MpDeviceLoader's feeder threads block on a full queue once the loop stops reading mid-epoch; they held the
+    # DataLoader, its persistent worker processes with it, for the rest of the process (over 100 threads by the
+    # end of the suite, which then died in a segfault).
+    import gc
+    import multiprocessing
+    import threading
+    import time
+
+    train, val, tok = tiny_data
+    threads, children = set(threading.enumerate()), set(multiprocessing.active_children())
+    cfg = tiny_config(tmp_path, device="xla", steps=3, log_every=3, eval_every=3, save_every=1000)
+    model = GPT(gpt_config("tiny", vocab_size=tok.vocab_size, block_size=32))
+    backend = get_backend("xla", spmd=False)
+    assert backend.loader_options["num_workers"] >= 1  # the case that leaked processes
+    Trainer(model, train, val, config=cfg, backend=backend, progress=False).fit()
+    gc.collect()  # the trainer (its loaders and their persistent workers) is garbage once collected
+    # tqdm's monitor is one thread per process, started by the first progress bar.
+    left = [t.name for t in threading.enumerate() if t not in threads and t.is_alive() and t.name != "tqdm_monitor"]
+    assert left == [], f"threads left running after fit: {left}"
+    deadline = time.monotonic() + 20  # the workers were told to stop; give them time to exit
+    while (left := [p.pid for p in multiprocessing.active_children() if p not in children]) and \
+            time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left == [], f"loader worker processes left after fit: {left}"

@@ -20,7 +20,7 @@ import contextlib
 import functools
 import os
 import pickle
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -179,7 +179,7 @@ class XlaBackend(SpmdSharding, Backend):
         # The loop syncs once per optimizer step itself. MpDeviceLoader would also sync before every batch, which
         # cut a gradient-accumulation step into one graph per micro-batch (measured: 2 executions per step and one
         # more compile with grad_accum=2, same loss); a batch count it never reaches turns that off.
-        return pl.MpDeviceLoader(loader, self.device, batches_per_execution=2**62, **kwargs)
+        return _DeviceLoader(loader, self.device, batches_per_execution=2**62, **kwargs)
 
     def all_reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         # Under SPMD the compiler already sums gradients over the mesh; across processes we must do it.
@@ -389,3 +389,24 @@ def spawn(fn: Callable, args: tuple = (), *, nprocs: int | None = None, start_me
             "restart the kernel and spawn before anything touches the XLA device (or use SPMD in this process)"
         )
     xmp.spawn(fn, args=args, nprocs=nprocs, start_method=start_method)
+
+
+class _DeviceLoader:
+    """`MpDeviceLoader` that stops its threads when its consumer does. MpDeviceLoader closes a pass's
+    `ParallelLoader` only when the next pass begins, so the last pass of a run, left mid-epoch when the step budget
+    ends, kept its two feeder threads blocked on a full queue for the rest of the process, and with them the
+    DataLoader and its persistent worker processes (a test session piled up over 100 threads, then segfaulted).
+    Here a pass is a generator that closes its ParallelLoader when it ends, is closed, or is collected."""
+
+    def __init__(self, loader: Iterable, device: torch.device, **kwargs) -> None:
+        self.loader, self.device, self.kwargs = loader, device, kwargs
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator:
+        parallel = pl.ParallelLoader(self.loader, [self.device], **self.kwargs)
+        try:
+            yield from parallel.per_device_loader(self.device)
+        finally:
+            parallel.close()  # wakes both threads (their queues closed) and joins them

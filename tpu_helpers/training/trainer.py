@@ -318,33 +318,39 @@ class Trainer:
                    desc="train", unit="step", dynamic_ncols=True)
         window = self._zero_window()
         window_start = (self.step, time.perf_counter())
-        batches = self.timer.wrap(self._batches())  # step timing: data wait is the time spent in next()
+        source = self._batches()
+        batches = self.timer.wrap(source)  # step timing: data wait is the time spent in next()
         self.model.train()
         for cb in self.callbacks:
             cb.on_fit_start(self)
-        while self.step < cfg.steps and self.stop_reason is None:
-            self.timer.begin()
-            loss, grad_norm = self.train_step(batches)
-            window = self._add_to_window(window, loss, grad_norm)
-            self.step += 1
-            if self.cadence.is_log_step(self.step):
-                lr = self.optimizer.param_groups[0]["lr"]
-                b.add_step_closure(self._on_log, self.step, window, window_start, lr, bar)
-                self.timer.sync(b.sync)
-                window = self._zero_window()
-                window_start = (self.step, time.perf_counter())
-            else:
-                self.timer.sync(b.sync)
-            bar.update(1)
-            if self.cadence.is_eval_step(self.step):
-                val = self._evaluate_and_check()
-                if val is not None:
-                    bar.set_postfix_str(f"val {val:.3f}", refresh=False)
-            for cb in self.callbacks:
-                cb.on_step_end(self)
-            if self.cadence.is_save_step(self.step) or self.stop_reason is not None:
-                self.state.save()
-            self.timer.end()
+        try:
+            while self.step < cfg.steps and self.stop_reason is None:
+                self.timer.begin()
+                loss, grad_norm = self.train_step(batches)
+                window = self._add_to_window(window, loss, grad_norm)
+                self.step += 1
+                if self.cadence.is_log_step(self.step):
+                    lr = self.optimizer.param_groups[0]["lr"]
+                    b.add_step_closure(self._on_log, self.step, window, window_start, lr, bar)
+                    self.timer.sync(b.sync)
+                    window = self._zero_window()
+                    window_start = (self.step, time.perf_counter())
+                else:
+                    self.timer.sync(b.sync)
+                bar.update(1)
+                if self.cadence.is_eval_step(self.step):
+                    val = self._evaluate_and_check()
+                    if val is not None:
+                        bar.set_postfix_str(f"val {val:.3f}", refresh=False)
+                for cb in self.callbacks:
+                    cb.on_step_end(self)
+                if self.cadence.is_save_step(self.step) or self.stop_reason is not None:
+                    self.state.save()
+                self.timer.end()
+        finally:
+            # The loader's pass is left mid-epoch: close it now (on XLA its feeder threads and the DataLoader's
+            # worker processes stop with it) rather than whenever the generator is collected.
+            source.close()
         bar.close()
         report = self.state.report(start_step, time.perf_counter() - t_start, step=self.step, history=self.history,
                                    tokens_per_step=self.tokens_per_step)
