@@ -13,10 +13,20 @@ nested parts counted once (a part's time excludes the parts it calls), in two cl
   traces step N+1 while the chip runs step N);
 - wall: `time.perf_counter()`, which on XLA:CPU also holds the waits for the "device" (the same cores).
 
-Per part it prints the mean microseconds per step over steps 21..N (after compiles), median over the runs; "loop"
+Per part it prints the mean microseconds per step over steps 21..N (after compiles; `--warm` changes the 20), median
+over the runs; "loop"
 is the step's time outside every named part (the loop's own statements). Each run is its own process pinned to one
 core (as in loop_vs_peers.py). `--progress` turns the trainer's tqdm bar on (a notebook's default; the peers have
 none). `--baseline DIR` runs the Trainer of another checkout too, for before/after figures.
+
+`--replay` adds the package's Trainer with `TrainConfig.replay_steps=True` (the loss captured once and replayed, the
+optimizer traced lazily) beside the lazily traced one. `--model smollm2-135m` times the real model instead (the
+offline SmolLM2-135M-Instruct, models/smollm2.py) with LoRA (r 8, q/k/v/o, as the finetune recipe) under the SFT
+trainer (CausalLMTrainer, the package's AdamW), random tokens at `--batch` x `--seq` (default 32 x 72), the first
+`--layers` of its 30 layers; there is no hand-written runner then. The issue's figure (issue 32):
+
+    PYTHONPATH=. python benchmarks/step_host_time.py --device xla --model smollm2-135m --replay --runs 1 --steps 6 \
+        --warm 3
 """
 
 from __future__ import annotations
@@ -118,35 +128,73 @@ class Steps:
         self.end = (time.thread_time(), time.perf_counter())
 
 
-def _package(device: str, steps: int, progress: bool) -> dict:
+def _real_setup(model_name: str, layers: int, batch: int, seq: int):
+    """The real model with LoRA (the finetune recipe's defaults) and a loader of random-token LM batches."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from tpu_helpers.models import hf, lora
+
+    torch.manual_seed(0)
+    model, _ = hf.load_causal_lm(model_name)
+    if layers:
+        model.model.layers = model.model.layers[:layers]
+        model.config.num_hidden_layers = layers
+    model = lora.add_lora(model, r=8, alpha=16)
+    ids = torch.randint(0, model.config.vocab_size, (batch * 64, seq))
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": ids[i], "attention_mask": torch.ones_like(ids[i]), "labels": ids[i]}
+
+    return model, DataLoader(Rows(), batch_size=batch, shuffle=True, drop_last=True,
+                             generator=torch.Generator().manual_seed(0))
+
+
+def _package(device: str, steps: int, progress: bool, replay: bool = False, real: dict | None = None) -> dict:
     import torch
 
+    from tpu_helpers.algorithms.sft import CausalLMTrainer
     from tpu_helpers.backend import get_backend
     from tpu_helpers.callbacks import Callback
     from tpu_helpers.config import TrainConfig
     from tpu_helpers.training.trainer import Trainer
 
-    model, loader = _setup(device)
+    if real:
+        model, loader = _real_setup(real["model"], real["layers"], real["batch"], real["seq"])
+        base, batch, seq = CausalLMTrainer, real["batch"], real["seq"]
+    else:
+        model, loader = _setup(device)
+        base, batch, seq = Trainer, BATCH, SEQ
     parts = Parts()
     marks = Steps(parts)
 
-    class Given(Trainer):
+    class Given(base):
         def configure_optimizer(self):
+            if real:  # the package's own optimizer, as the finetune recipe builds it
+                return super().configure_optimizer()
             return torch.optim.AdamW(self.model.parameters(), lr=LR)
 
     class Mark(Callback):  # first of the callbacks: its on_step_end marks the step's end (its own cost: "callbacks")
         def on_step_end(self, trainer):
             marks.mark()
 
-    cfg = TrainConfig(device=device, steps=steps, batch_size=BATCH, seq_len=SEQ, lr=LR, warmup_steps=0,
-                      min_lr_ratio=1.0, grad_clip=None, eval_every=10**9, save_every=10**9, log_every=LOG_EVERY,
-                      out_dir=tempfile.mkdtemp(prefix="step_host_time_"), compile_cache_dir=None)
+    cfg = TrainConfig(device=device, steps=steps, batch_size=batch, seq_len=seq, lr=LR, warmup_steps=0,
+                      min_lr_ratio=1.0, grad_clip=None, eval_every=10**9, save_every=10**9,
+                      log_every=steps if real else LOG_EVERY, out_dir=tempfile.mkdtemp(prefix="step_host_time_"),
+                      compile_cache_dir=None,
+                      replay_steps=replay)
     backend = get_backend(device, spmd=False, compile_cache_dir=None)
     trainer = Given(model, loader, None, config=cfg, backend=backend, progress=progress, callbacks=[Mark()])
     trainer.state.save = lambda: None  # the peers write no checkpoints either
     b = trainer.backend
-    for attr, part in (("compute_loss", "forward"), ("_add_to_window", "loss window"), ("_on_log", "log read"),
-                       ("apply_gradients", "optimizer step")):
+    for attr, part in (("compute_loss", "forward"), ("_loss_sum", "forward"), ("_add_to_window", "loss window"),
+                       ("_on_log", "log read"), ("apply_gradients", "optimizer step")):
+        if not hasattr(trainer, attr):
+            continue
         parts.wrap(trainer, attr, part)
     for attr, part in (("backward", "backward"), ("optimizer_step", "optimizer step"), ("zero_grad", "zero_grad"),
                        ("sync", "sync"), ("add_step_closure", "log closure")):
@@ -224,7 +272,8 @@ def _result(parts: Parts, marks: Steps, steps: int) -> dict:
     return {"cpu_us": cpu, "wall_us": wall}
 
 
-def _spawn(runner: str, device: str, steps: int, cpus: str, progress: bool, baseline: str | None) -> dict:
+def _spawn(runner: str, device: str, steps: int, cpus: str, progress: bool, baseline: str | None,
+           extra: list[str]) -> dict:
     from tpu_helpers.backend import runtime_env
 
     env = {**runtime_env.without_device_count(os.environ), **runtime_env.xla_cpu_env(1)}
@@ -232,8 +281,8 @@ def _spawn(runner: str, device: str, steps: int, cpus: str, progress: bool, base
     env.update(PYTHONPATH=os.pathsep.join(p for p in (tree, env.get("PYTHONPATH")) if p),
                TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run([sys.executable, __file__, "--child", runner, "--device", device, "--steps", str(steps),
-                           "--cpus", cpus] + (["--progress"] if progress else []),
-                          env=env, capture_output=True, text=True, timeout=1200)
+                           "--cpus", cpus] + (["--progress"] if progress else []) + extra,
+                          env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"{runner} on {device} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -241,6 +290,11 @@ def _spawn(runner: str, device: str, steps: int, cpus: str, progress: bool, base
 
 ORDER = ("data", "forward", "backward", "optimizer step", "lr schedule", "zero_grad", "loss window", "log closure",
          "sync", "log read", "step timer", "callbacks", "progress bar", "loop", "total")
+
+
+def _set_warm(n: int) -> None:
+    global WARM
+    WARM = n
 
 
 def summarise(device: str, results: dict[str, list[dict]]) -> None:
@@ -265,34 +319,51 @@ def main() -> None:
     ap.add_argument("--cpus", default="auto", help="the core each run is pinned to ('auto': the last; 'all': none)")
     ap.add_argument("--progress", action="store_true", help="the trainer's tqdm bar on, as in a notebook")
     ap.add_argument("--baseline", metavar="DIR", help="also time the Trainer of another checkout")
-    ap.add_argument("--child", choices=("package", "baseline", "hand"), help=argparse.SUPPRESS)
+    ap.add_argument("--replay", action="store_true", help="also the Trainer with replay_steps=True")
+    ap.add_argument("--model", default="gpt", help="'gpt' (the 2-layer GPT) or a Hugging Face model (smollm2-135m)")
+    ap.add_argument("--layers", type=int, default=0, help="the model's first N layers only (0: all)")
+    ap.add_argument("--batch", type=int, default=32, help="rows per step (--model other than gpt)")
+    ap.add_argument("--seq", type=int, default=72, help="tokens per row (--model other than gpt)")
+    ap.add_argument("--warm", type=int, default=WARM, help="steps left out of the means (compiles, captures)")
+    ap.add_argument("--child", choices=("package", "baseline", "hand", "replay"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    _set_warm(args.warm)
+    real = None if args.model == "gpt" else {"model": args.model, "layers": args.layers, "batch": args.batch,
+                                             "seq": args.seq}
     if args.child:
         if args.cpus != "all":
             os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
         import torch
 
         torch.set_num_threads(1)
-        run = _hand if args.child == "hand" else _package
-        print(json.dumps(run(args.device, args.steps, args.progress)))
+        if args.child == "hand":
+            result = _hand(args.device, args.steps, args.progress)
+        else:
+            result = _package(args.device, args.steps, args.progress, replay=args.child == "replay", real=real)
+        print(json.dumps(result))
         return
-    if args.steps <= WARM + LOG_EVERY:
-        ap.error(f"--steps={args.steps} must be more than {WARM + LOG_EVERY}")
+    log_every = args.steps if real else LOG_EVERY
+    if args.steps <= args.warm + (1 if real else LOG_EVERY):
+        ap.error(f"--steps={args.steps} must be more than {args.warm + (1 if real else LOG_EVERY)}")
     if args.cpus == "auto":
         args.cpus = str(max(os.sched_getaffinity(0)))
-    runners = ["package", "hand"]
+    extra = ["--warm", str(args.warm), "--model", args.model, "--layers", str(args.layers), "--batch",
+             str(args.batch), "--seq", str(args.seq)]
+    runners = ["package"] + (["replay"] if args.replay else []) + ([] if real else ["hand"])
     if args.baseline:
         if not (Path(args.baseline) / "tpu_helpers").is_dir():
             ap.error(f"--baseline={args.baseline!r} holds no tpu_helpers package")
         runners.insert(1, "baseline")
     devices = ("cpu", "xla") if args.device == "both" else (args.device,)
-    print(f"2-layer GPT d128 h4, batch {BATCH} x seq {SEQ}, {args.steps} steps, log every {LOG_EVERY}, progress bar "
+    what = (f"{args.model} ({args.layers or 'all'} layers) with LoRA r8, batch {args.batch} x seq {args.seq}" if real
+            else f"2-layer GPT d128 h4, batch {BATCH} x seq {SEQ}")
+    print(f"{what}, {args.steps} steps, log every {log_every}, progress bar "
           f"{'on' if args.progress else 'off'}; pinned to CPU {args.cpus}; runners {runners}")
     for device in devices:
         results: dict[str, list[dict]] = {r: [] for r in runners}
         for i in range(args.runs):
             for runner in runners if i % 2 == 0 else runners[::-1]:
-                r = _spawn(runner, device, args.steps, args.cpus, args.progress, args.baseline)
+                r = _spawn(runner, device, args.steps, args.cpus, args.progress, args.baseline, extra)
                 results[runner].append(r)
                 print(f"  run {i} {runner:<9} {device}: host CPU {r['cpu_us']['total']:.0f} us/step, wall "
                       f"{r['wall_us']['total']:.0f} us/step", flush=True)

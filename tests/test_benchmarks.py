@@ -78,7 +78,7 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
                   "--layers", "1"],
                  [r"^small ", rf"^ +64 +{NUMBER}M", rf"step time fsdp / data: {NUMBER}"]),
     "spike_margin": (["--smoke"], [rf"^lr50 +False +{NUMBER} ", rf"^lora-log1 +True +{NUMBER} "]),
-    "step_host_time": (["--device", "cpu", "--runs", "1", "--steps", "40"], [r"^forward +\d+ +\d+ +\d+ +\d+",
+    "step_host_time": (["--device", "cpu", "--runs", "1", "--steps", "40", "--replay"], [r"^forward +\d+ +\d+ +\d+ +\d+",
                                                                            r"^total +\d+ +\d+ +\d+ +\d+"]),
     "throughput": (["--steps", "10", "--batch", "4", "--seq", "32"],
                    [rf"^XLA:CPU .* steady +{NUMBER} steps/s .* compilations \d+"]),

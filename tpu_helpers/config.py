@@ -103,7 +103,8 @@ class TrainConfig:
     compile_cache_dir: str | None = "default"  # persistent XLA compile cache: "default" (on TPU), a dir, or None
     xla_checks: str = "warn"  # recompilation / host-read / CPU-fallback detector on XLA: warn | strict | off
     # XLA: each step's forward and loss (and so its backward) captured once per shape by dynamo and replayed instead
-    # of traced in Python every step (backend.compile_step); the optimizer stays lazily traced. False: plain lazy
+    # of traced in Python every step (backend.compile_step); the optimizer stays lazily traced. The base Trainer,
+    # SFT and distillation replay; GRPO and DPO/ORPO warn and trace lazily (Trainer.replayed). False: plain lazy
     replay_steps: bool = False
     # experiment tracking (see tpu_helpers.training.tracking): the main process logs the loop's log/eval records
     trackers: str = ""  # none, or tensorboard, wandb, trackio (comma separated)

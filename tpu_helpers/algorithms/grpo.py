@@ -190,6 +190,8 @@ class GRPOTrainer(Trainer):
 
     # Its loss is the clipped surrogate, centred near 0 and of either sign: no spike rule on it (nan/inf still stop).
     watches_loss_spikes = False
+    # config.replay_steps: not replayed yet (its loss is computed outside `Trainer.replayed`): warned, traced lazily.
+    replays_steps = False
 
     def __init__(self, model: torch.nn.Module, prompts: Any, *, tokenizer: Any, records: Sequence[dict],
                  rewards: dict[str, Reward], settings: GRPOSettings, ref_model: torch.nn.Module | None = None,

@@ -63,6 +63,8 @@ class PreferenceTrainer(Trainer):
     # DPO's and IPO's losses fall towards 0 as the pairs separate, where a window of a few harder pairs is several
     # times the last one: the relative spike rule (training/divergence.py) would stop sound runs. nan/inf still stop.
     watches_loss_spikes = False
+    # config.replay_steps: not replayed yet (its loss is computed outside `Trainer.replayed`): warned, traced lazily.
+    replays_steps = False
 
     def __init__(self, model: torch.nn.Module, train_data: Any, val_data: Any = None, *,
                  settings: PreferenceSettings, ref_model: torch.nn.Module | None = None, **kwargs: Any) -> None:

@@ -54,9 +54,16 @@ class CausalLMTrainer(Trainer):
             return chunked
         return causal_lm_loss_sum(lm_logits(self.model, batch), batch["labels"])
 
+    # config.replay_steps: `loss_sum` (whatever a subclass makes it: distillation's) is captured and replayed.
+    replays_steps = True
+
+    def _loss_sum(self, batch: dict) -> torch.Tensor:
+        # type(self).loss_sum, not the bound method: the capture cache must not keep the trainer alive.
+        return self.replayed(type(self).loss_sum, self, batch)
+
     def compute_loss(self, batch: Any) -> torch.Tensor:
         _check_lm_batch(batch)
-        return self.loss_sum(batch) / target_tokens(batch["labels"]).clamp(min=1)
+        return self._loss_sum(batch) / target_tokens(batch["labels"]).clamp(min=1)
 
     def train_step(self, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor | None]:
         b = self.backend
@@ -68,7 +75,7 @@ class CausalLMTrainer(Trainer):
         total = None
         for batch in micro:
             with b.autocast():
-                loss = self.loss_sum(batch) / count
+                loss = self._loss_sum(batch) / count
             b.backward(loss)
             total = loss.detach() if total is None else total + loss.detach()
         return total, self.apply_gradients()

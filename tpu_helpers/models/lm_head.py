@@ -134,8 +134,10 @@ def split_head(model: torch.nn.Module, *, warn: bool = True) -> LMHead | None:
 
 
 def checkpoint_for(t: torch.Tensor) -> Callable:
-    """The checkpoint function of `t`'s device: torch_xla's on XLA (see the module docstring), torch's elsewhere."""
-    if t.device.type == "xla":
+    """The checkpoint function of `t`'s device: torch_xla's on XLA (see the module docstring), torch's elsewhere and
+    inside a dynamo capture (a replayed step, `backend.compile_step`: dynamo skips torch_xla's and captures torch's
+    as a recomputed region)."""
+    if t.device.type == "xla" and not torch.compiler.is_compiling():
         from tpu_helpers.backend import started_xla_backend
 
         return started_xla_backend().checkpoint_fn()

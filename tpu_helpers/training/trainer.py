@@ -106,7 +106,15 @@ class Trainer:
         if self.tracking is not None:
             self.callbacks.append(self.tracking)
         self.timer = StepTimer(device_clock=self.backend.device_seconds)  # device time per step where known
-        self._replayed_loss = self.backend.compile_step(batch_loss) if cfg.replay_steps else None
+        # config.replay_steps: the loss captured once per shape and replayed (`self.replayed`); a trainer whose step
+        # has no replay says so once and traces lazily.
+        self._replay = bool(cfg.replay_steps) and self.backend.compiles_graphs
+        self._lazy_fns: set = set()  # functions that could not be captured whole: run as they are
+        if self._replay and not _replays_steps(type(self)):
+            self._replay = False
+            warnings.warn(f"replay_steps: {type(self).__name__} does not replay its steps (its loss is computed by "
+                          "code the replay does not cover); they are traced lazily, with the same results",
+                          stacklevel=2)
         # How the run ends: its stop reason (a signal, a callback, a divergence) and what diverged (outcome.py).
         self.outcome = RunOutcome(cfg)
         # A finite loss spike (training/divergence.py), checked on the losses the loop reads anyway.
@@ -165,13 +173,24 @@ class Trainer:
     # ---- the step ------------------------------------------------------------------------------------------------
     def compute_loss(self, batch: Any) -> torch.Tensor:
         # (inputs, targets) pairs or Hugging Face dict batches; anything else is an error listing both forms.
-        if self._replayed_loss is not None:  # config.replay_steps: replayed, or lazily once it cannot be captured
+        return self.replayed(batch_loss, self.model, batch, self.loss_fn)
+
+    # Whether this class's step goes through `replayed` (config.replay_steps). A subclass that overrides the method
+    # holding the replay (compute_loss, train_step) without declaring it again is traced lazily, with a warning.
+    replays_steps = True
+
+    def replayed(self, fn: Callable, *args: Any) -> Any:
+        """`fn(*args)`, under config.replay_steps on XLA captured once per shape by `backend.compile_step` and
+        replayed (its backward through the captured backward) instead of traced every call. A function that cannot
+        be captured whole runs as it is from then on, after one warning naming it. `fn` is a plain function (not a
+        bound method: the capture cache would keep the trainer alive); pass `self` among the args."""
+        if self._replay and fn not in self._lazy_fns:
             try:
-                return self._replayed_loss(self.model, batch, self.loss_fn)
+                return self.backend.compile_step(fn)(*args)
             except ReplayUnsupported as err:
-                self._replayed_loss = None
+                self._lazy_fns.add(fn)
                 warnings.warn(f"{err}; the steps are traced lazily instead (replay_steps=False)", stacklevel=2)
-        return batch_loss(self.model, batch, self.loss_fn)
+        return fn(*args)
 
     def train_step(self, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One optimizer step over `grad_accum` micro-batches; returns device tensors (loss, grad norm)."""
@@ -409,6 +428,13 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_log(self, self.history.train[-1])
         bar.set_postfix_str(f"loss {loss:.3f} | {tok_s:,.0f} tok/s", refresh=False)
+
+
+def _replays_steps(cls: type) -> bool:
+    """Whether `cls`'s step goes through `Trainer.replayed`: the nearest class declaring `replays_steps` says so,
+    and `cls` keeps that class's compute_loss and train_step (where its replay lives)."""
+    owner = next(k for k in cls.__mro__ if "replays_steps" in vars(k))
+    return bool(owner.replays_steps) and all(getattr(cls, m) is getattr(owner, m) for m in ("compute_loss", "train_step"))
 
 
 class _Take:
