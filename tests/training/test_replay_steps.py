@@ -95,6 +95,38 @@ def test_live_distillation_replays_its_loss_with_the_teacher(tmp_path, tiny_sft,
     _same_losses(make)
 
 
+@pytest.mark.parametrize("loss_type, kl_beta", [("bnpo", 0.0), ("dr_grpo", 0.1)])
+def test_grpo_replays_its_policy_forward_with_the_lazy_losses(tmp_path, one_thread, loss_type, kl_beta):
+    # The same rollouts both ways (the generator's decode step is replayed in both), then the update: the policy's
+    # forward and backward captured, the surrogate on top; with a KL term the reference is the adapter-off model.
+    from tpu_helpers.recipes.grpo import GRPO, GRPOConfig
+
+    def make(replay):
+        torch.manual_seed(0)
+        cfg = GRPOConfig(device="xla", start_from=None, steps=5, batch_size=2, num_generations=2, max_prompt_len=24,
+                         max_new_tokens=3, lr=1e-2, warmup_steps=1, log_every=1, save_every=100, max_records=32,
+                         lora_r=4, grad_accum=2, loss_type=loss_type, kl_beta=kl_beta, xla_checks="strict",
+                         out_dir=str(tmp_path / f"grpo-{replay}"), replay_steps=replay)
+        return GRPO(cfg, backend=XLA_BACKEND, progress=False).trainer
+
+    _same_losses(make)
+
+
+@pytest.mark.parametrize("algorithm, method", [("dpo", "lora"), ("orpo", "full")])
+def test_preference_tuning_replays_its_policy_forward_with_the_lazy_losses(tmp_path, one_thread, algorithm, method):
+    from tpu_helpers.recipes.preference import Preference, PreferenceConfig
+
+    def make(replay):
+        torch.manual_seed(0)
+        cfg = PreferenceConfig(device="xla", steps=5, batch_size=2, grad_accum=2, seq_len=40, lr=3e-3, beta=0.5,
+                               warmup_steps=1, log_every=1, save_every=100, eval_every=100, max_records=24,
+                               val_fraction=0.2, lora_r=4, algorithm=algorithm, method=method, xla_checks="strict",
+                               out_dir=str(tmp_path / f"pref-{replay}"), replay_steps=replay)
+        return Preference(cfg, backend=XLA_BACKEND, progress=False).trainer
+
+    _same_losses(make)
+
+
 def test_trainers_without_a_replay_are_named_in_a_warning_and_traced_lazily(tmp_path, tiny_data):
     from tpu_helpers.algorithms.distill import CachedDistillTrainer
     from tpu_helpers.algorithms.grpo import GRPOTrainer
@@ -102,8 +134,8 @@ def test_trainers_without_a_replay_are_named_in_a_warning_and_traced_lazily(tmp_
     from tpu_helpers.algorithms.sft import CausalLMTrainer
     from tpu_helpers.models.gpt import GPT, gpt_config
 
-    assert not _replays_steps(GRPOTrainer) and not _replays_steps(PreferenceTrainer)
-    assert _replays_steps(Trainer) and _replays_steps(CausalLMTrainer) and _replays_steps(CachedDistillTrainer)
+    for cls in (Trainer, CausalLMTrainer, CachedDistillTrainer, GRPOTrainer, PreferenceTrainer):
+        assert _replays_steps(cls), cls
 
     class OwnLoss(Trainer):  # overrides the method the replay lives in: not replayed, and said so
         def compute_loss(self, batch):

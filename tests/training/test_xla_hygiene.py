@@ -115,10 +115,10 @@ def test_every_optimizer_of_the_vocabulary_trains_strictly_on_xla(tmp_path, tiny
 
 
 def test_a_finished_run_leaves_no_loader_thread_or_worker_process_behind(tmp_path, tiny_data):
-    # MpDeviceLoader's feeder threads block on a full queue once the loop stops reading mid-epoch; they held the
-    # DataLoader, its persistent worker processes with it, for the rest of the process (over 100 threads by the
-    # end of the suite, which then died in a segfault).
-    import gc
+    # MpDeviceLoader's feeder threads blocked on a full queue once the loop stopped reading mid-epoch, holding the
+    # DataLoader and its persistent worker processes for the rest of the process; and the workers of a finished
+    # run lived as long as its trainer (until the garbage collector reached it). A test session piled up over 100
+    # threads and dozens of forked copies of itself, then segfaulted.
     import multiprocessing
     import threading
     import time
@@ -129,8 +129,8 @@ def test_a_finished_run_leaves_no_loader_thread_or_worker_process_behind(tmp_pat
     model = GPT(gpt_config("tiny", vocab_size=tok.vocab_size, block_size=32))
     backend = get_backend("xla", spmd=False)
     assert backend.loader_options["num_workers"] >= 1  # the case that leaked processes
-    Trainer(model, train, val, config=cfg, backend=backend, progress=False).fit()
-    gc.collect()  # the trainer (its loaders and their persistent workers) is garbage once collected
+    trainer = Trainer(model, train, val, config=cfg, backend=backend, progress=False)
+    trainer.fit()  # the trainer stays alive: its loaders' workers must have stopped anyway
     # tqdm's monitor is one thread per process, started by the first progress bar.
     left = [t.name for t in threading.enumerate() if t not in threads and t.is_alive() and t.name != "tqdm_monitor"]
     assert left == [], f"threads left running after fit: {left}"
@@ -139,6 +139,7 @@ def test_a_finished_run_leaves_no_loader_thread_or_worker_process_behind(tmp_pat
             time.monotonic() < deadline:
         time.sleep(0.2)
     assert left == [], f"loader worker processes left after fit: {left}"
+    assert trainer.evaluate() is not None  # a loader whose workers were released starts new ones
 
 
 def test_adamw_on_xla_is_the_foreach_update_and_gives_the_single_tensor_weights():

@@ -166,6 +166,13 @@ def completion_logps(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tens
     return logits.gather(-1, tokens).squeeze(-1) - logits.logsumexp(-1)
 
 
+def rows_completion_logps(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, start: int, stop: int,
+                          completion: int, temperature: float) -> torch.Tensor:
+    """`completion_logps` of the rows [start, stop) of a rollout, sliced here so that a replayed capture
+    (`Trainer.replayed`) takes the rollout's tensors as they are, not a pending slice of them."""
+    return completion_logps(model, ids[start:stop], mask[start:stop], completion, temperature)
+
+
 def score_completions(tokenizer: Any, rewards: dict[str, Reward], records: Sequence[dict], rows: list[list[int]],
                       settings: GRPOSettings, stop_ids: list[int] | None = None) -> dict:
     """Decode completion token rows (one per record) and score them with every reward: {"total", "rewards"
@@ -190,8 +197,9 @@ class GRPOTrainer(Trainer):
 
     # Its loss is the clipped surrogate, centred near 0 and of either sign: no spike rule on it (nan/inf still stop).
     watches_loss_spikes = False
-    # config.replay_steps: not replayed yet (its loss is computed outside `Trainer.replayed`): warned, traced lazily.
-    replays_steps = False
+    # config.replay_steps: the policy's forward (`rows_completion_logps`, and so its backward) is captured and
+    # replayed; the surrogate's few element-wise ops on its output are traced as they are.
+    replays_steps = True
 
     def __init__(self, model: torch.nn.Module, prompts: Any, *, tokenizer: Any, records: Sequence[dict],
                  rewards: dict[str, Reward], settings: GRPOSettings, ref_model: torch.nn.Module | None = None,
@@ -302,8 +310,8 @@ class GRPOTrainer(Trainer):
         """(loss, KL sum, clipped-token sum) of the rows `rows` of `rollout`: their share of the step's loss, whose
         divisor (`grpo_loss.step_divisor`) spans every micro-batch of the step."""
         s = self.settings
-        logp = completion_logps(self.model, rollout["ids"][rows], rollout["mask"][rows], s.max_new_tokens,
-                                s.temperature)
+        logp = self.replayed(rows_completion_logps, self.model, rollout["ids"], rollout["mask"], rows.start,
+                             rows.stop, s.max_new_tokens, s.temperature)
         old = logp.detach() if s.num_iterations == 1 else rollout["old_logp"][rows]
         ref = rollout["ref_logp"][rows] if "ref_logp" in rollout else None
         mask = rollout["completion_mask"][rows]

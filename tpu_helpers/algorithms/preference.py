@@ -57,14 +57,21 @@ def pair_logps(model: torch.nn.Module, rows: dict) -> tuple[torch.Tensor, torch.
     return per_token.sum(-1), mask.sum(-1), per_token
 
 
+def batch_pair_logps(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`pair_logps` of a loader batch of pairs, stacked here so that a replayed capture (`Trainer.replayed`) takes
+    the batch's tensors as they are, not a pending concatenation of them."""
+    return pair_logps(model, stack_pairs(batch))
+
+
 class PreferenceTrainer(Trainer):
     """DPO or ORPO over pairs (see the module docstring)."""
 
     # DPO's and IPO's losses fall towards 0 as the pairs separate, where a window of a few harder pairs is several
     # times the last one: the relative spike rule (training/divergence.py) would stop sound runs. nan/inf still stop.
     watches_loss_spikes = False
-    # config.replay_steps: not replayed yet (its loss is computed outside `Trainer.replayed`): warned, traced lazily.
-    replays_steps = False
+    # config.replay_steps: the policy's forward (`batch_pair_logps`, and so its backward) is captured and replayed;
+    # the reference's no-grad forward and the loss's few ops on the log-probabilities are traced as they are.
+    replays_steps = True
 
     def __init__(self, model: torch.nn.Module, train_data: Any, val_data: Any = None, *,
                  settings: PreferenceSettings, ref_model: torch.nn.Module | None = None, **kwargs: Any) -> None:
@@ -136,8 +143,7 @@ class PreferenceTrainer(Trainer):
     # ---- the loss ---------------------------------------------------------------------------------------------
     def pair_loss(self, batch: dict, split: str = "train") -> tuple[PairLoss, torch.Tensor, torch.Tensor]:
         """(per-pair loss, chosen NLL token sum, chosen token count) of one micro-batch of pairs."""
-        rows = stack_pairs(batch)
-        sums, counts, per_token = pair_logps(self.model, rows)
+        sums, counts, per_token = self.replayed(batch_pair_logps, self.model, batch)
         chosen, rejected = sums.chunk(2)
         n_chosen, n_rejected = counts.chunk(2)
         s = self.settings
@@ -148,7 +154,7 @@ class PreferenceTrainer(Trainer):
             ref = self.ref_tables[split][batch["index"]]
             ref_chosen, ref_rejected = ref[:, 0], ref[:, 1]
         else:
-            ref_chosen, ref_rejected = self.reference_logps(rows).float().chunk(2)
+            ref_chosen, ref_rejected = self.reference_logps(stack_pairs(batch)).float().chunk(2)
         out = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, settings=s, chosen_tokens=n_chosen,
                        rejected_tokens=n_rejected)
         zero = torch.zeros((), device=chosen.device)

@@ -9,9 +9,9 @@ and pack it into blocks), `loaders` (the resumable sharded sampler and DataLoade
 """
 
 from tpu_helpers.data.corpus import generate_corpus
-from tpu_helpers.data.loaders import ResumableSampler, make_loader
+from tpu_helpers.data.loaders import ResumableSampler, make_loader, release_workers
 from tpu_helpers.data.text import TokenBlocks, build_datasets, load_text, pack_tokens, split_train_val
 from tpu_helpers.data.tokenizer import ByteTokenizer, Tokenizer, get_tokenizer
 
 __all__ = ["ByteTokenizer", "ResumableSampler", "TokenBlocks", "Tokenizer", "build_datasets", "generate_corpus",
-           "get_tokenizer", "load_text", "make_loader", "pack_tokens", "split_train_val"]
+           "get_tokenizer", "load_text", "make_loader", "pack_tokens", "release_workers", "split_train_val"]

@@ -160,6 +160,20 @@ def make_loader(
     )
 
 
+def release_workers(loader: Any) -> None:
+    """Stop a DataLoader's persistent worker processes now; iterating it again starts new ones. A run's loaders
+    keep their workers between epochs and evaluations (`make_loader`'s persistent_workers), but after the run they
+    would live as long as the loader does: in a notebook, until the kernel restarts; in a test session, until the
+    garbage collector reaches the trainer (dozens of forked copies of the process piled up)."""
+    iterator = getattr(loader, "_iterator", None)  # DataLoader keeps its persistent iterator here
+    if iterator is None:
+        return
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+    loader._iterator = None
+
+
 def fixed_batches(stop: int, rows: int, start: int = 0) -> Iterator[tuple[list[int], int]]:
     """Indices of [start, stop) in batches of exactly `rows`, with how many of each are real: the last batch is
     padded by repeating its last index, because on XLA a short last batch would be a graph of its own."""

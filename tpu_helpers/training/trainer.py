@@ -42,7 +42,7 @@ from tpu_helpers.backend import Backend, backend_for
 from tpu_helpers.backend.base import ReplayUnsupported
 from tpu_helpers.callbacks import Callback, as_callback
 from tpu_helpers.config import ConfigError, TrainConfig
-from tpu_helpers.data import make_loader
+from tpu_helpers.data import make_loader, release_workers
 from tpu_helpers.diagnostics import XlaDetector
 from tpu_helpers.training import divergence, finite
 from tpu_helpers.training.batches import batch_loss
@@ -370,6 +370,8 @@ class Trainer:
             # The loader's pass is left mid-epoch: close it now (on XLA its feeder threads and the DataLoader's
             # worker processes stop with it) rather than whenever the generator is collected.
             source.close()
+            for loader in (self.train_loader, self.val_loader):
+                release_workers(loader)  # the persistent worker processes, which would outlive the run
         bar.close()
         report = self.state.report(start_step, time.perf_counter() - t_start, step=self.step, history=self.history,
                                    tokens_per_step=self.tokens_per_step)
