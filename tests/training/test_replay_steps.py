@@ -5,6 +5,7 @@ Hugging Face model with LoRA under the SFT trainer and under live distillation; 
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -28,6 +29,8 @@ def _fit(make, replay: bool) -> list[float]:
         warnings.simplefilter("error", UserWarning)  # no fallback to lazy tracing: a warning would fail here
         trainer = make(replay)
         trainer.fit()  # strict: a compile after warm-up raises
+    if replay:  # AdamW's step was replayed too (replayed_optimizer.py): the optimizer was made capturable for it
+        assert all(g["capturable"] for g in trainer.optimizer.param_groups)
     return [r["loss"] for r in trainer.history.train]
 
 
@@ -147,3 +150,70 @@ def test_trainers_without_a_replay_are_named_in_a_warning_and_traced_lazily(tmp_
     with pytest.warns(UserWarning, match=r"replay_steps: OwnLoss does not replay its steps"):
         trainer = OwnLoss(model, train, config=cfg, backend=XLA_BACKEND, progress=False)
     assert not trainer._replay
+
+
+def test_the_replayed_adamw_step_is_torchs_adamw_with_clipping():
+    # Against torch's own AdamW stepped lazily after clip_grad_norm_: the learning rate changing every step (a
+    # device scalar to the capture), weight decay on one group only, clipping active on some steps; one capture.
+    from tpu_helpers.training import replayed_optimizer
+    from tpu_helpers.training.optimizers import make_optimizer
+
+    device = XLA_BACKEND.device
+    torch.manual_seed(0)
+    init = [torch.randn(6, 4), torch.randn(4), torch.randn(3, 6)]
+    grads = [[torch.randn_like(t) * (0.2 + k) for t in init] for k in range(4)]
+    lrs = [1e-2, 3e-2, 2e-2, 5e-3]
+
+    def run(replay):
+        params = [torch.nn.Parameter(t.clone().to(device)) for t in init]
+        opt = make_optimizer("adamw", params, lr=lrs[0], weight_decay=0.1)
+        norms = []
+        for lr, step_grads in zip(lrs, grads, strict=True):
+            for group in opt.param_groups:
+                group["lr"] = lr
+            for p, g in zip(params, step_grads, strict=True):
+                p.grad = g.to(device)
+            if replay:
+                assert replayed_optimizer.can_replay(opt, XLA_BACKEND)
+                norms.append(replayed_optimizer.replayed_step(opt, XLA_BACKEND, clip_norm=2.0))
+            else:
+                norms.append(torch.nn.utils.clip_grad_norm_(params, 2.0))
+                opt.step()
+            XLA_BACKEND.sync()
+        return [p.detach().cpu() for p in params], [float(n) for n in norms], opt
+
+    captures = _unique_graphs()
+    (replayed, replayed_norms, opt), (lazy, lazy_norms, _) = run(True), run(False)
+    assert _unique_graphs() == captures + 1  # one capture for the four steps
+    assert min(lazy_norms) < 2.0 < max(lazy_norms)  # clipping acted on some steps only
+    torch.testing.assert_close(replayed_norms, lazy_norms, rtol=1e-6, atol=0)
+    for a, b in zip(replayed, lazy, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    state = opt.state[opt.param_groups[0]["params"][0]]
+    assert state["step"].device.type == "xla" and float(state["step"]) == 4.0
+
+
+def test_a_replayed_run_killed_and_resumed_gives_the_whole_runs_weights(tmp_path, tiny_sft, one_thread):
+    # The checkpoint holds the capturable optimizer (its step counts on the device); the resumed run loads it and
+    # replays on, bit for bit the run left whole.
+    from tests.support import StopAt, assert_same_trainable_weights
+    from tpu_helpers.algorithms.sft import CausalLMTrainer
+
+    _, train, _ = tiny_sft
+
+    def make(out, callbacks=None):
+        cfg = dataclasses.replace(_lm_config(tmp_path, True), steps=6, save_every=3, out_dir=str(tmp_path / out))
+        return CausalLMTrainer(_lora_lm(), train, None, config=cfg, backend=XLA_BACKEND, progress=False,
+                               callbacks=callbacks)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        whole = make("whole")
+        whole.fit()
+        make("killed", [StopAt(3)]).fit()
+        resumed = make("killed")
+        report = resumed.fit()
+    assert report.resumed_from == 3
+    assert all(g["capturable"] for g in resumed.optimizer.param_groups)
+    assert_same_trainable_weights(whole.model, resumed.model)
+    assert [r["loss"] for r in whole.history.train] == [r["loss"] for r in resumed.history.train]

@@ -44,7 +44,7 @@ from tpu_helpers.callbacks import Callback, as_callback
 from tpu_helpers.config import ConfigError, TrainConfig
 from tpu_helpers.data import make_loader, release_workers
 from tpu_helpers.diagnostics import XlaDetector
-from tpu_helpers.training import divergence, finite
+from tpu_helpers.training import divergence, finite, replayed_optimizer
 from tpu_helpers.training.batches import batch_loss
 from tpu_helpers.training.cadence import Cadence
 from tpu_helpers.training.history import History, RunReport
@@ -208,10 +208,27 @@ class Trainer:
     def apply_gradients(self) -> torch.Tensor | None:
         """After the backward passes of a step: clip, step the optimizer and the schedule, zero the gradients.
         Returns the gradient norm (a device tensor) when clipping, else None."""
-        grad_norm = self.backend.optimizer_step(self.optimizer, clip_norm=self.config.grad_clip)
+        replayed, grad_norm = self._replayed_optimizer_step()
+        if not replayed:
+            grad_norm = self.backend.optimizer_step(self.optimizer, clip_norm=self.config.grad_clip)
         self.scheduler.step()
         self.backend.zero_grad(self.optimizer)
         return grad_norm
+
+    def _replayed_optimizer_step(self) -> tuple[bool, torch.Tensor | None]:
+        """config.replay_steps: AdamW's clip and step captured once and replayed (`replayed_optimizer`): (True, the
+        gradient norm or None). (False, None) where it does not apply (another optimizer, its first step, a mesh),
+        or once its capture failed (said in one warning; nothing was updated: a failed capture raises before it
+        runs)."""
+        if not (self._replay and "optimizer" not in self._lazy_fns
+                and replayed_optimizer.can_replay(self.optimizer, self.backend)):
+            return False, None
+        try:
+            return True, replayed_optimizer.replayed_step(self.optimizer, self.backend, clip_norm=self.config.grad_clip)
+        except ReplayUnsupported as err:
+            self._lazy_fns.add("optimizer")
+            warnings.warn(f"{err}; the optimizer steps are traced lazily instead", stacklevel=2)
+            return False, None
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
