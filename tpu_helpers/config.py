@@ -102,9 +102,9 @@ class TrainConfig:
     # XLA performance (see tpu_helpers.diagnostics)
     compile_cache_dir: str | None = "default"  # persistent XLA compile cache: "default" (on TPU), a dir, or None
     xla_checks: str = "warn"  # recompilation / host-read / CPU-fallback detector on XLA: warn | strict | off
-    # XLA: each step's forward and loss (and so its backward) captured once per shape by dynamo and replayed instead
-    # of traced in Python every step (backend.compile_step); the optimizer stays lazily traced. The base Trainer,
-    # SFT and distillation replay; GRPO and DPO/ORPO warn and trace lazily (Trainer.replayed). False: plain lazy
+    # XLA: each step's forward and loss (and so its backward) and AdamW's step captured once per shape by dynamo and
+    # replayed instead of traced in Python every step (backend.compile_step; Trainer.replayed, replayed_optimizer):
+    # the base Trainer, SFT, distillation, GRPO's update, DPO/ORPO. False: plain lazy tracing
     replay_steps: bool = False
     # experiment tracking (see tpu_helpers.training.tracking): the main process logs the loop's log/eval records
     trackers: str = ""  # none, or tensorboard, wandb, trackio (comma separated)

@@ -1,7 +1,8 @@
-"""TrainConfig.replay_steps on XLA:CPU: the step's loss (forward, and so its backward) captured once by dynamo
-(openxla) and replayed instead of traced every step; the same losses as the lazily traced loop to 1e-6 over 5 steps
-with gradient accumulation, and no compile after warm-up (strict). The package's GPT under the base Trainer, a tiny
-Hugging Face model with LoRA under the SFT trainer and under live distillation; trainers without a replay say so."""
+"""TrainConfig.replay_steps on XLA:CPU: the step's loss (forward, and so its backward) and AdamW's step captured once
+by dynamo (openxla) and replayed instead of traced every step; the same losses as the lazily traced loop to 1e-6 over
+5 steps with gradient accumulation, and no compile after warm-up (strict). The package's GPT under the base Trainer,
+a tiny Hugging Face model with LoRA under the SFT trainer and under live distillation, GRPO's update, DPO and ORPO;
+the replayed AdamW step against torch's; a replayed run killed and resumed; trainers without a replay say so."""
 
 from __future__ import annotations
 
