@@ -19,7 +19,12 @@ tokens ("dapo" in TRL), rewards scaled by the group's std, AdamW (weight decay 0
 runs with USE_TORCH_XLA=0: accelerate takes any process that can import torch_xla for an XLA one, even with
 use_cpu=True, and then fails in `gather_object`.
 
-Printed per side: seconds per step after the first (mean), the share of it spent in generation (the package's
+`--sides package-replay` runs the package side with `replay_steps=True` (on XLA the policy's forward and backward
+and AdamW's step replayed instead of traced every step; the same as `package` elsewhere).
+
+Printed per side: seconds per step after the first (mean), the main thread's CPU time per step (host CPU: on XLA
+the tracing and dispatch a TPU would wait for, where the wall time of XLA:CPU is its own arithmetic), the share of
+it spent in generation (the package's
 `generate_ids`, TRL's `model.generate`), the mean reward over the first and the last 10 steps, and on XLA the graphs
 compiled. `--device xla` runs both sides on XLA:CPU (PJRT_DEVICE=CPU); TRL then goes through accelerate's XLA
 support and `model.generate` with a dynamic cache, whose shapes grow with every token (a graph per token and
@@ -77,19 +82,20 @@ def run_package(args) -> dict:
     from tpu_helpers.callbacks import Callback
     from tpu_helpers.recipes.grpo import GRPO, GRPOConfig
 
-    stamps: list[float] = []
+    stamps: list[tuple[float, float]] = []
     gen: list[float] = []
     grpo.generate_ids = _timed(grpo.generate_ids, gen)
 
     class Clock(Callback):
         def on_step_end(self, trainer):
             trainer.backend.sync()
-            stamps.append(time.perf_counter())
+            stamps.append((time.perf_counter(), time.thread_time()))
 
     cfg = GRPOConfig(model=args.start, start_from=None, dataset="sums", rewards="answer", steps=args.steps,
                      log_every=1, save_every=args.steps, eval_every=args.steps, device=args.device,
-                     precision="fp32", out_dir=str(Path(args.out) / f"package-{args.device}"), resume="force_new",
-                     xla_checks="off", compile_cache_dir=None, export_merged=False, **JOB)
+                     precision="fp32", out_dir=str(Path(args.out) / f"{args.child}-{args.device}"), resume="force_new",
+                     xla_checks="off", compile_cache_dir=None, export_merged=False,
+                     replay_steps=args.child == "package-replay", **JOB)
     job = GRPO(cfg, progress=False, callbacks=[Clock()])
     report = job.train()
     rewards = [r["reward"] for r in job.history.train]
@@ -109,12 +115,12 @@ def run_trl(args) -> dict:
 
     gen: list[float] = []
     transformers.GenerationMixin.generate = _timed(transformers.GenerationMixin.generate, gen)
-    stamps: list[float] = []
+    stamps: list[tuple[float, float]] = []
     rewards: list[float] = []
 
     class Clock(TrainerCallback):
         def on_step_end(self, targs, state, control, **kw):
-            stamps.append(time.perf_counter())
+            stamps.append((time.perf_counter(), time.thread_time()))
 
         def on_log(self, targs, state, control, logs=None, **kw):
             if logs and "reward" in logs:
@@ -150,10 +156,12 @@ def run_trl(args) -> dict:
 
 
 def _summary(stamps, gen, rewards, compilations, device=None) -> dict:
-    steady = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]  # every step after the first
+    steady = [b[0] - a[0] for a, b in zip(stamps, stamps[1:], strict=False)]  # every step after the first
+    host = [b[1] - a[1] for a, b in zip(stamps, stamps[1:], strict=False)]  # the main thread's CPU time
     steps = len(steady)
     gen_steady = sum(gen[-steps:]) if steps else 0.0
     return {"steps": len(stamps), "step_s": sum(steady) / steps if steps else None,
+            "host_s": sum(host) / steps if steps else None,
             "generation_share": gen_steady / sum(steady) if steady else None,
             "reward_first10": sum(rewards[:10]) / max(1, len(rewards[:10])),
             "reward_last10": sum(rewards[-10:]) / max(1, len(rewards[-10:])), "compilations": compilations,
@@ -169,7 +177,7 @@ def main() -> None:
     parser.add_argument("--trl-python", default=sys.executable, help="an interpreter that can import trl")
     parser.add_argument("--trl-timeout", type=float, default=None, help="seconds before the TRL side is stopped")
     parser.add_argument("--out", default=None, help="output directory (default: a temporary one)")
-    parser.add_argument("--child", choices=["package", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=["package", "package-replay", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--start", help=argparse.SUPPRESS)
     parser.add_argument("--smoke", action="store_true", help="3 steps of 2 prompts x 2 samples after 5 SFT steps (CI)")
     parser.add_argument("--model", default="", help="start from this model as it is (a name such as smollm2-135m, "
@@ -189,7 +197,7 @@ def main() -> None:
             import torch
 
             torch.set_num_threads(int(torch_threads))
-        result = (run_package if args.child == "package" else run_trl)(args)
+        result = (run_trl if args.child == "trl" else run_package)(args)
         print(json.dumps(result))
         return
     out = args.out or tempfile.mkdtemp(prefix="grpo_vs_trl_")
@@ -226,7 +234,8 @@ def main() -> None:
             continue
         r = json.loads(proc.stdout.strip().splitlines()[-1])
         share = f"{100 * r['generation_share']:.0f}%" if r["generation_share"] is not None else "-"
-        print(f"{side:8} {r['step_s']:.3f} s/step after the first, generation {share}, mean reward "
+        print(f"{side:8} {r['step_s']:.3f} s/step after the first, host CPU {r['host_s']:.3f} s/step, generation "
+              f"{share}, mean reward "
               f"{r['reward_first10']:.3f} (first 10 steps) -> {r['reward_last10']:.3f} (last 10), graphs "
               f"{r['compilations']}, process {wall:.0f} s" + (f", device {r['device']}" if r["device"] else ""),
               flush=True)

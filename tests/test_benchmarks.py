@@ -59,8 +59,10 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
     "grpo_loss_types": (["--smoke"], [rf"^held-out before training: mean reward {NUMBER}",
                                       *(rf"^{t} +{NUMBER} +{NUMBER} +{NUMBER} +{NUMBER} +{NUMBER} +{NUMBER}$"
                                         for t in ("grpo", "bnpo", "dr_grpo", "dapo"))]),
-    "grpo_vs_trl": (["--smoke"], [rf"^package +{NUMBER} s/step after the first, generation \d+%",
-                                  rf"^trl(: skipped \(trl is not installed| +{NUMBER} s/step)"]),
+    "grpo_vs_trl": (["--smoke", "--sides", "package,package-replay,trl"],
+                    [rf"^{side} +{NUMBER} s/step after the first, host CPU {NUMBER} s/step, generation \d+%"
+                     for side in ("package", "package-replay")]
+                    + [rf"^trl(: skipped \(trl is not installed| +{NUMBER} s/step)"]),
     "kill_soak": (["--kills", "3", "--sigterms", "1", "--steps", "60"],
                   [r"^stops survived +4 ", r"^final weights +identical bit for bit"]),
     "qlora_memory": (["--smoke"], [rf"^bf16 +no +{NUMBER} +{NUMBER} +{NUMBER}$", rf"^nf4 +no +{NUMBER} +{NUMBER} +{NUMBER}$",
