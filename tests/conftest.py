@@ -32,6 +32,20 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _captures_end_with_their_module():
+    """Dynamo's captures (backend.compile_step: replayed decode steps, losses, optimizer steps) cleared after each
+    test module. A capture outlives its test otherwise, and a later module calling the same function with the same
+    shapes replays it; by then torch_xla's compile cache (an LRU of 2048 graphs) may have evicted its graph: the
+    suite compiles many thousands. A forward replay then captures anew (backend/xla.py); a replayed backward graph
+    cannot. (Full sessions died late, in an abort inside XLA's sync, until captures were cleared per module.)"""
+    yield
+    import sys
+
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
+
+
 @pytest.fixture
 def one_thread():
     """torch on one CPU thread for the test: on a loaded 2-core machine (CI, shared runners) two OpenMP threads spin

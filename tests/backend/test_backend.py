@@ -151,3 +151,13 @@ def test_dump_flags_add_the_dump_dir_to_existing_xla_flags_without_touching_the_
     assert runtime_env.dump_env("d", environ={})["XLA_FLAGS"] == "--xla_dump_to=d"
     with pytest.raises(ValueError, match="'/tmp/my dump'.*no spaces"):
         runtime_env.dump_env("/tmp/my dump", environ={})
+
+
+@pytest.mark.xla
+def test_a_replayed_step_whose_graph_left_the_compile_cache_is_captured_anew():
+    # torch_xla's LRU cache of compiled graphs evicts a capture's graph after enough others (2048 by default: a
+    # test session got there, and the replays of earlier captures then failed "kicked out of the LRU cache").
+    from tests.support import script_result
+
+    out = script_result("evicted_capture", env={"XLA_COMPILATION_CACHE_SIZE": "4"})
+    assert out["again"] == out["first"] == pytest.approx(out["lazy"], rel=1e-6)

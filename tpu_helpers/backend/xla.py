@@ -330,6 +330,14 @@ def _compiled(fn: Callable) -> Callable:
         except torch._dynamo.exc.TorchDynamoException as err:
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ReplayUnsupported(f"{getattr(fn, '__qualname__', fn)} cannot be captured whole: {first}") from err
+        except RuntimeError as err:
+            # torch_xla keeps compiled graphs in an LRU cache (XLA_COMPILATION_CACHE_SIZE, 2048 by default), but a
+            # capture replays its graph by hash: once evicted (a long session, thousands of other graphs), every call
+            # would fail. It is raised before the graph runs, so capture anew and run.
+            if "kicked out of the LRU cache" not in str(err):
+                raise
+            torch._dynamo.reset_code(fn.__code__)
+            return compiled(*args, **kwargs)
 
     return run
 
