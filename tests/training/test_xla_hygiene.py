@@ -131,14 +131,19 @@ def test_a_finished_run_leaves_no_loader_thread_or_worker_process_behind(tmp_pat
     assert backend.loader_options["num_workers"] >= 1  # the case that leaked processes
     trainer = Trainer(model, train, val, config=cfg, backend=backend, progress=False)
     trainer.fit()  # the trainer stays alive: its loaders' workers must have stopped anyway
-    # tqdm's monitor is one thread per process, started by the first progress bar.
-    left = [t.name for t in threading.enumerate() if t not in threads and t.is_alive() and t.name != "tqdm_monitor"]
-    assert left == [], f"threads left running after fit: {left}"
-    deadline = time.monotonic() + 20  # the workers were told to stop; give them time to exit
-    while (left := [p.pid for p in multiprocessing.active_children() if p not in children]) and \
-            time.monotonic() < deadline:
+    def threads_left():  # tqdm's monitor is one thread per process, started by the first progress bar
+        return [t.name for t in threading.enumerate() if t not in threads and t.is_alive() and t.name != "tqdm_monitor"]
+
+    def processes_left():
+        return [p.pid for p in multiprocessing.active_children() if p not in children]
+
+    # Told to stop, the workers and their queues' feeder threads take a moment to exit: wait for them, not forever
+    # (before the fix they never did).
+    deadline = time.monotonic() + 20
+    while (threads_left() or processes_left()) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert left == [], f"loader worker processes left after fit: {left}"
+    assert threads_left() == [], f"threads left running after fit: {threads_left()}"
+    assert processes_left() == [], f"loader worker processes left after fit: {processes_left()}"
     assert trainer.evaluate() is not None  # a loader whose workers were released starts new ones
 
 
