@@ -403,7 +403,7 @@ class _DeviceLoader:
     """`MpDeviceLoader` that stops its threads when its consumer does. MpDeviceLoader closes a pass's
     `ParallelLoader` only when the next pass begins, so the last pass of a run, left mid-epoch when the step budget
     ends, kept its two feeder threads blocked on a full queue for the rest of the process, and with them the
-    DataLoader and its persistent worker processes (a test session piled up over 100 threads, then segfaulted).
+    DataLoader and its persistent worker processes (a test session piled up over 100 threads and dozens of workers).
     Here a pass is a generator that closes its ParallelLoader when it ends, is closed, or is collected."""
 
     def __init__(self, loader: Iterable, device: torch.device, **kwargs) -> None:
