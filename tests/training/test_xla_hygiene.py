@@ -118,7 +118,7 @@ def test_a_finished_run_leaves_no_loader_thread_or_worker_process_behind(tmp_pat
     # MpDeviceLoader's feeder threads blocked on a full queue once the loop stopped reading mid-epoch, holding the
     # DataLoader and its persistent worker processes for the rest of the process; and the workers of a finished
     # run lived as long as its trainer (until the garbage collector reached it). A test session piled up over 100
-    # threads and dozens of forked copies of itself, then segfaulted.
+    # threads and dozens of forked copies of itself.
     import multiprocessing
     import threading
     import time
