@@ -38,7 +38,7 @@ def _captures_end_with_their_module():
     test module. A capture outlives its test otherwise, and a later module calling the same function with the same
     shapes replays it; by then torch_xla's compile cache (an LRU of 2048 graphs) may have evicted its graph: the
     suite compiles many thousands. A forward replay then captures anew (backend/xla.py); a replayed backward graph
-    cannot. (Full sessions died late, in an abort inside XLA's sync, until captures were cleared per module.)"""
+    cannot."""
     yield
     import sys
 
