@@ -217,16 +217,16 @@ class Trainer:
 
     def _replayed_optimizer_step(self) -> tuple[bool, torch.Tensor | None]:
         """config.replay_steps: AdamW's clip and step captured once and replayed (`replayed_optimizer`): (True, the
-        gradient norm or None). (False, None) where it does not apply (another optimizer, its first step, a mesh),
-        or once its capture failed (said in one warning; nothing was updated: a failed capture raises before it
+        gradient norm or None). (False, None) where it does not apply (another optimizer, a mesh, a scaler), or
+        once its capture failed (said in one warning; nothing was updated: a failed capture raises before it
         runs)."""
-        if not (self._replay and "optimizer" not in self._lazy_fns
+        if not (self._replay and replayed_optimizer.adamw_update not in self._lazy_fns
                 and replayed_optimizer.can_replay(self.optimizer, self.backend)):
             return False, None
         try:
             return True, replayed_optimizer.replayed_step(self.optimizer, self.backend, clip_norm=self.config.grad_clip)
         except ReplayUnsupported as err:
-            self._lazy_fns.add("optimizer")
+            self._lazy_fns.add(replayed_optimizer.adamw_update)
             warnings.warn(f"{err}; the optimizer steps are traced lazily instead", stacklevel=2)
             return False, None
 
@@ -245,8 +245,8 @@ class Trainer:
         # The running total starts as data copied from the host, shape (1,) (XLA turns a 0-d zero into a constant,
         # i.e. a graph of its own), and the mean is taken on the host: every evaluation batch runs one same graph.
         total, n = torch.zeros(1).to(self.backend.device), 0
-        # Cap the host loader rather than break out of the device loader: MpDeviceLoader's feeder thread fails
-        # when its consumer walks away mid-iteration.
+        # Cap the host loader rather than break out of the device loader: the feeder thread then copies exactly
+        # eval_batches batches to the device, not a prefetch of batches nobody reads.
         for batch in self.backend.wrap_loader(_Take(self.val_loader, self.config.eval_batches)):
             with self.backend.autocast():
                 total = total + self.compute_loss(batch).float()
