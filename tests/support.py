@@ -11,6 +11,11 @@ import os
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The session (and every process it starts) keeps no more compiled graphs than XLA:CPU's memory mappings allow
+# (runtime_env.cap_xla_cpu_cache): the whole suite in one process used to exhaust vm.max_map_count and segfault.
+from tpu_helpers.backend import runtime_env  # noqa: E402
+
+runtime_env.cap_xla_cpu_cache()
 # XLA:CPU compiles with LLVM at -O0 here and in every process the tests start (they inherit XLA_FLAGS): the tests'
 # programs are tiny, and LLVM's optimisation passes were most of their compile time (3.4 s -> 0.4 s per graph of a
 # 1-layer Qwen2; tests/training/test_xla_hygiene.py 77 -> 35 s). What the tests check is untouched: the HLO passes,

@@ -53,6 +53,7 @@ def test_local_device_count(monkeypatch, device, env, chips, expected):
 
 def test_choose_pjrt_device_keeps_an_exported_choice(monkeypatch):
     monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    monkeypatch.delenv("XLA_COMPILATION_CACHE_SIZE", raising=False)  # tests.support sized the session's cache
     assert runtime_env.choose_pjrt_device("cpu", tpu_attached=False) is None
     assert runtime_env.choose_pjrt_device("auto", tpu_attached=True) == "TPU"
     monkeypatch.delenv("PJRT_DEVICE")
@@ -86,3 +87,19 @@ def test_backend_for_on_the_cpu(tmp_path):
     assert backend.name == "cpu" and backend.runs_on_host and backend.peak_tflops is None
     if XLA_BACKEND is not None:
         assert not XLA_BACKEND.runs_on_host and XLA_BACKEND.peak_tflops is None  # XLA:CPU has no catalog peak
+
+
+def test_xla_cpu_keeps_no_more_compiled_graphs_than_the_kernels_mapping_limit_holds():
+    """XLA:CPU's compiled graphs each hold LLVM memory mappings until torch_xla's LRU evicts them; the whole test
+    suite in one process reached vm.max_map_count (65,418 of 65,530) and segfaulted. The cache is sized to the
+    limit on XLA:CPU, a user's own setting kept, and nothing is set for other devices."""
+    assert runtime_env.xla_cpu_cache_size(65530) == 1023  # the kernel's default limit
+    assert runtime_env.xla_cpu_cache_size(10**7) == 2048  # a raised limit: torch_xla's own default
+    assert runtime_env.xla_cpu_cache_size(100) == 64  # never a uselessly small cache
+    env = {"PJRT_DEVICE": "CPU"}
+    assert runtime_env.cap_xla_cpu_cache(env) == env["XLA_COMPILATION_CACHE_SIZE"] == \
+        str(runtime_env.xla_cpu_cache_size())
+    mine = {"PJRT_DEVICE": "CPU", "XLA_COMPILATION_CACHE_SIZE": "300"}
+    assert runtime_env.cap_xla_cpu_cache(mine) == "300"
+    tpu = {"PJRT_DEVICE": "TPU"}
+    assert runtime_env.cap_xla_cpu_cache(tpu) is None and "XLA_COMPILATION_CACHE_SIZE" not in tpu

@@ -250,7 +250,7 @@ class GRPOTrainer(Trainer):
         with b.autocast():
             gen = generate_ids(self.model, ids, mask, max_new_tokens=n, eos_token_id=self.stop_ids,
                                pad_token_id=self.tokenizer.pad_token_id, sampling=self.settings.sampling, seed=key,
-                               sync=b.sync, replay=b.compile_step)
+                               sync=b.sync, replay=b.compile_step, loop=b.compile_loop)
         host = b.to_cpu({"ids": gen.ids, "index": batch["index"]})  # the step's one read
         rewards, stats = self.score(host["ids"].tolist(), host["index"].tolist())
         rollout = {"ids": torch.cat([ids, gen.ids], 1), "mask": torch.cat([mask, gen.mask], 1),

@@ -126,8 +126,9 @@ def _with_precision(backend: Backend, precision: str) -> Backend:
 
 def _xla_backend(precision: str, spmd: bool | str, pjrt_device: str, compile_cache_dir: str | None) -> Backend:
     global _XLA_BACKEND
-    module = xla_module()
     os.environ.setdefault("PJRT_DEVICE", pjrt_device)
+    runtime_env.cap_xla_cpu_cache()  # before torch_xla starts: it reads the size once
+    module = xla_module()
     active = active_compile_cache()
     cache = resolve_compile_cache(compile_cache_dir, os.environ["PJRT_DEVICE"], active)
     if spmd == "auto":

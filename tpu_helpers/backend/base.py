@@ -201,6 +201,13 @@ class Backend(TorchSharding):
         The capture is whole or nothing: what cannot be captured raises `ReplayUnsupported` before anything ran."""
         return fn
 
+    def compile_loop(self) -> Callable | None:
+        """A runner `loop(step, carry, steps, key)` that runs `carry = step(carry)` `steps` times on the device as
+        one program, traced once per shape and `key` and kept (XLA: a `While` op, backend/xla_loop.py), so a long
+        loop of small steps (generation's decode) costs the host one call. None where there is none: eager
+        backends, whose Python loop is the compute itself or only launches kernels."""
+        return None
+
     def barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier()

@@ -29,12 +29,13 @@ XLA_FLAGS = "XLA_FLAGS"  # the compiler's own flags
 DEBUG_LEVEL = "PT_XLA_DEBUG_LEVEL"  # 1: compilation analysis; 2: also why each graph executed
 DEBUG_FILE = "PT_XLA_DEBUG_FILE"
 HLO_DEBUG = "XLA_HLO_DEBUG"  # Python frames in the HLO metadata
+COMPILATION_CACHE_SIZE = "XLA_COMPILATION_CACHE_SIZE"  # compiled graphs kept in memory (an LRU; 2048 by default)
 LOCAL_PROCESS_COUNT = "PJRT_LOCAL_PROCESS_COUNT"  # set in each xmp.spawn child
 LOCAL_PROCESS_RANK = "PJRT_LOCAL_PROCESS_RANK"
 
 RUNTIME_VARS = (PJRT_DEVICE, CPU_DEVICES, TPU_DEVICES, ACCELERATOR_TYPE, "TPU_VISIBLE_CHIPS", "TPU_PROCESS_BOUNDS",
                 "TPU_CHIPS_PER_PROCESS_BOUNDS", XLA_FLAGS, "LIBTPU_INIT_ARGS", DEBUG_LEVEL, DEBUG_FILE, HLO_DEBUG,
-                "XLA_USE_SPMD", "TPU_HELPERS_XLA_CACHE")
+                "XLA_USE_SPMD", "TPU_HELPERS_XLA_CACHE", COMPILATION_CACHE_SIZE)
 DEBUG_LEVELS = (1, 2)
 
 
@@ -144,6 +145,35 @@ def dump_env(path: str | Path, *, pjrt: str = "CPU", environ: Mapping[str, str] 
     if memory_scheduler and pjrt == "CPU":
         flags = f"{flags} {CPU_MEMORY_SCHEDULER_FLAG}"
     return {**base, PJRT_DEVICE: pjrt, XLA_FLAGS: flags}
+
+
+# XLA:CPU JIT-compiles each graph with LLVM into memory mappings of its own, freed when torch_xla's LRU of compiled
+# graphs evicts it. The process's mappings are capped by the kernel (vm.max_map_count, 65530 by default), and a long
+# process of real models' graphs reaches it before the LRU's 2048 graphs: measured, the test suite in one process
+# held 65,418 mappings when LLVM failed ("LLVM compilation error: Cannot allocate memory", with 18 GB of RAM free)
+# and the next graph's run segfaulted. Budgeted at 64 mappings a graph (a 1-layer MLP's training step takes 4, the
+# suite's graphs averaged about 30), the cache fits the limit with room to spare.
+MAPPINGS_PER_GRAPH = 64
+DEFAULT_CACHE_SIZE = 2048
+
+
+def xla_cpu_cache_size(max_map_count: int | None = None) -> int:
+    """How many compiled graphs XLA:CPU may keep so that their mappings fit the kernel's limit (see above)."""
+    if max_map_count is None:
+        try:
+            max_map_count = int(Path("/proc/sys/vm/max_map_count").read_text())
+        except (OSError, ValueError):
+            return DEFAULT_CACHE_SIZE  # not Linux, or unreadable: torch_xla's own default
+    return max(64, min(DEFAULT_CACHE_SIZE, max_map_count // MAPPINGS_PER_GRAPH))
+
+
+def cap_xla_cpu_cache(environ: dict | None = None) -> str | None:
+    """On XLA:CPU (PJRT_DEVICE=CPU), set the compiled-graph cache's size to `xla_cpu_cache_size()` unless the user
+    set one; before the runtime starts (it reads the variable once). Returns the value in force, None off XLA:CPU."""
+    environ = os.environ if environ is None else environ
+    if environ.get(PJRT_DEVICE) != "CPU":
+        return None
+    return environ.setdefault(COMPILATION_CACHE_SIZE, str(xla_cpu_cache_size()))
 
 
 def runtime_started() -> bool:

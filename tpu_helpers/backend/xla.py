@@ -194,6 +194,14 @@ class XlaBackend(SpmdSharding, Backend):
         # tensors, so a mesh keeps the lazily traced step (correct, only slower on the host).
         return fn if self.mesh is not None else _compiled(fn)
 
+    def compile_loop(self) -> Callable | None:
+        # One device per process, as compile_step: a mesh's sharded weights were never run through the While.
+        if self.mesh is not None:
+            return None
+        from tpu_helpers.backend.xla_loop import DeviceLoop
+
+        return DeviceLoop(self.device)
+
     def _hosts_group(self) -> bool:
         """Under SPMD on a pod slice (several hosts): a gloo group over the hosts, found by torch_xla's xla://
         rendezvous, started on first use. False for one process, or one process per chip (xmp.spawn)."""

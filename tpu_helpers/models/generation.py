@@ -37,8 +37,9 @@ RWKV), Llama 4's chunked attention, LFM2's convolutions, is a ConfigError naming
 Sampling (temperature, top-k, top-p; `Sampling`, `pick`) lives in `models/sampling.py`: an exponential race keyed by a counter-based
 hash of (seed, step, row, token id) on the device, so a stream is a function of the `seed` tensor.
 
-On XLA, pass `replay=backend.compile_step`: the decode step is then captured once per shape (dynamo) and replayed
-without re-tracing the model in Python for every token (see `generate_ids`).
+On XLA, pass `replay=backend.compile_step, loop=backend.compile_loop`: the prompt pass is captured once per shape
+(dynamo) and replayed, and the decode steps run as one While op on the device, built once per shape, so a call
+costs the host the same whatever the number of tokens (see `generate_ids` and models/replay.py).
 """
 
 from __future__ import annotations
@@ -50,7 +51,14 @@ from typing import Any
 import torch
 
 from tpu_helpers.config import ConfigError
-from tpu_helpers.models.replay import kept_cache, lazy_steps, release_caches, replayed_steps  # noqa: F401
+from tpu_helpers.models.replay import (  # noqa: F401
+    kept_cache,
+    lazy_steps,
+    looped_steps,
+    release_caches,
+    replayed_prefill,
+    replayed_steps,
+)
 from tpu_helpers.models.sampling import GREEDY, Sampling, exponentials, pick  # noqa: F401  (re-exported)
 
 
@@ -226,6 +234,36 @@ def _decode(model: torch.nn.Module, cache: Any, st: tuple, fixed: tuple, width: 
     return _record(logits, st, fixed, sampling, pad)
 
 
+def _prefill(model: torch.nn.Module, cache: Any, tensors: tuple, room: int, width: int, window: int | None,
+             hybrid: bool, dtype: torch.dtype, sampling: Sampling, pad: int) -> tuple:
+    """The prompt's pass through the model, filling the cache, and the first new token: the decode's starting
+    state `st` and its `fixed` tensors. Like `_decode`, it reads nothing but its arguments (so it replays too)."""
+    input_ids, attention_mask, eos, seed = tensors
+    device = input_ids.device
+    batch = input_ids.shape[0]
+    total = width + room
+    prompt_mask = attention_mask.to(torch.long)
+    # Slots: the prompt's P, then one per new token; a slot holds a token when its prompt mask is 1 or it is a
+    # generated slot already written (the causal condition below).
+    valid = torch.cat([prompt_mask.bool(), torch.ones((batch, room), dtype=torch.bool, device=device)], 1)
+    slot_pos = torch.cat([(prompt_mask.cumsum(-1) - 1).clamp(min=0),
+                          prompt_mask.sum(-1, keepdim=True) + torch.arange(room, device=device)], 1)
+    slots = torch.arange(total, device=device)
+    q = torch.arange(width, device=device)
+    # Query i sees slots j <= i that hold a token (a padding query sees itself, so no row is empty).
+    allowed = ((slots[None, :] <= q[:, None]) & valid[:, None, :]) | (slots[None, :] == q[:, None])
+    distance = slot_pos[:, :width, None] - slot_pos[:, None, :]
+    logits = _forward(model, input_ids, _masks(allowed, distance, window, dtype, hybrid), slot_pos[:, :width], cache,
+                      keep_last=True)
+    fixed = (slots, valid, slot_pos, torch.arange(room, device=device), eos, seed)
+    st = (None, torch.zeros((1,), dtype=torch.long, device=device),  # after the sync, data: one decode graph
+          torch.full((batch, room), pad, dtype=torch.long, device=device),
+          torch.zeros((batch, room), dtype=torch.float32, device=device),
+          torch.zeros((batch, room), dtype=torch.long, device=device),
+          torch.zeros((batch,), dtype=torch.bool, device=device))
+    return _record(logits, st, fixed, sampling, pad), fixed
+
+
 def _autocast(device: torch.device) -> torch.dtype | None:
     """The autocast dtype in force on `device` (the cache's keys take it), None without autocast."""
     return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
@@ -236,7 +274,8 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
                  max_new_tokens: int, eos_token_id: int | Sequence[int] | None, pad_token_id: int,
                  sampling: Sampling = GREEDY, seed: int | torch.Tensor = 0, sync: Callable[[], None] | None = None,
                  cache_len: int | None = None, mask_dtype: torch.dtype | None = None,
-                 replay: Callable[[Callable], Callable] | None = None) -> Generated:
+                 replay: Callable[[Callable], Callable] | None = None,
+                 loop: Callable | None = None) -> Generated:
     """Complete left-padded prompts (`input_ids`, `attention_mask`: (B, P) on the model's device) by
     `max_new_tokens` tokens with a KV cache (see the module docstring).
 
@@ -246,11 +285,14 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     larger one lets calls with other `max_new_tokens` reuse the same two graphs (the columns past
     `max_new_tokens` stay padding with mask 0).
 
-    `replay` (`backend.compile_step` on XLA): the decode step is captured once per shape and sampling and replayed,
-    instead of re-running the model's Python for every token (on XLA:CPU, a 30-layer model's decode step traced in
-    ~40 ms of host time; replayed, in about 1 ms). The same ops, so the same tokens. The cache of each shape is then
-    kept with the model between calls (`release_caches`), so later calls capture nothing; weights updated in place
-    between calls (a training step) are read afresh by each replay."""
+    `replay` (`backend.compile_step` on XLA): the prompt pass and the decode step are captured once per shape and
+    sampling and replayed, instead of re-running the model's Python for every token (on XLA:CPU, a 30-layer model's
+    decode step traced in ~40 ms of host time; replayed, in about 1 ms). `loop` (`backend.compile_loop` on XLA):
+    the decode steps run as one device loop, built once per shape (and whatever `max_new_tokens` in the same
+    cache), the host's work per call the same for 8 tokens or 512; where a model's step cannot be looped, it is
+    replayed (or traced) step by step, with one warning. The same ops, so the same tokens. The cache of each shape is
+    then kept with the model between calls (`release_caches`), so later calls capture nothing; weights updated in
+    place between calls (a training step) are read afresh by each call."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
     check_generation_support(model)
@@ -277,33 +319,20 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     try:
         cache = make_cache(model, total) if replay is None else \
             kept_cache(model, (batch, total, dtype, _autocast(device)), lambda: make_cache(model, total))
-        prompt_mask = attention_mask.to(torch.long)
-        # Slots: the prompt's P, then one per new token; a slot holds a token when its prompt mask is 1 or it is
-        # a generated slot already written (the causal condition below).
-        valid = torch.cat([prompt_mask.bool(), torch.ones((batch, room), dtype=torch.bool, device=device)], 1)
-        slot_pos = torch.cat([(prompt_mask.cumsum(-1) - 1).clamp(min=0),
-                              prompt_mask.sum(-1, keepdim=True) + torch.arange(room, device=device)], 1)
-        slots = torch.arange(total, device=device)
-        q = torch.arange(width, device=device)
-        # Prefill: query i sees slots j <= i that hold a token (a padding query sees itself, so no row is empty).
-        allowed = ((slots[None, :] <= q[:, None]) & valid[:, None, :]) | (slots[None, :] == q[:, None])
-        distance = slot_pos[:, :width, None] - slot_pos[:, None, :]
-        logits = _forward(model, input_ids, _masks(allowed, distance, window, dtype, hybrid), slot_pos[:, :width], cache,
-                          keep_last=True)
-        fixed = (slots, valid, slot_pos, torch.arange(room, device=device), eos, seed_t)
-        st = (None, torch.zeros((1,), dtype=torch.long).to(device),  # device data: the same decode graph every step
-              torch.full((batch, room), pad_token_id, dtype=torch.long, device=device),
-              torch.zeros((batch, room), dtype=torch.float32, device=device),
-              torch.zeros((batch, room), dtype=torch.long, device=device),
-              torch.zeros((batch,), dtype=torch.bool, device=device))
-        st = _record(logits, st, fixed, sampling, pad_token_id)
+        args = (width, window, hybrid, dtype, sampling, pad_token_id)
+        st, fixed = replayed_prefill(replay, _prefill, model, cache, (input_ids, attention_mask, eos, seed_t), room,
+                                     args, sync)
         sync()
-        if replay is None:
-            st = lazy_steps(_decode, model, cache, st, fixed, max_new_tokens - 1, sync,
-                            (width, window, hybrid, dtype, sampling, pad_token_id))
+        looped = None
+        if loop is not None and max_new_tokens > 1:
+            looped = looped_steps(loop, _decode, model, cache, st, fixed, max_new_tokens - 1, args)
+        if looped is not None:
+            st = looped
+            sync()  # the loop's outputs become device data: each read of them would otherwise run it again
+        elif replay is None:
+            st = lazy_steps(_decode, model, cache, st, fixed, max_new_tokens - 1, sync, args)
         elif max_new_tokens > 1:
-            st = replayed_steps(replay, _decode, model, cache, st, fixed, max_new_tokens - 1, sync,
-                                (width, window, hybrid, dtype, sampling, pad_token_id))
+            st = replayed_steps(replay, _decode, model, cache, st, fixed, max_new_tokens - 1, sync, args)
     finally:
         model.train(was_training)
     return Generated(st[2], st[3], st[4])

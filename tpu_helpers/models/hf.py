@@ -149,13 +149,14 @@ def completion_texts(tokenizer: Any, rows: list[list[int]], stop_ids: list[int] 
 
 def generate(model: torch.nn.Module, tokenizer: Any, prompts: list, *, device: Any, sync: Any = None,
              max_new_tokens: int = 8, prompt_len: int | None = None, batch_size: int = 16,
-             replay: Any = None) -> list[str]:
+             replay: Any = None, loop: Any = None) -> list[str]:
     """Greedy answers for chat prompts (lists of messages) or strings, in fixed-shape batches, with a KV cache
     (`models.generation`): on XLA the first call compiles a prefill and a decode graph, and later calls with up to
     `CACHE_BUCKET` slots of prompt plus new tokens (rounded up) compile nothing.
 
     `sync` is called after the prefill and each new token (the backend's sync on XLA: the same graph every time);
-    `replay=backend.compile_step` replays the decode step instead of tracing it per token (`generate_ids`).
+    `replay=backend.compile_step` replays the decode step instead of tracing it per token, `loop=backend.compile_loop`
+    runs the decode steps as one device loop (`generate_ids`).
     """
     from tpu_helpers.models.generation import generate_ids, left_pad
 
@@ -168,7 +169,7 @@ def generate(model: torch.nn.Module, tokenizer: Any, prompts: list, *, device: A
         batch = left_pad([enc[i] for i in idx], width, tokenizer.pad_token_id)
         gen = generate_ids(model, batch.ids.to(device), batch.mask.to(device), max_new_tokens=max_new_tokens,
                            eos_token_id=stop, pad_token_id=tokenizer.pad_token_id, sync=sync,
-                           cache_len=total, replay=replay)
+                           cache_len=total, replay=replay, loop=loop)
         # The whole buffer comes to the host in one transfer (slicing on the device would be a graph per length).
         out += completion_texts(tokenizer, gen.ids.cpu()[:n, :max_new_tokens].tolist(), stop)
     return out

@@ -1,16 +1,29 @@
-"""Replaying generation's decode step instead of tracing it per token: the caches kept between calls, the replayed
-loop and its fallback (models/generation.py's `generate_ids(..., replay=backend.compile_step)` uses them).
+"""Generation without per-token tracing on XLA: the prompt pass and the decode step replayed, and the decode steps
+run as one device loop (models/generation.py's `generate_ids(..., replay=backend.compile_step,
+loop=backend.compile_loop)` uses what is here).
 
 Why: on XLA every decode step was traced in Python into a lazy graph, hashed and looked up, about 40 ms of host time
-per token for a 30-layer model on XLA:CPU whatever the chip; a replayed step costs about 1 ms. What makes a replay
-hold call after call (no capture, no compile after the first call of a shape):
-- the step reads nothing but its arguments (models/generation.py's `_decode`), and the Python values among them
-  (the prompt width, the sampling settings, the pad id) are the same for every call of a shape;
-- the key/value cache of each shape is kept with the model (`kept_cache`) and reset in place, so its layers are
-  the objects the capture's guards checked; `release_caches(model)` frees them;
+per token for a 30-layer model on XLA:CPU whatever the chip. Three steps down from there:
+- `replayed_steps`: the decode step captured once per shape (dynamo) and replayed, ~1-2 ms of host per token;
+- `replayed_prefill`: the prompt pass too (~45 ms of tracing per call for 30 layers, otherwise);
+- `looped_steps`: all of a call's decode steps as one While op on the device (backend/xla_loop.py), built once per
+  shape and called again with each call's tensors, so the host's work per call (~20 ms for 30 layers on XLA:CPU)
+  does not grow with the number of tokens; where the loop cannot be built, the replayed steps.
+What makes a replay or a kept loop hold call after call (no capture, no build, no compile after the first call of
+a shape):
+- the steps read nothing but their arguments (models/generation.py's `_prefill` and `_decode`), and the Python
+  values among them (the prompt width, the sampling settings, the pad id) are the same for every call of a shape;
+  the loop gets the model's weights and buffers in its carry (read afresh each call) and is keyed by autocast and
+  peft's adapter switches besides the shapes;
+- the key/value cache of each shape is kept with the model (`kept_cache`) and reset in place, so its layers and
+  tensors are the objects the capture's guards checked; the first call allocates it by tracing the prompt pass
+  once without running it; `release_caches(model)` frees the caches and the loop's programs;
+- what a capture reads is device data before it runs (a sync of the inputs, one of the cache's reset): dynamo's
+  bridge syncs pending inputs in one graph at the capture and in another at a replay;
 - transformers' `enable_input_require_grads` hook (gradient checkpointing under LoRA) is lifted around the steps:
   its `requires_grad_` is a graph break and means nothing without grad;
-- a step that cannot be captured whole (`ReplayUnsupported`) runs lazily instead, with one warning per model.
+- a pass that cannot be captured whole (`ReplayUnsupported`) runs lazily instead, and a step that cannot be looped
+  (a host read, torch's RNG) steps one by one, each with one warning per model.
 """
 
 from __future__ import annotations
@@ -32,26 +45,60 @@ _KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def release_caches(model: torch.nn.Module) -> None:
-    """Free the key/value caches that `generate_ids(..., replay=...)` keeps for `model` between calls."""
+    """Free the key/value caches and the decode loop's programs that `generate_ids(..., replay=..., loop=...)`
+    keeps for `model` between calls."""
     _KEPT.pop(model, None)
 
 
 def kept_cache(model: torch.nn.Module, key: tuple, make: Callable[[], Any]) -> Any:
-    """The cache kept for `model` and `key` (the decode step's shapes), reset for a new prefill; `make()` builds
-    it on first use."""
+    """The cache kept for `model` and `key` (the decode step's shapes); `make()` builds it on first use."""
     kept = _KEPT.setdefault(model, {})
     cache = kept.get(key)
     if cache is None:
         cache = kept[key] = make()
-    elif cache.layers[0].is_initialized:
-        # Back to the state a fresh cache's prefill finds, so the prefill is the first call's graph again (no
-        # compile): keys and values zeros built in the graph, the write position a device value 0.
-        zero = torch.zeros((), dtype=cache.layers[0].cumulative_length.dtype).to(cache.layers[0].keys.device)
-        for layer in cache.layers:
-            layer.keys.zero_()
-            layer.values.zero_()
-            layer.cumulative_length.copy_(zero)
     return cache
+
+
+def _reset(cache: Any) -> None:
+    """Back to the state a fresh cache's first write finds: keys and values zeros, the write position 0 (a device
+    value: a constant would make another graph)."""
+    zero = torch.zeros((), dtype=cache.layers[0].cumulative_length.dtype).to(cache.layers[0].keys.device)
+    for layer in cache.layers:
+        layer.keys.zero_()
+        layer.values.zero_()
+        layer.cumulative_length.copy_(zero)
+
+
+def replayed_prefill(replay: Callable | None, prefill: Callable, model: torch.nn.Module, cache: Any,
+                     tensors: tuple, room: int, args: tuple, sync: Callable[[], None]) -> tuple:
+    """`prefill` (models/generation.py's) through `replay` where given, so a call's prompt pass is not traced again
+    either (~45 ms of host time for a 30-layer model on XLA:CPU); lazily where `replay` is None or the pass cannot
+    be captured whole (warned about once per model, and the decode steps then go lazily too)."""
+    kept = _KEPT.setdefault(model, {})
+    if replay is not None and not kept.get("lazy"):
+        # What the capture reads as device data, each in a graph that is the same from the first call on: dynamo's
+        # bridge syncs pending inputs in one graph when it captures and in another when it replays (the second
+        # call would compile a graph the first did not), and a graph's tensors go in the order they were made (the
+        # cache's, made by the first call's prompt pass after its inputs, are older than the inputs later).
+        sync()  # the inputs
+        if not cache.layers[0].is_initialized:
+            # The capture must find the cache as every later call finds it, allocated (else the second call
+            # captures anew: a second compile of the prompt pass, ~15 s for 30 layers on XLA:CPU). The pass is
+            # traced lazily once for the allocation only and dropped before anything ran.
+            prefill(model, cache, tensors, room, *args)
+        _reset(cache)
+        sync()  # the cache's reset
+        try:
+            with _no_input_grad_hook(model):
+                return replay(prefill)(model, cache, tensors, room, *args)
+        except ReplayUnsupported as err:
+            # What breaks the prompt's pass breaks the decode step too (the same forward): both go lazily.
+            kept["lazy"] = True
+            warnings.warn(f"{err}; {type(model).__name__}'s prompt pass and decode steps are traced per token "
+                          "instead (slower on the host, the same tokens)", stacklevel=3)
+    elif replay is not None and cache.layers[0].is_initialized:
+        _reset(cache)  # a kept cache holds the last call's keys; reset in the prompt pass's graph
+    return prefill(model, cache, tensors, room, *args)
 
 
 def replayed_steps(replay: Callable, decode: Callable, model: torch.nn.Module, cache: Any, st: tuple, fixed: tuple,
@@ -78,6 +125,80 @@ def replayed_steps(replay: Callable, decode: Callable, model: torch.nn.Module, c
                       "host, the same tokens)", stacklevel=3)
         return lazy_steps(decode, model, cache, st, fixed, steps, sync, args)
     return st
+
+
+def looped_steps(make_loop: Callable[[], Callable | None], decode: Callable, model: torch.nn.Module, cache: Any,
+                 st: tuple, fixed: tuple, steps: int, args: tuple) -> tuple | None:
+    """`steps` calls of `decode` as one device loop (`make_loop`: the backend's `compile_loop`, whose runner is kept
+    with the model): traced once per shape, the built program then called with this call's tensors, so the host's
+    work per call does not grow with `steps`.
+    The loop's carry holds everything the step reads that can change between calls: the model's weights and
+    buffers (swapped in for the trace with torch.func's reparametrization, so the program reads each call's
+    weights, updated in place or not), the cache's tensors, `st` and `fixed`. None when the step cannot be looped
+    (`ReplayUnsupported`, nothing ran; warned about once per model): the caller steps it otherwise."""
+    kept = _KEPT.setdefault(model, {})
+    if kept.get("no_loop"):
+        return None
+    loop = kept.get("loop") or kept.setdefault("loop", make_loop())
+    if loop is None:
+        return None
+    named = dict(model.named_parameters())
+    named.update(model.named_buffers())
+    names = tuple(named)
+    layers = cache.layers
+    n_w, n_l, n_st = len(names), len(layers), len(st)
+
+    def step(carry: list[torch.Tensor]) -> list[torch.Tensor]:
+        weights, cache_part, state, fixed_part = (carry[:n_w], carry[n_w:n_w + 3 * n_l],
+                                                  carry[n_w + 3 * n_l:n_w + 3 * n_l + n_st],
+                                                  carry[n_w + 3 * n_l + n_st:])
+        _set_cache_tensors(layers, cache_part)
+        with torch.nn.utils.stateless._reparametrize_module(model, dict(zip(names, weights, strict=True))):
+            new = decode(model, cache, tuple(state), tuple(fixed_part), *args)
+        return [*weights, *_cache_tensors(layers), *new, *fixed_part]
+
+    before = _cache_tensors(layers)
+    carry = [*named.values(), *before, *st, *fixed]
+    try:
+        with _no_input_grad_hook(model):
+            out = loop(step, carry, steps, key=(decode, names, args, _trace_state(model, st[1].device)))
+    except BaseException as err:
+        # A trace that stopped midway left the layers holding its placeholders: back to the real tensors.
+        _set_cache_tensors(layers, before)
+        if not isinstance(err, ReplayUnsupported):
+            raise
+        kept["no_loop"] = True
+        warnings.warn(f"{err}; {type(model).__name__}'s decode steps run one by one instead (more host time per "
+                      "token, the same tokens)", stacklevel=3)
+        return None
+    # Back into the cache's own tensors, in place: a replayed prefill's capture guards those objects (transformers
+    # marks them static), so new ones would make the next call capture its prompt pass anew.
+    _set_cache_tensors(layers, before)
+    for mine, new in zip(before, out[n_w:n_w + 3 * n_l], strict=True):
+        mine.copy_(new)
+    return tuple(out[n_w + 3 * n_l:n_w + 3 * n_l + n_st])
+
+
+def _trace_state(model: torch.nn.Module, device: torch.device) -> tuple:
+    """What besides the tensors' shapes changes the traced step and can change between calls on one model: autocast,
+    and peft's adapter switches (`disable_adapter()`, merged or other active adapters)."""
+    kind = device.type
+    autocast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+    adapters = tuple((bool(m.disable_adapters), tuple(m.merged_adapters), tuple(m.active_adapters))
+                     for m in model.modules() if hasattr(m, "merged_adapters") and hasattr(m, "disable_adapters"))
+    return autocast, adapters
+
+
+def _cache_tensors(layers: list) -> list[torch.Tensor]:
+    """Every layer's keys, then every layer's values, then every layer's write position."""
+    return [*(layer.keys for layer in layers), *(layer.values for layer in layers),
+            *(layer.cumulative_length for layer in layers)]
+
+
+def _set_cache_tensors(layers: list, tensors: list[torch.Tensor]) -> None:
+    n = len(layers)
+    for i, layer in enumerate(layers):
+        layer.keys, layer.values, layer.cumulative_length = tensors[i], tensors[n + i], tensors[2 * n + i]
 
 
 def lazy_steps(decode: Callable, model: torch.nn.Module, cache: Any, st: tuple, fixed: tuple, steps: int,

@@ -216,7 +216,7 @@ class Finetune(HFJob):
         before = self.backend.metrics().get("compilations", 0)
         preds = hf.generate(model, self.tokenizer, prompts, device=self.backend.device, sync=self.backend.sync,
                             max_new_tokens=self.config.max_new_tokens, prompt_len=self.config.seq_len // 2,
-                            replay=self.backend.compile_step)
+                            replay=self.backend.compile_step, loop=self.backend.compile_loop)
         compiles = self.backend.metrics().get("compilations", 0) - before
         rows = [{"prompt": p[-1]["content"], "answer": a, "prediction": y}
                 for p, a, y in zip(prompts, answers, preds, strict=True)]

@@ -258,7 +258,7 @@ class GRPO(HFJob):
                 gen = generate_ids(model, held.input_ids[idx].to(b.device), held.attention_mask[idx].to(b.device),
                                    max_new_tokens=cfg.max_new_tokens, eos_token_id=stop,
                                    pad_token_id=self.tokenizer.pad_token_id, sampling=cfg.grpo.sampling, seed=key,
-                                   sync=b.sync, replay=b.compile_step)
+                                   sync=b.sync, replay=b.compile_step, loop=b.compile_loop)
             tokens += b.to_cpu(gen.ids).tolist()[:real]
         kept = [records[i] for i in held.index.tolist()]
         scored = score_completions(self.tokenizer, self.rewards, kept, tokens, cfg.grpo, stop)

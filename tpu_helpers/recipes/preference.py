@@ -190,7 +190,7 @@ class Preference(HFJob):
         # Every prompt fits SEQ_LEN (the rows were built so): a shorter width would cut the longer prompts' starts.
         preds = hf.generate(model, self.tokenizer, prompts, device=self.backend.device, sync=self.backend.sync,
                             max_new_tokens=self.config.max_new_tokens, prompt_len=self.config.seq_len,
-                            replay=self.backend.compile_step)
+                            replay=self.backend.compile_step, loop=self.backend.compile_loop)
         rows = [{"prompt": p[-1]["content"], "chosen": a, "prediction": y}
                 for p, a, y in zip(prompts, answers, preds, strict=True)]
         return {"exact_match": exact_match(preds, answers), "rows": rows,

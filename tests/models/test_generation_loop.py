@@ -1,0 +1,132 @@
+"""Generation with the decode steps as one device loop (`generate_ids(..., loop=backend.compile_loop)`,
+models/replay.py's `looped_steps` over backend/xla_loop.py) on XLA:CPU: the same tokens and log-probabilities as the
+lazily traced loop on every model family; two graph runs per call (the prefill, the loop) whatever the number of new
+tokens; later calls with other prompts, another sampling stream, other lengths, weights updated in place or the
+adapter switched off trace and compile nothing new and answer as the lazy loop does; a step that cannot be looped
+falls back with one warning."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from tests.models.families import FAMILIES, random_model
+from tests.support import XLA_BACKEND
+from tpu_helpers.models import generation, lora
+from tpu_helpers.models.generation import Sampling, generate_ids, left_pad
+
+pytestmark = [pytest.mark.xla, pytest.mark.skipif(XLA_BACKEND is None, reason="torch_xla not installed")]
+VOCAB = 97
+
+
+def _rows(seed: int, lengths=(12, 7, 3, 10), width: int = 12, vocab: int = VOCAB):
+    torch.manual_seed(seed)
+    return left_pad([torch.randint(3, vocab, (n,)).tolist() for n in lengths], width, 0)
+
+
+def _gen(model, p, device, **kw):
+    kw = {"max_new_tokens": 6, "eos_token_id": None, "pad_token_id": 0, **kw}
+    out = generate_ids(model, p.ids.to(device), p.mask.to(device), **kw)
+    return generation.Generated(out.ids.cpu(), out.logprobs.cpu(), out.mask.cpu())
+
+
+def _runs(b) -> int:
+    return b.step_metrics()["executions"]
+
+
+def test_the_loop_gives_each_familys_tokens_in_two_graph_runs(one_thread):
+    """Greedy, every family (full and sliding-window attention, Gemma's mask dicts): the looped decode answers as the
+    lazily traced loop does (which test_generation.py holds to the uncached loop and test_families.py to
+    transformers' generate), and a call runs two graphs (prefill, loop), not one per token."""
+    b = XLA_BACKEND
+    p = _rows(0)
+    for family in sorted(FAMILIES):
+        model = random_model(FAMILIES[family].config(VOCAB, pad=0), seed=1)
+        want = _gen(model, p, "cpu", max_new_tokens=9)
+        model = b.move_model(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback
+            _gen(model, p, b.device, sync=b.sync, loop=b.compile_loop, max_new_tokens=9)  # builds and compiles
+            runs = _runs(b)
+            got = _gen(model, p, b.device, sync=b.sync, loop=b.compile_loop, max_new_tokens=9)
+        assert _runs(b) - runs == 2, family  # prefill and loop, not 8 decode graphs
+        assert torch.equal(got.ids, want.ids), (family, got.ids, want.ids)
+        assert torch.equal(got.mask, want.mask), family
+        torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-4, rtol=1e-4)
+        generation.release_caches(model)
+
+
+def test_later_calls_trace_and_compile_nothing_and_follow_the_weights_and_the_adapter(tiny_lm_dir, one_thread):
+    """A LoRA model sampling (GRPO's rollouts) with EOS stops: after the first call, calls with other prompts,
+    another stream, fewer new tokens in the same cache, weights updated in place (a training step between rollouts)
+    and the adapter switched off (`disable_adapter()`, the reference's weights) compile nothing new, and each answers
+    as the lazy loop does in the same state."""
+    from tpu_helpers.models import hf
+
+    b = XLA_BACKEND
+    model, tok = hf.load_causal_lm(str(tiny_lm_dir))
+    torch.manual_seed(0)
+    model = lora.add_lora(model, r=4)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.3)
+    model = b.move_model(model.eval())
+    hot = Sampling(temperature=1.5, top_k=20, top_p=0.9)
+    vocab = model.config.vocab_size
+    eos = [5, 9, 17]
+
+    def both(seed, n=8, **kw):
+        p = _rows(seed, lengths=(12, 5, 9, 1), vocab=vocab)
+        kw = {"sampling": hot, "seed": torch.tensor([seed, 3]).to(b.device), "sync": b.sync, "eos_token_id": eos,
+              "max_new_tokens": n, "cache_len": 12 + 8, **kw}
+        return _gen(model, p, b.device, **kw), _gen(model, p, b.device, loop=b.compile_loop, **kw)
+
+    lazy, looped = both(1)  # the first call builds and compiles the loop
+    assert torch.equal(looped.ids, lazy.ids) and torch.equal(looped.mask, lazy.mask)
+    torch.testing.assert_close(looped.logprobs, lazy.logprobs, atol=1e-5, rtol=1e-5)
+    assert (lazy.mask == 0).any()  # some rows stopped at an EOS: the stop masking ran inside the loop
+    compiles = b.metrics()["compilations"]
+    before = {}
+    for seed, n in ((2, 8), (3, 5)):
+        before[seed] = _gen(model, _rows(seed, lengths=(12, 5, 9, 1), vocab=vocab), b.device, sampling=hot,
+                            sync=b.sync, seed=torch.tensor([seed, 3]).to(b.device), loop=b.compile_loop,
+                            eos_token_id=eos, max_new_tokens=n, cache_len=20)
+    assert b.metrics()["compilations"] == compiles
+    assert (before[3].mask[:, 5:] == 0).all()  # 5 new tokens in a cache of 8: the columns past them stay empty
+    with torch.no_grad():  # an optimizer step on the adapter, in place
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(-1.0)
+    b.sync()
+    lazy_after, looped_after = both(2)
+    assert torch.equal(looped_after.ids, lazy_after.ids), (looped_after.ids, lazy_after.ids)
+    assert not torch.equal(looped_after.ids, before[2].ids)  # the update changed the answers
+    with model.disable_adapter():
+        lazy_base, looped_base = both(2)
+    assert torch.equal(looped_base.ids, lazy_base.ids)
+    assert not torch.equal(looped_base.ids, looped_after.ids)  # the adapter's switch was not baked in
+    generation.release_caches(model)
+
+
+def test_a_step_that_cannot_be_looped_steps_one_by_one_with_one_warning(one_thread):
+    """A forward hook that reads a value on the host: the loop is refused before anything ran, the steps run one by
+    one (replayed where `replay` is given, else lazily; the same tokens), one warning says why, and later calls do
+    not try again."""
+    b = XLA_BACKEND
+    model = random_model(FAMILIES["llama3"].config(VOCAB, pad=0), seed=1)
+    p = _rows(0)
+    want = _gen(model, p, "cpu")
+    model = b.move_model(model)
+    model.get_input_embeddings().register_forward_hook(lambda module, args, out: None if out.sum().item() else None)
+    with pytest.warns(UserWarning, match="reads a value on the host.*run one by one instead") as caught:
+        got = _gen(model, p, b.device, sync=b.sync, loop=b.compile_loop)
+    assert torch.equal(got.ids, want.ids)
+    assert sum("one by one" in str(w.message) for w in caught) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second call steps one by one at once: no new attempt, no warning
+        again = _gen(model, p, b.device, sync=b.sync, loop=b.compile_loop)
+    assert torch.equal(again.ids, want.ids)
+    generation.release_caches(model)
