@@ -1,9 +1,9 @@
 """Generation with the decode steps as one device loop (`generate_ids(..., loop=backend.compile_loop)`,
 models/replay.py's `looped_steps` over backend/xla_loop.py) on XLA:CPU: the same tokens and log-probabilities as the
 lazily traced loop on every model family; two graph runs per call (the prefill, the loop) whatever the number of new
-tokens; later calls with other prompts, another sampling stream, other lengths, weights updated in place or the
-adapter switched off trace and compile nothing new and answer as the lazy loop does; a step that cannot be looped
-falls back with one warning."""
+tokens; later calls with other prompts, another sampling stream and other lengths compile nothing new; weights
+updated in place (a tied head's too) and the adapter switched off are followed; a QAT model's fake quantizers
+(which keep tensors on their modules) loop too; a step that cannot be looped falls back with one warning."""
 
 from __future__ import annotations
 
@@ -55,14 +55,25 @@ def test_the_loop_gives_each_familys_tokens_in_two_graph_runs(one_thread):
         assert torch.equal(got.ids, want.ids), (family, got.ids, want.ids)
         assert torch.equal(got.mask, want.mask), family
         torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-4, rtol=1e-4)
+        # The embedding updated in place (tied to the head in most of these families): the kept loop reads it
+        # afresh, through the head as well, as the lazy loop does.
+        with torch.no_grad():
+            model.get_input_embeddings().weight.mul_(-1.0)
+        b.sync()
+        lazy = _gen(model, p, b.device, sync=b.sync, max_new_tokens=9)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            again = _gen(model, p, b.device, sync=b.sync, loop=b.compile_loop, max_new_tokens=9)
+        assert torch.equal(again.ids, lazy.ids), (family, again.ids, lazy.ids)
         generation.release_caches(model)
 
 
 def test_later_calls_trace_and_compile_nothing_and_follow_the_weights_and_the_adapter(tiny_lm_dir, one_thread):
-    """A LoRA model sampling (GRPO's rollouts) with EOS stops: after the first call, calls with other prompts,
-    another stream, fewer new tokens in the same cache, weights updated in place (a training step between rollouts)
-    and the adapter switched off (`disable_adapter()`, the reference's weights) compile nothing new, and each answers
-    as the lazy loop does in the same state."""
+    """A LoRA model sampling (GRPO's rollouts) with EOS stops, the prompt pass replayed and the decode looped (what
+    the recipes pass): after the first call, calls with other prompts, another stream and fewer new tokens in the
+    same cache compile nothing new, and weights updated in place (a training step between rollouts) are read
+    afresh; the adapter switched off (`disable_adapter()`, the reference's weights) gets a program of its own, not
+    the adapter's; each call answers as the lazy loop does in the same state."""
     from tpu_helpers.models import hf
 
     b = XLA_BACKEND
@@ -82,7 +93,14 @@ def test_later_calls_trace_and_compile_nothing_and_follow_the_weights_and_the_ad
         p = _rows(seed, lengths=(12, 5, 9, 1), vocab=vocab)
         kw = {"sampling": hot, "seed": torch.tensor([seed, 3]).to(b.device), "sync": b.sync, "eos_token_id": eos,
               "max_new_tokens": n, "cache_len": 12 + 8, **kw}
-        return _gen(model, p, b.device, **kw), _gen(model, p, b.device, loop=b.compile_loop, **kw)
+        lazy = _gen(model, p, b.device, **kw)
+        runs = _runs(b)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # looped, not stepped one by one after a refusal
+            # What the recipes pass: the prompt pass replayed, the decode looped.
+            looped = _gen(model, p, b.device, replay=b.compile_step, loop=b.compile_loop, **kw)
+        assert _runs(b) - runs <= 4  # the inputs' and the cache's syncs, the prompt pass, the loop: not n graphs
+        return lazy, looped
 
     lazy, looped = both(1)  # the first call builds and compiles the loop
     assert torch.equal(looped.ids, lazy.ids) and torch.equal(looped.mask, lazy.mask)
@@ -92,8 +110,8 @@ def test_later_calls_trace_and_compile_nothing_and_follow_the_weights_and_the_ad
     before = {}
     for seed, n in ((2, 8), (3, 5)):
         before[seed] = _gen(model, _rows(seed, lengths=(12, 5, 9, 1), vocab=vocab), b.device, sampling=hot,
-                            sync=b.sync, seed=torch.tensor([seed, 3]).to(b.device), loop=b.compile_loop,
-                            eos_token_id=eos, max_new_tokens=n, cache_len=20)
+                            sync=b.sync, seed=torch.tensor([seed, 3]).to(b.device), replay=b.compile_step,
+                            loop=b.compile_loop, eos_token_id=eos, max_new_tokens=n, cache_len=20)
     assert b.metrics()["compilations"] == compiles
     assert (before[3].mask[:, 5:] == 0).all()  # 5 new tokens in a cache of 8: the columns past them stay empty
     with torch.no_grad():  # an optimizer step on the adapter, in place
@@ -129,4 +147,25 @@ def test_a_step_that_cannot_be_looped_steps_one_by_one_with_one_warning(one_thre
         warnings.simplefilter("error")  # a second call steps one by one at once: no new attempt, no warning
         again = _gen(model, p, b.device, sync=b.sync, loop=b.compile_loop)
     assert torch.equal(again.ids, want.ids)
+    generation.release_caches(model)
+
+
+def test_a_qat_models_fake_quantizers_loop_and_keep_no_trace_behind(one_thread):
+    """torchao's fake quantizers set tensors on their modules in every forward: traced on the loop's placeholders,
+    those would outlive the trace and the next sync would read a placeholder (it segfaulted). The loop restores
+    them, answers as the lazy loop does, and the model still runs afterwards."""
+    from tpu_helpers.models import qat
+
+    b = XLA_BACKEND
+    model = random_model(FAMILIES["llama3"].config(VOCAB, pad=0), seed=1)
+    model = b.move_model(qat.add_fake_quant(model, "int8", 32))
+    p = _rows(0)
+    want = _gen(model, p, b.device, sync=b.sync)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = _gen(model, p, b.device, sync=b.sync, loop=b.compile_loop)
+    assert torch.equal(got.ids, want.ids)
+    torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        model(input_ids=p.ids.to(b.device)).logits.sum().item()  # no placeholder left on any module
     generation.release_caches(model)

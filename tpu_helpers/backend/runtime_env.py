@@ -152,8 +152,10 @@ def dump_env(path: str | Path, *, pjrt: str = "CPU", environ: Mapping[str, str] 
 # process of real models' graphs reaches it before the LRU's 2048 graphs: measured, the test suite in one process
 # held 65,418 mappings when LLVM failed ("LLVM compilation error: Cannot allocate memory", with 18 GB of RAM free)
 # and the next graph's run segfaulted. Budgeted at 64 mappings a graph (a 1-layer MLP's training step takes 4, the
-# suite's graphs averaged about 30), the cache fits the limit with room to spare.
+# suite's graphs averaged about 30) after 4096 for the process itself (torch_xla's own take ~760), the cache fits
+# the limit with room to spare.
 MAPPINGS_PER_GRAPH = 64
+PROCESS_MAPPINGS = 4096
 DEFAULT_CACHE_SIZE = 2048
 
 
@@ -164,12 +166,13 @@ def xla_cpu_cache_size(max_map_count: int | None = None) -> int:
             max_map_count = int(Path("/proc/sys/vm/max_map_count").read_text())
         except (OSError, ValueError):
             return DEFAULT_CACHE_SIZE  # not Linux, or unreadable: torch_xla's own default
-    return max(64, min(DEFAULT_CACHE_SIZE, max_map_count // MAPPINGS_PER_GRAPH))
+    return max(64, min(DEFAULT_CACHE_SIZE, (max_map_count - PROCESS_MAPPINGS) // MAPPINGS_PER_GRAPH))
 
 
 def cap_xla_cpu_cache(environ: dict | None = None) -> str | None:
     """On XLA:CPU (PJRT_DEVICE=CPU), set the compiled-graph cache's size to `xla_cpu_cache_size()` unless the user
-    set one; before the runtime starts (it reads the variable once). Returns the value in force, None off XLA:CPU."""
+    set one. Call it before the runtime starts: it reads the variable once, so a later call changes nothing in this
+    process (only in the processes it starts). Returns the variable's value, None off XLA:CPU."""
     environ = os.environ if environ is None else environ
     if environ.get(PJRT_DEVICE) != "CPU":
         return None

@@ -8,15 +8,20 @@ loop needs on a TPU: `Backend.compile_loop`, used by models/replay.py's `looped_
 `step(carry) -> carry` takes and returns a list of tensors of the same shapes and dtypes, and reads nothing else
 that can change between calls: whatever else it reads on the device (a model's weights, a tensor made once outside)
 is baked into the kept program as it was at the trace. So a model's weights go in the carry (models/replay.py swaps
-them in with `torch.func`'s reparametrization), and `key` names every Python value the trace depends on. Tensors
-the step makes itself (a zero, an arange) are the same every call and may stay.
+them in with torch's reparametrization, tied weights tied), and `key` names every Python value the trace depends
+on. Tensors the step makes itself (a zero, an arange) are the same every call and may stay. The step is traced on
+placeholders that hold no data: it must not keep a tensor it made anywhere that outlives the trace (a module
+attribute, a dict), or a later sync would read a placeholder; models/replay.py restores the modules' tensor
+attributes after the trace (torchao's fake quantizers set theirs in every forward).
 
 How: `step` is traced once on placeholder tensors into an XLA computation (torch_xla's lowering context, as
 `torch_xla.experimental.scan` does), wrapped in a `While` whose counter and trip count are loop inputs (so calls
 with another `steps` reuse the program), and kept per (key, shapes); each call hands the program to
 `_xla_user_computation` with its tensors, a node in the lazy graph like any op, so the loop runs with what comes
-before and after it in one graph. A step that reads torch's RNG, or more than `MAX_BAKED_BYTES` of tensors from
-outside its carry (weights the caller forgot to pass), is refused with `ReplayUnsupported` before anything ran.
+before and after it in one graph. A step that reads a value on the host, torch's RNG, one of the `outside` tensors
+(the caller's weights, read another way than through the carry) or more than `MAX_BAKED_BYTES` of tensors from
+outside its carry (weights the caller forgot to pass), or that changes a carry tensor's shape or dtype, is refused
+with `ReplayUnsupported` before anything ran (and not traced again for that key).
 """
 
 from __future__ import annotations
@@ -48,27 +53,34 @@ class DeviceLoop:
     def __init__(self, device: torch.device):
         self.device = device
         self._built: dict[Hashable, _Built] = {}
+        self._refused: dict[Hashable, str] = {}  # keys whose step could not be looped, and why (not tried again)
 
     def __call__(self, step: Callable[[list[torch.Tensor]], Sequence[torch.Tensor]], carry: Sequence[torch.Tensor],
-                 steps: int, key: Hashable) -> list[torch.Tensor]:
+                 steps: int, key: Hashable, outside: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
+        """`carry` after `steps` runs of `step` (see the module docstring). `outside`: tensors the step must read
+        only through its carry (a model's own weights, swapped for carry tensors while it is traced): a step whose
+        program would read one of them as it was at the trace is refused."""
         carry = list(carry)
         # Booleans travel as int8: XLA's lowering may hand a predicate back as another integer type, and the While
         # needs the body's outputs typed exactly as its inputs.
         kinds = tuple(t.dtype for t in carry)
         loop_carry = [t.to(torch.int8) if t.dtype == torch.bool else t for t in carry]
         full_key = (key, tuple((tuple(t.shape), t.dtype) for t in carry))
+        if full_key in self._refused:
+            raise ReplayUnsupported(self._refused[full_key])
         built = self._built.get(full_key)
         if built is None:
             try:
-                built = _build(_typed(step, kinds), loop_carry)
-            except ReplayUnsupported:
+                built = _build(_typed(step, kinds), loop_carry, outside)
+            except ReplayUnsupported as err:
+                self._refused[full_key] = str(err)
                 raise
             except (AttributeError, RuntimeError, TypeError, ValueError) as err:
                 # torch_xla's lowering API is not a public one (another release may differ): a loop it cannot
-                # build is stepped otherwise, not a failed run.
+                # build is stepped otherwise, not a failed run (a fault of the step's own code shows there).
                 first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-                raise ReplayUnsupported(f"torch_xla could not build the loop ({type(err).__name__}: {first})") \
-                    from err
+                self._refused[full_key] = f"torch_xla could not build the loop ({type(err).__name__}: {first})"
+                raise ReplayUnsupported(self._refused[full_key]) from err
             self._built[full_key] = built
         counter = torch.zeros((), dtype=torch.long).to(self.device)
         # Shape (1,), not a scalar: torch_xla bakes a scalar 0 or 1 into the graph as a constant (a new graph).
@@ -80,23 +92,25 @@ class DeviceLoop:
 
 
 def _typed(step: Callable, kinds: tuple) -> Callable:
-    """`step` on the loop's carry: booleans come in as int8 and go back out as int8, every output cast to its
-    input's dtype."""
+    """`step` on the loop's carry: booleans come in as int8 and go back out as int8; any other output must keep its
+    input's shape and dtype (a cast back would make the loop's values differ from the step's)."""
     def body(carry: list[torch.Tensor]) -> list[torch.Tensor]:
         inputs = [t.to(torch.bool) if kind == torch.bool else t for t, kind in zip(carry, kinds, strict=True)]
         outputs = list(step(inputs))
         if len(outputs) != len(carry):
             raise ReplayUnsupported(f"the loop's step returned {len(outputs)} tensors for a carry of {len(carry)}")
-        for i, (o, c) in enumerate(zip(outputs, carry, strict=True)):
+        for i, (o, c, kind) in enumerate(zip(outputs, carry, kinds, strict=True)):
             if tuple(o.shape) != tuple(c.shape):
                 raise ReplayUnsupported(f"the loop's step changed carry[{i}]'s shape {tuple(c.shape)} to "
                                         f"{tuple(o.shape)}")
+            if o.dtype != kind:
+                raise ReplayUnsupported(f"the loop's step changed carry[{i}]'s dtype {kind} to {o.dtype}")
         return [o.to(c.dtype) for o, c in zip(outputs, carry, strict=True)]
 
     return body
 
 
-def _build(body: Callable, carry: list[torch.Tensor]) -> _Built:
+def _build(body: Callable, carry: list[torch.Tensor], outside: Sequence[torch.Tensor] = ()) -> _Built:
     """Trace `body` once on placeholders and wrap it in a While over (counter, limit, carry, baked tensors)."""
     fake = [xb.create_placeholder_tensor(t.shape, t.dtype) for t in carry]
     # The body gets copies: a step that writes a carry tensor in place (a cache's index_copy_) would otherwise turn
@@ -134,6 +148,13 @@ def _build(body: Callable, carry: list[torch.Tensor]) -> _Built:
     for pid, tensor in sorted(baked_map.items()):
         to_while[pid] = 2 + len(carry) + len(baked)
         baked.append(tensor)
+    if outside and baked:
+        # The step's graph reads one of `outside`'s device buffers itself (a weight reached another way than
+        # through the swapped attribute: a tied head, a module kept aside), which the kept program would read stale.
+        theirs = set(torch_xla._XLAC._get_tensors_xla_device_data_node(list(outside))[0])
+        if theirs & set(ids):
+            raise ReplayUnsupported("the loop's step reads one of the model's weights besides its carry (a tied or "
+                                    "shared weight?), which a kept program would read stale")
     size = sum(t.numel() * t.element_size() for t in baked)
     if size > MAX_BAKED_BYTES:
         raise ReplayUnsupported(f"the loop's step reads {size} bytes of device tensors outside its carry (more than "

@@ -73,7 +73,8 @@ def replayed_prefill(replay: Callable | None, prefill: Callable, model: torch.nn
                      tensors: tuple, room: int, args: tuple, sync: Callable[[], None]) -> tuple:
     """`prefill` (models/generation.py's) through `replay` where given, so a call's prompt pass is not traced again
     either (~45 ms of host time for a 30-layer model on XLA:CPU); lazily where `replay` is None or the pass cannot
-    be captured whole (warned about once per model, and the decode steps then go lazily too)."""
+    be captured whole (warned about once per model; the decode steps are then not replayed either, though still
+    looped where `loop` is given)."""
     kept = _KEPT.setdefault(model, {})
     if replay is not None and not kept.get("lazy"):
         # What the capture reads as device data, each in a graph that is the same from the first call on: dynamo's
@@ -92,7 +93,7 @@ def replayed_prefill(replay: Callable | None, prefill: Callable, model: torch.nn
             with _no_input_grad_hook(model):
                 return replay(prefill)(model, cache, tensors, room, *args)
         except ReplayUnsupported as err:
-            # What breaks the prompt's pass breaks the decode step too (the same forward): both go lazily.
+            # What breaks the prompt's pass breaks the decode step too (the same forward): neither is replayed.
             kept["lazy"] = True
             warnings.warn(f"{err}; {type(model).__name__}'s prompt pass and decode steps are traced per token "
                           "instead (slower on the host, the same tokens)", stacklevel=3)
@@ -133,12 +134,13 @@ def looped_steps(make_loop: Callable[[], Callable | None], decode: Callable, mod
     with the model): traced once per shape, the built program then called with this call's tensors, so the host's
     work per call does not grow with `steps`.
     The loop's carry holds everything the step reads that can change between calls: the model's weights and
-    buffers (swapped in for the trace with torch.func's reparametrization, so the program reads each call's
-    weights, updated in place or not), the cache's tensors, `st` and `fixed`. None when the step cannot be looped
-    (`ReplayUnsupported`, nothing ran; warned about once per model): the caller steps it otherwise."""
+    buffers (swapped in for the trace with torch's reparametrization, tied weights tied, so the program reads each
+    call's weights, updated in place or not; one read another way is refused), the cache's tensors, `st` and
+    `fixed`. The modules' other tensor attributes are put back after the trace (torchao's fake quantizers set
+    theirs in each forward; kept, they would hold the trace's placeholders). None when the step cannot be looped
+    (`ReplayUnsupported`, nothing ran; that shape is not tried again, and one warning per model): the caller steps
+    it otherwise."""
     kept = _KEPT.setdefault(model, {})
-    if kept.get("no_loop"):
-        return None
     loop = kept.get("loop") or kept.setdefault("loop", make_loop())
     if loop is None:
         return None
@@ -153,23 +155,30 @@ def looped_steps(make_loop: Callable[[], Callable | None], decode: Callable, mod
                                                   carry[n_w + 3 * n_l:n_w + 3 * n_l + n_st],
                                                   carry[n_w + 3 * n_l + n_st:])
         _set_cache_tensors(layers, cache_part)
-        with torch.nn.utils.stateless._reparametrize_module(model, dict(zip(names, weights, strict=True))):
-            new = decode(model, cache, tuple(state), tuple(fixed_part), *args)
+        attributes = _tensor_attributes(model)
+        try:
+            with torch.nn.utils.stateless._reparametrize_module(model, dict(zip(names, weights, strict=True)),
+                                                                tie_weights=True):
+                new = decode(model, cache, tuple(state), tuple(fixed_part), *args)
+        finally:
+            _restore_tensor_attributes(model, attributes)
         return [*weights, *_cache_tensors(layers), *new, *fixed_part]
 
     before = _cache_tensors(layers)
     carry = [*named.values(), *before, *st, *fixed]
     try:
         with _no_input_grad_hook(model):
-            out = loop(step, carry, steps, key=(decode, names, args, _trace_state(model, st[1].device)))
+            out = loop(step, carry, steps, key=(decode, names, args, _trace_state(model, st[1].device)),
+                       outside=list(named.values()))
     except BaseException as err:
         # A trace that stopped midway left the layers holding its placeholders: back to the real tensors.
         _set_cache_tensors(layers, before)
         if not isinstance(err, ReplayUnsupported):
             raise
-        kept["no_loop"] = True
-        warnings.warn(f"{err}; {type(model).__name__}'s decode steps run one by one instead (more host time per "
-                      "token, the same tokens)", stacklevel=3)
+        if not kept.get("loop_warned"):
+            kept["loop_warned"] = True
+            warnings.warn(f"{err}; {type(model).__name__}'s decode steps run one by one instead (more host time "
+                          "per token, the same tokens)", stacklevel=3)
         return None
     # Back into the cache's own tensors, in place: a replayed prefill's capture guards those objects (transformers
     # marks them static), so new ones would make the next call capture its prompt pass anew.
@@ -177,6 +186,23 @@ def looped_steps(make_loop: Callable[[], Callable | None], decode: Callable, mod
     for mine, new in zip(before, out[n_w:n_w + 3 * n_l], strict=True):
         mine.copy_(new)
     return tuple(out[n_w + 3 * n_l:n_w + 3 * n_l + n_st])
+
+
+def _tensor_attributes(model: torch.nn.Module) -> dict[tuple[int, str], torch.Tensor]:
+    """Every module's plain tensor attributes (neither parameters nor buffers), to put back after a trace."""
+    return {(id(m), name): value for m in model.modules() for name, value in vars(m).items()
+            if isinstance(value, torch.Tensor)}
+
+
+def _restore_tensor_attributes(model: torch.nn.Module, attributes: dict[tuple[int, str], torch.Tensor]) -> None:
+    """Back to `attributes`; a tensor attribute the trace added is removed (it would hold a placeholder)."""
+    for m in model.modules():
+        for name, value in list(vars(m).items()):
+            if isinstance(value, torch.Tensor):
+                if (id(m), name) in attributes:
+                    setattr(m, name, attributes[(id(m), name)])
+                else:
+                    delattr(m, name)
 
 
 def _trace_state(model: torch.nn.Module, device: torch.device) -> tuple:
