@@ -140,6 +140,21 @@ def random_model(config: Any, *, seed: int = 0) -> torch.nn.Module:
     return model.eval()
 
 
+def lora_model(tiny_lm_dir: str | Path, backend: Any) -> torch.nn.Module:
+    """The offline tiny Qwen2 with a rank-4 LoRA whose B matrices are random (so the adapter changes the answers),
+    in eval mode on `backend`'s device: what GRPO's rollouts generate with."""
+    from tpu_helpers.models import hf, lora
+
+    model, _ = hf.load_causal_lm(str(tiny_lm_dir))
+    torch.manual_seed(0)
+    model = lora.add_lora(model, r=4)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.3)
+    return backend.move_model(model.eval())
+
+
 def family_tokenizer(name: str, base_dir: str | Path) -> Any:
     """The tiny tokenizer of `base_dir` (models/hf_tiny.py's) with the family's special tokens and template."""
     fam = FAMILIES[name]

@@ -12,9 +12,9 @@ import warnings
 import pytest
 import torch
 
-from tests.models.families import FAMILIES, random_model
+from tests.models.families import FAMILIES, lora_model, random_model
 from tests.support import XLA_BACKEND
-from tpu_helpers.models import generation, lora
+from tpu_helpers.models import generation
 from tpu_helpers.models.generation import Sampling, generate_ids, left_pad
 
 pytestmark = [pytest.mark.xla, pytest.mark.skipif(XLA_BACKEND is None, reason="torch_xla not installed")]
@@ -74,17 +74,8 @@ def test_later_calls_trace_and_compile_nothing_and_follow_the_weights_and_the_ad
     same cache compile nothing new, and weights updated in place (a training step between rollouts) are read
     afresh; the adapter switched off (`disable_adapter()`, the reference's weights) gets a program of its own, not
     the adapter's; each call answers as the lazy loop does in the same state."""
-    from tpu_helpers.models import hf
-
     b = XLA_BACKEND
-    model, tok = hf.load_causal_lm(str(tiny_lm_dir))
-    torch.manual_seed(0)
-    model = lora.add_lora(model, r=4)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.3)
-    model = b.move_model(model.eval())
+    model = lora_model(tiny_lm_dir, b)
     hot = Sampling(temperature=1.5, top_k=20, top_p=0.9)
     vocab = model.config.vocab_size
     eos = [5, 9, 17]

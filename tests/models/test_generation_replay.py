@@ -9,10 +9,10 @@ import warnings
 import pytest
 import torch
 
-from tests.models.families import FAMILIES, random_model
+from tests.models.families import FAMILIES, lora_model, random_model
 from tests.support import XLA_BACKEND
 from tpu_helpers.backend.base import Backend
-from tpu_helpers.models import generation, lora
+from tpu_helpers.models import generation
 from tpu_helpers.models.generation import Sampling, generate_ids, left_pad
 
 pytestmark = [pytest.mark.xla, pytest.mark.skipif(XLA_BACKEND is None, reason="torch_xla not installed")]
@@ -63,17 +63,8 @@ def test_later_calls_capture_and_compile_nothing_and_read_updated_weights(tiny_l
     """A LoRA model (what GRPO trains) on XLA: the first call captures the decode step once; later calls with other
     prompts, another sampling stream, and after an in-place update of the adapter's weights (a training step between
     rollouts) capture nothing, compile no XLA graph, and answer as the lazy loop does with the same weights."""
-    from tpu_helpers.models import hf
-
     b = XLA_BACKEND
-    model, tok = hf.load_causal_lm(str(tiny_lm_dir))
-    torch.manual_seed(0)
-    model = lora.add_lora(model, r=4)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.3)
-    model = b.move_model(model.eval())
+    model = lora_model(tiny_lm_dir, b)
     hot = Sampling(temperature=1.5, top_k=20, top_p=0.9)
     vocab = model.config.vocab_size
 

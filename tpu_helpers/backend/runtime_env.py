@@ -147,13 +147,14 @@ def dump_env(path: str | Path, *, pjrt: str = "CPU", environ: Mapping[str, str] 
     return {**base, PJRT_DEVICE: pjrt, XLA_FLAGS: flags}
 
 
-# XLA:CPU JIT-compiles each graph with LLVM into memory mappings of its own, freed when torch_xla's LRU of compiled
-# graphs evicts it. The process's mappings are capped by the kernel (vm.max_map_count, 65530 by default), and a long
-# process of real models' graphs reaches it before the LRU's 2048 graphs: measured, the test suite in one process
-# held 65,418 mappings when LLVM failed ("LLVM compilation error: Cannot allocate memory", with 18 GB of RAM free)
-# and the next graph's run segfaulted. Budgeted at 64 mappings a graph (a 1-layer MLP's training step takes 4, the
-# suite's graphs averaged about 30) after 4096 for the process itself (torch_xla's own take ~760), the cache fits
-# the limit with room to spare.
+# XLA:CPU JIT-compiles each kernel of a graph with LLVM into three memory mappings (code, constants, data), freed
+# when torch_xla's LRU of compiled graphs evicts the graph. The process's mappings are capped by the kernel
+# (vm.max_map_count, 65530 by default), and a long process of real models' graphs reaches it before the LRU's 2048
+# graphs: measured, the test suite in one process held 65,418 mappings when LLVM failed ("LLVM compilation error:
+# Cannot allocate memory", with 18 GB of RAM free) and the next graph's run segfaulted. Budgeted at 64 mappings a
+# graph (a 1-layer MLP's training step takes 4) after 4096 for the process itself (torch_xla's own take ~760), the
+# cache bounds what evicted graphs give back; a model's graph of many kernels takes more than 64 (the suite in one
+# process still reached the limit), so a process that compiles thousands of such graphs needs a higher limit.
 MAPPINGS_PER_GRAPH = 64
 PROCESS_MAPPINGS = 4096
 DEFAULT_CACHE_SIZE = 2048
