@@ -41,6 +41,12 @@ class ReplayUnsupported(RuntimeError):
     the step as plain Python instead (lazily traced on XLA)."""
 
 
+def first_line(err: BaseException) -> str:
+    """An error's first line, for a message that names it (its type's name when it says nothing)."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def tree_map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
     """Apply `fn` to every tensor in nested dicts/lists/tuples (optimizer states, batches)."""
     if isinstance(obj, torch.Tensor):

@@ -32,7 +32,7 @@ import torch_xla.runtime as xr
 import torch_xla.utils.checkpoint as xla_checkpoint
 
 from tpu_helpers.backend import runtime_env
-from tpu_helpers.backend.base import Backend, ReplayUnsupported, tree_map_tensors
+from tpu_helpers.backend.base import Backend, ReplayUnsupported, first_line, tree_map_tensors
 from tpu_helpers.backend.sharding_xla import SpmdSharding
 from tpu_helpers.hardware import detect_tpu, format_bytes, lookup
 
@@ -336,7 +336,7 @@ def _compiled(fn: Callable) -> Callable:
         try:
             return compiled(*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            first = first_line(err)
             raise ReplayUnsupported(f"{getattr(fn, '__qualname__', fn)} cannot be captured whole: {first}") from err
         except RuntimeError as err:
             # torch_xla keeps compiled graphs in an LRU cache (XLA_COMPILATION_CACHE_SIZE, 2048 by default), but a

@@ -33,7 +33,7 @@ import torch
 import torch_xla
 import torch_xla.core.xla_builder as xb
 
-from tpu_helpers.backend.base import ReplayUnsupported
+from tpu_helpers.backend.base import ReplayUnsupported, first_line
 
 # More than this of device tensors read from outside the carry is taken for state the caller forgot to pass (a
 # weight), which the kept program would keep reading as it was at the trace.
@@ -78,7 +78,7 @@ class DeviceLoop:
             except (AttributeError, RuntimeError, TypeError, ValueError) as err:
                 # torch_xla's lowering API is not a public one (another release may differ): a loop it cannot
                 # build is stepped otherwise, not a failed run (a fault of the step's own code shows there).
-                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                first = first_line(err)
                 self._refused[full_key] = f"torch_xla could not build the loop ({type(err).__name__}: {first})"
                 raise ReplayUnsupported(self._refused[full_key]) from err
             self._built[full_key] = built
@@ -131,7 +131,7 @@ def _build(body: Callable, carry: list[torch.Tensor], outside: Sequence[torch.Te
     ctx.build(list(outputs))
     step_computation = xb.computation_from_module_proto("tpu_helpers_loop_step", ctx.hlo())
 
-    ids, values = torch_xla._XLAC._get_tensors_xla_device_data_node(list(outputs))
+    ids, _ = torch_xla._XLAC._get_tensors_xla_device_data_node(list(outputs))
     if torch_xla._XLAC._get_seed_info_id() in ids:
         raise ReplayUnsupported("the loop's step draws from torch's random generator (one seed for every "
                                 "iteration); pass randomness in the carry")

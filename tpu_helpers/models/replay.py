@@ -169,7 +169,7 @@ def looped_steps(make_loop: Callable[[], Callable | None], decode: Callable, mod
     try:
         with _no_input_grad_hook(model):
             out = loop(step, carry, steps, key=(decode, names, args, _trace_state(model, st[1].device)),
-                       outside=list(named.values()))
+                       outside=carry[:n_w])
     except BaseException as err:
         # A trace that stopped midway left the layers holding its placeholders: back to the real tensors.
         _set_cache_tensors(layers, before)

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from tpu_helpers.backend import Backend
+from tpu_helpers.backend.base import first_line
 from tpu_helpers.backend.units import model_class_name, trainable_names
 from tpu_helpers.checkpoint import CheckpointManager, sharded
 from tpu_helpers.checkpoint.manager import agreed
@@ -209,7 +210,7 @@ class RunState:
                 raise ValueError("its config differs: " + ", ".join(mismatch))
             self.load_state(state)
         except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            first = first_line(err)
             raise ConfigError(
                 f"checkpoint {path} does not belong to this run ({type(err).__name__}: {first[:400]}); it was "
                 "probably copied in from another run. Choose another out_dir, or pass resume='force_new' to move "
