@@ -19,7 +19,9 @@ tokens ("dapo" in TRL), rewards scaled by the group's std, AdamW (weight decay 0
 runs with USE_TORCH_XLA=0: accelerate takes any process that can import torch_xla for an XLA one, even with
 use_cpu=True, and then fails in `gather_object`.
 
-`--sides package-replay` runs the package side with `replay_steps=True` (on XLA the policy's forward and backward
+`--device cuda` runs the package side on a CUDA GPU (its rollouts' decode replayed as a CUDA graph; TRL needs
+`--trl-python` there too); `--model DIR` may be any saved model, e.g. SmolLM2's shape with random weights where the
+real weights cannot reach the GPU machine. `--sides package-replay` runs the package side with `replay_steps=True` (on XLA the policy's forward and backward
 and AdamW's step replayed instead of traced every step; the same as `package` elsewhere).
 
 Printed per side: seconds per step after the first (mean), the main thread's CPU time per step (host CPU: on XLA
@@ -172,7 +174,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--sft-steps", type=int, default=150)
-    parser.add_argument("--device", choices=["cpu", "xla"], default="cpu")
+    parser.add_argument("--device", choices=["cpu", "xla", "cuda"], default="cpu")
     parser.add_argument("--sides", default="package,trl")
     parser.add_argument("--trl-python", default=sys.executable, help="an interpreter that can import trl")
     parser.add_argument("--trl-timeout", type=float, default=None, help="seconds before the TRL side is stopped")

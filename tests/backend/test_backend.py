@@ -153,6 +153,28 @@ def test_dump_flags_add_the_dump_dir_to_existing_xla_flags_without_touching_the_
         runtime_env.dump_env("/tmp/my dump", environ={})
 
 
+@pytest.mark.parametrize("xla", [False, pytest.param(True, marks=pytest.mark.xla)])
+def test_assign_gives_each_target_its_value_in_place_and_names_a_mismatch(xla):
+    """`Backend.assign` (the replayed AdamW's write-back): each target object keeps its identity and autograd flags
+    and takes its value (XLA: its data swapped, no copy traced); a pair of another shape or dtype is an error naming
+    its index, before any target changed."""
+    if xla and XLA_BACKEND is None:
+        pytest.skip("torch_xla not installed")
+    b = XLA_BACKEND if xla else Backend()
+    dev = b.device if xla else torch.device("cpu")
+    targets = [torch.nn.Parameter(torch.zeros(3).to(dev)), torch.zeros(2, 2).to(dev)]
+    values = [torch.arange(3.0).to(dev), torch.full((2, 2), 7.0).to(dev)]
+    ids = [id(t) for t in targets]
+    b.assign(targets, values)
+    assert [id(t) for t in targets] == ids and targets[0].requires_grad
+    assert targets[0].detach().cpu().tolist() == [0.0, 1.0, 2.0] and targets[1].cpu().tolist() == [[7.0, 7.0]] * 2
+    with pytest.raises(ValueError, match=r"targets\[1\] is \(2, 2\) torch.float32, its value \(4,\) torch.float32"):
+        b.assign(targets, [values[0] * 2, torch.ones(4).to(dev)])
+    assert targets[0].detach().cpu().tolist() == [0.0, 1.0, 2.0]  # checked before anything was assigned
+    with pytest.raises(ValueError, match="2 targets for 1 values"):
+        b.assign(targets, values[:1])
+
+
 @pytest.mark.xla
 def test_a_replayed_step_whose_graph_left_the_compile_cache_is_captured_anew():
     # torch_xla's LRU cache of compiled graphs evicts a capture's graph after enough others (2048 by default: a

@@ -85,7 +85,7 @@ def test_a_step_reading_the_host_or_the_rng_or_outside_weights_is_refused_before
     with pytest.raises(ReplayUnsupported, match="changed carry\\[0\\]'s dtype torch.int64 to torch.float32"):
         loop(lambda c: [c[0] * 1.5], [count], 3, key="dtype")  # cast back, it would differ from the step's values
     weight = torch.ones(4).to(b.device)
-    with pytest.raises(ReplayUnsupported, match="reads one of the model's weights besides its carry"):
+    with pytest.raises(ReplayUnsupported, match="reads one of the model's weights .or its cache. besides its carry"):
         loop(lambda c: [c[0] + weight], [x], 3, key="weight", outside=[weight])  # a weight kept aside: baked stale
     with pytest.raises(ReplayUnsupported, match="random generator"):  # a refused key is not traced again
         loop(lambda c: pytest.fail("traced again"), [x], 3, key="rng")

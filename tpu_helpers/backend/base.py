@@ -207,11 +207,28 @@ class Backend(TorchSharding):
         The capture is whole or nothing: what cannot be captured raises `ReplayUnsupported` before anything ran."""
         return fn
 
+    def assign(self, targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Each of `targets` takes the value of the tensor at the same place in `values` (same shape and dtype), in
+        place: an optimizer's parameters and moments their updated values. Eager backends copy (one foreach op)."""
+        if len(targets) != len(values):
+            raise ValueError(f"assign: {len(targets)} targets for {len(values)} values")
+        if [(t.shape, t.dtype) for t in targets] != [(v.shape, v.dtype) for v in values]:  # one compare: ~1,000 a step
+            i, t, v = next((i, t, v) for i, (t, v) in enumerate(zip(targets, values, strict=True))
+                           if t.shape != v.shape or t.dtype != v.dtype)
+            raise ValueError(f"assign: targets[{i}] is {tuple(t.shape)} {t.dtype}, its value {tuple(v.shape)} "
+                             f"{v.dtype}")
+        self._assign(targets, values)
+
+    def _assign(self, targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            torch._foreach_copy_(targets, values)
+
     def compile_loop(self) -> Callable | None:
-        """A runner `loop(step, carry, steps, key)` that runs `carry = step(carry)` `steps` times on the device as
-        one program, traced once per shape and `key` and kept (XLA: a `While` op, backend/xla_loop.py), so a long
-        loop of small steps (generation's decode) costs the host one call. None where there is none: eager
-        backends, whose Python loop is the compute itself or only launches kernels."""
+        """A runner `loop(step, carry, steps, key, outside)` that runs `carry = step(carry)` `steps` times on the
+        device as one program, traced or captured once per shape and `key` and kept (XLA: a `While` op,
+        backend/xla_loop.py; one CUDA GPU: a CUDA graph replayed per step, backend/cuda_loop.py), so a long loop of
+        small steps (generation's decode) costs the host one call, or one launch per step. None where there is none:
+        the CPU, whose Python loop is the compute itself."""
         return None
 
     def barrier(self) -> None:

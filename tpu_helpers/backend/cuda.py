@@ -32,6 +32,15 @@ class CudaBackend(Backend):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
+    def compile_loop(self):
+        # One GPU per process: a sharded model's forward (FSDP2) all-gathers its weights through collectives that
+        # a graph replayed on one process cannot take part in.
+        if self.world_size > 1:
+            return None
+        from tpu_helpers.backend.cuda_loop import GraphLoop
+
+        return GraphLoop(self.device)
+
     def _dist_backend(self) -> str:
         return "nccl"
 

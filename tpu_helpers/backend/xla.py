@@ -194,6 +194,12 @@ class XlaBackend(SpmdSharding, Backend):
         # tensors, so a mesh keeps the lazily traced step (correct, only slower on the host).
         return fn if self.mesh is not None else _compiled(fn)
 
+    def _assign(self, targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        # Each target's XLA tensor swapped for its value's (what torch_xla's own FSDP does with parameters): no op
+        # traced, ~0.5 us a tensor against ~5 for a copy_.
+        for t, v in zip(targets, values, strict=True):
+            torch_xla._XLAC._replace_xla_tensor(t, v)
+
     def compile_loop(self) -> Callable | None:
         # One device per process, as compile_step: a mesh's sharded weights were never run through the While.
         if self.mesh is not None:

@@ -57,9 +57,10 @@ class DeviceLoop:
 
     def __call__(self, step: Callable[[list[torch.Tensor]], Sequence[torch.Tensor]], carry: Sequence[torch.Tensor],
                  steps: int, key: Hashable, outside: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
-        """`carry` after `steps` runs of `step` (see the module docstring). `outside`: tensors the step must read
-        only through its carry (a model's own weights, swapped for carry tensors while it is traced): a step whose
-        program would read one of them as it was at the trace is refused."""
+        """`carry` after `steps` runs of `step` (see the module docstring). `outside`: the caller's own state
+        tensors in the carry, which the step must read only through its carry (a model's weights and its kept
+        cache, swapped for carry tensors while it is traced): a step whose program would read one of them as it was
+        at the trace is refused."""
         carry = list(carry)
         # Booleans travel as int8: XLA's lowering may hand a predicate back as another integer type, and the While
         # needs the body's outputs typed exactly as its inputs.
@@ -153,8 +154,8 @@ def _build(body: Callable, carry: list[torch.Tensor], outside: Sequence[torch.Te
         # through the swapped attribute: a tied head, a module kept aside), which the kept program would read stale.
         theirs = set(torch_xla._XLAC._get_tensors_xla_device_data_node(list(outside))[0])
         if theirs & set(ids):
-            raise ReplayUnsupported("the loop's step reads one of the model's weights besides its carry (a tied or "
-                                    "shared weight?), which a kept program would read stale")
+            raise ReplayUnsupported("the loop's step reads one of the model's weights (or its cache) besides its "
+                                    "carry (a tied or shared weight?), which a kept program would read stale")
     size = sum(t.numel() * t.element_size() for t in baked)
     if size > MAX_BAKED_BYTES:
         raise ReplayUnsupported(f"the loop's step reads {size} bytes of device tensors outside its carry (more than "

@@ -39,7 +39,8 @@ hash of (seed, step, row, token id) on the device, so a stream is a function of 
 
 On XLA, pass `replay=backend.compile_step, loop=backend.compile_loop`: the prompt pass is captured once per shape
 (dynamo) and replayed, and the decode steps run as one While op on the device, built once per shape, so a call
-costs the host the same whatever the number of tokens (see `generate_ids` and models/replay.py).
+costs the host the same whatever the number of tokens (see `generate_ids` and models/replay.py). On one CUDA GPU
+the same arguments replay the decode step as a CUDA graph, one launch per token.
 """
 
 from __future__ import annotations
@@ -290,7 +291,9 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     decode step traced in ~40 ms of host time; replayed, in about 1 ms). `loop` (`backend.compile_loop` on XLA):
     the decode steps run as one device loop, built once per shape (and whatever `max_new_tokens` in the same
     cache), the host's work per call the same for 8 tokens or 512; where a model's step cannot be looped, it is
-    replayed (or traced) step by step, with one warning. The same ops, so the same tokens. The cache of each shape is
+    replayed (or traced) step by step, with one warning. On one CUDA GPU `loop` replays the decode step as a CUDA
+    graph captured once per shape (one launch per token instead of ~1,000 kernels launched from Python; `replay`
+    changes nothing there). The same ops, so the same tokens. The cache of each shape is
     then kept with the model between calls (`release_caches`), so later calls capture nothing; weights updated in
     place between calls (a training step) are read afresh by each call."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -317,7 +320,9 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     was_training = model.training
     model.eval()
     try:
-        cache = make_cache(model, total) if replay is None else \
+        # Kept between calls where replayed or looped: a capture's guards check its objects, a CUDA graph its
+        # addresses.
+        cache = make_cache(model, total) if replay is None and loop is None else \
             kept_cache(model, (batch, total, dtype, _autocast(device)), lambda: make_cache(model, total))
         args = (width, window, hybrid, dtype, sampling, pad_token_id)
         st, fixed = replayed_prefill(replay, _prefill, model, cache, (input_ids, attention_mask, eos, seed_t), room,

@@ -1,0 +1,148 @@
+"""A step function run N times on a CUDA GPU as one captured CUDA graph replayed N times, so a loop of small steps
+(generation's decode) costs the host one graph launch per step instead of the step's Python and its kernel launches
+(`Backend.compile_loop` on one GPU, used by models/replay.py's `looped_steps`; the XLA counterpart is
+backend/xla_loop.py, with the same contract).
+
+    loop = backend.compile_loop()                      # a GraphLoop on one CUDA GPU
+    carry = loop(step, carry, steps=255, key=("decode", width), outside=weights_and_cache)
+
+Why: a decode step of a 30-layer model is ~1,000 small kernels, each launched from Python through transformers'
+modules; on an H100 that took ~24 ms per token for the whole batch whatever the precision, the GPU idle most of it.
+A CUDA graph replays the same kernels with one launch.
+
+The contract (as backend/xla_loop.py's): `step(carry) -> carry` takes and returns a list of tensors of unchanged
+shapes and dtypes and reads nothing else that can change between calls; `key` names every Python value it depends
+on. `outside` are the caller's own state tensors in the carry (a model's weights, a kept key/value cache): the same
+objects call after call, which the graph reads and writes where they are (a graph records addresses), so a weight
+updated in place between calls is read afresh and the cache is written in place; a later call whose carry holds
+another object in such a slot captures anew. Every other carry tensor is copied into the graph's own buffers at the
+call and advanced there, and comes back as a new tensor.
+
+How: the first call of a shape runs the step once eagerly (the first of its `steps`, and the warm-up a capture
+needs: lazily made library handles and workspaces), then captures it on the buffers with each new value copied
+back into its buffer inside the graph, so that one replay is one step; the graph is kept per (key, shapes). A step
+that cannot be captured (a host read such as `.item()`, a copy from the host, a shape or dtype change) runs its
+other steps eagerly, as a Python loop would, with one warning per loop, and eagerly at later calls of that key.
+Unlike the XLA loop, this one never raises `ReplayUnsupported`: by the time a capture fails the first step has run
+(in-place writes to the caller's state included, a cache's write position), so the loop finishes what it started.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tpu_helpers.backend.base import ReplayUnsupported, first_line
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    buffers: list[torch.Tensor]  # the carry the graph reads and advances: the caller's own where resident
+    resident: list[bool]
+
+
+class GraphLoop:
+    """Runs `step` `steps` times as replays of one CUDA graph (see the module docstring); one per owner (a model),
+    so its graphs and their memory go with it."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.captures = 0  # graphs captured so far (tests and benchmarks read it)
+        self._graphs: dict[Hashable, _Graph] = {}
+        self._refused: dict[Hashable, str] = {}  # keys whose step cannot be captured, and why (run eagerly)
+        self._warned = False
+
+    def __call__(self, step: Callable[[list[torch.Tensor]], Sequence[torch.Tensor]], carry: Sequence[torch.Tensor],
+                 steps: int, key: Hashable, outside: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
+        """`carry` after `steps` runs of `step` (see the module docstring)."""
+        carry = list(carry)
+        full_key = (key, tuple((tuple(t.shape), t.dtype) for t in carry))
+        if full_key in self._refused:
+            return _eager(step, carry, steps)
+        kept = self._graphs.get(full_key)
+        if kept is not None and any(r and b is not c for b, c, r in zip(kept.buffers, carry, kept.resident,
+                                                                         strict=True)):
+            kept = None  # a resident slot holds another tensor (the model moved, another cache): capture anew
+        if kept is None:
+            if steps < 1:
+                return carry
+            resident_ids = {id(t) for t in outside}
+            resident = [id(t) in resident_ids for t in carry]
+            first = list(step(carry))  # the first step, eagerly: also the capture's warm-up
+            try:
+                kept = self._capture(step, carry, _checked(first, carry), resident)
+            except ReplayUnsupported as err:
+                # The first step ran (its in-place writes to the caller's state too): the others run as it did.
+                self._refused[full_key] = str(err)
+                if not self._warned:
+                    self._warned = True
+                    warnings.warn(f"{err}; the loop's steps run one by one instead (more host time per step, the "
+                                  "same results)", stacklevel=2)
+                return _eager(step, first, steps - 1)
+            self._graphs[full_key] = kept
+            steps -= 1
+        else:
+            for buffer, tensor, r in zip(kept.buffers, carry, kept.resident, strict=True):
+                if not r:
+                    buffer.copy_(tensor)
+        for _ in range(steps):
+            kept.graph.replay()
+        # The buffers are the graph's, overwritten by the next call: the caller gets copies of those, its own
+        # state tensors as they are.
+        return [b if r else b.clone() for b, r in zip(kept.buffers, kept.resident, strict=True)]
+
+    def _capture(self, step: Callable, carry: list[torch.Tensor], first: list[torch.Tensor],
+                 resident: list[bool]) -> _Graph:
+        """The graph of one step on buffers that hold the state after `first` (the eager step's outputs)."""
+        buffers = []
+        for c, f, r in zip(carry, first, resident, strict=True):
+            if r:
+                if f is not c:  # the caller's state is advanced where it is
+                    c.copy_(f)
+                buffers.append(c)
+            else:
+                buffers.append(f.clone())
+        graph = torch.cuda.CUDAGraph()
+        # Autocast's cache of cast weights must not live in the graph's memory (torch's CUDA graph notes).
+        cache = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)
+        try:
+            # Thread-local: another thread's CUDA calls meanwhile (a loader's pinned-memory thread) neither fail the
+            # capture nor fail themselves.
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                out = _checked(step(list(buffers)), buffers)
+                for b, o in zip(buffers, out, strict=True):
+                    if o is not b:
+                        b.copy_(o)  # one replay is one step: the next replay reads what this one made
+        except ReplayUnsupported:
+            raise
+        except RuntimeError as err:
+            raise ReplayUnsupported(f"the loop's step cannot be captured in a CUDA graph (a host read or a copy "
+                                    f"from the host?): {first_line(err)}") from err
+        finally:
+            torch.set_autocast_cache_enabled(cache)
+        self.captures += 1
+        return _Graph(graph, buffers, resident)
+
+
+def _eager(step: Callable, carry: list[torch.Tensor], steps: int) -> list[torch.Tensor]:
+    for _ in range(steps):
+        carry = list(step(carry))
+    return carry
+
+
+def _checked(outputs: Sequence[torch.Tensor], carry: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`outputs` as a list, refused unless each keeps its carry tensor's shape and dtype."""
+    outputs = list(outputs)
+    if len(outputs) != len(carry):
+        raise ReplayUnsupported(f"the loop's step returned {len(outputs)} tensors for a carry of {len(carry)}")
+    for i, (o, c) in enumerate(zip(outputs, carry, strict=True)):
+        if tuple(o.shape) != tuple(c.shape):
+            raise ReplayUnsupported(f"the loop's step changed carry[{i}]'s shape {tuple(c.shape)} to {tuple(o.shape)}")
+        if o.dtype != c.dtype:
+            raise ReplayUnsupported(f"the loop's step changed carry[{i}]'s dtype {c.dtype} to {o.dtype}")
+    return outputs
