@@ -98,3 +98,67 @@ def test_a_step_a_graph_cannot_hold_runs_eagerly_with_one_warning_and_the_gpu_st
     # The GPU runs on, and another loop captures.
     out = loop(lambda c: [c[0] * 2], [x], 3, key="fine")
     assert out[0].tolist() == [8.0] * 4 and x.tolist() == [1.0] * 4 and loop.captures == 1
+
+
+def test_outputs_that_alias_the_carry_advance_as_the_python_loop_does(cuda):
+    """A step returning one carry tensor in another's place (`[a + 1, a]`): written back in order, the second slot
+    would read the first's new value."""
+    loop = cuda.compile_loop()
+
+    def step(c):
+        return [c[0] + 1, c[0]]
+
+    carry = [torch.zeros(2).cuda(), torch.full((2,), -1.0).cuda()]
+    want = carry
+    for _ in range(4):
+        want = step(want)
+    out = loop(step, carry, 4, key="alias")
+    assert loop.captures == 1 and out[0].tolist() == want[0].tolist() and out[1].tolist() == want[1].tolist()
+
+
+def test_resident_state_is_advanced_in_place_even_when_the_step_returns_a_new_tensor(cuda):
+    """A resident slot the step returns as a new tensor: the caller's own tensor takes each step's value (the graph
+    copies it back), through the graph and through the eager fallback alike."""
+    loop = cuda.compile_loop()
+    w = torch.ones(3).cuda()
+    out = loop(lambda c: [c[0] * 2], [w], 3, key="double", outside=[w])
+    assert out[0] is w and w.tolist() == [8.0] * 3
+    v = torch.ones(3).cuda()
+    with pytest.warns(UserWarning, match="run one by one instead"):
+        out = loop(lambda c: [c[0] * 2 if c[0].sum().item() else c[0]], [v], 3, key="host", outside=[v])
+    assert out[0] is v and v.tolist() == [8.0] * 3
+
+
+def test_a_failed_capture_gives_the_callers_stream_back(cuda):
+    loop = cuda.compile_loop()
+    before = torch.cuda.current_stream()
+    with pytest.warns(UserWarning, match="run one by one instead"):
+        loop(lambda c: [c[0] + c[0].sum().item()], [torch.ones(2).cuda()], 2, key="host")
+    assert torch.cuda.current_stream() == before
+
+
+def test_resident_memory_moved_under_the_same_object_captures_anew(cuda):
+    """`model.to(...)` and back gives a parameter new memory under the same object: the graph's old addresses would
+    be freed memory; a new capture reads the new ones."""
+    loop = cuda.compile_loop()
+    w = torch.full((4,), 2.0).cuda()
+
+    def step(c):
+        return [c[0] * c[1], c[1]]
+
+    x = torch.ones(4).cuda()
+    assert loop(step, [x, w], 3, key="w", outside=[w])[0].tolist() == [8.0] * 4
+    w.data = torch.full((4,), 3.0).cuda()  # the same object, other memory
+    assert loop(step, [x, w], 2, key="w", outside=[w])[0].tolist() == [9.0] * 4
+    assert loop.captures == 2
+
+
+def test_graphs_past_the_limit_are_dropped_oldest_first(cuda, monkeypatch):
+    from tpu_helpers.backend import cuda_loop
+
+    monkeypatch.setattr(cuda_loop, "MAX_GRAPHS", 2)
+    loop = cuda.compile_loop()
+    x = torch.ones(2).cuda()
+    for key in ("a", "b", "a", "c"):  # "a" used again after "b": "b" is the oldest when "c" comes
+        loop(lambda c: [c[0] + 1], [x], 2, key=key)
+    assert [k[0] for k in loop._graphs] == ["a", "c"] and loop.captures == 3

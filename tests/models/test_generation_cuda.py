@@ -117,3 +117,25 @@ def test_a_step_a_graph_cannot_hold_steps_eagerly_with_one_warning(cuda):
         again = _gen(model, p, replay=cuda.compile_step, loop=cuda.compile_loop)
     assert torch.equal(again.ids, want.ids)
     generation.release_caches(model)
+
+
+def test_bf16_autocast_and_a_model_moved_away_and_back(cuda):
+    """Under bf16 autocast (the recipes' precision on a GPU) the graph answers as the eager loop does; after
+    `model.cpu().cuda()` (the same parameter objects in new memory) the next call captures anew rather than read
+    the freed addresses."""
+    model = random_model(FAMILIES["llama3"].config(VOCAB, pad=0), seed=1).cuda()
+    p = _rows(0)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want = _gen(model, p, max_new_tokens=9)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = _gen(model, p, replay=cuda.compile_step, loop=cuda.compile_loop, max_new_tokens=9)
+    assert torch.equal(got.ids, want.ids)
+    torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-3, rtol=1e-3)
+    model.cpu().cuda()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        moved = _gen(model, p, replay=cuda.compile_step, loop=cuda.compile_loop, max_new_tokens=9)
+    assert torch.equal(moved.ids, _gen(model, p, max_new_tokens=9).ids)
+    assert _loop_of(model).captures == 2
+    generation.release_caches(model)

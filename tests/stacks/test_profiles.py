@@ -138,3 +138,35 @@ print(json.dumps(out))
     assert len(controls) >= 15 and got["view"] == {"batch": 4, "chart_changed": True, "rendered": True,
                                                     "controls": controls}, got
     assert got["error"] and "seq_len" in got["error"], got
+
+
+AUTOCAST_GENERATION = """
+import json, sys
+import torch
+from tests.models.families import FAMILIES, random_model
+from tpu_helpers.backend import get_backend
+from tpu_helpers.models import replay
+from tpu_helpers.models.generation import generate_ids, left_pad
+b = get_backend(sys.argv[1], spmd=False, compile_cache_dir=None)
+model = random_model(FAMILIES["llama3"].config(97, pad=0), seed=1)
+model = b.move_model(model) if hasattr(b, "move_model") else model.to(b.device)
+torch.manual_seed(0)
+p = left_pad([torch.randint(3, 97, (n,)).tolist() for n in (12, 7, 3, 10)], 12, 0)
+with torch.autocast(b.device.type, dtype=torch.bfloat16):
+    out = generate_ids(model, p.ids.to(b.device), p.mask.to(b.device), max_new_tokens=5, eos_token_id=None,
+                       pad_token_id=0, sync=b.sync, replay=b.compile_step, loop=b.compile_loop)
+cache = next(v for k, v in replay._KEPT[model].items() if isinstance(k, tuple))
+print(json.dumps({"shape": list(out.ids.shape), "keys": str(cache.layers[0].keys.dtype),
+                  "values": str(cache.layers[0].values.dtype)}))
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", "xla"])
+def test_generation_under_bf16_autocast_of_an_fp32_model(profile_venv: StackVenv, device):
+    """What GRPO's rollouts do with fp32 weights on a TPU or GPU (full fine-tuning): the rotary embedding gives fp32
+    keys and bf16 values. transformers up to 5.17 (Colab's 5.15) allocates a static cache's values in the keys' dtype,
+    and the first write failed ("index_copy_(): self and source expected to have the same dtype"); the package's
+    cache layer keeps each in its own."""
+    out = profile_venv.run(["-c", AUTOCAST_GENERATION, device], env={"PJRT_DEVICE": "CPU"} if device == "xla" else {})
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"shape": [4, 5], "keys": "torch.float32", "values": "torch.bfloat16"}, got

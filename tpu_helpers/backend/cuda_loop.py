@@ -37,12 +37,17 @@ import torch
 
 from tpu_helpers.backend.base import ReplayUnsupported, first_line
 
+# Graphs kept per loop (one loop per model): each holds a private memory pool for one step's intermediates; the
+# oldest is dropped past this (a caller cycling through many prompt widths).
+MAX_GRAPHS = 16
+
 
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
     buffers: list[torch.Tensor]  # the carry the graph reads and advances: the caller's own where resident
     resident: list[bool]
+    addresses: list[int]  # each resident tensor's data_ptr at the capture (0 elsewhere)
 
 
 class GraphLoop:
@@ -52,7 +57,7 @@ class GraphLoop:
     def __init__(self, device: torch.device):
         self.device = device
         self.captures = 0  # graphs captured so far (tests and benchmarks read it)
-        self._graphs: dict[Hashable, _Graph] = {}
+        self._graphs: dict[Hashable, _Graph] = {}  # oldest first
         self._refused: dict[Hashable, str] = {}  # keys whose step cannot be captured, and why (run eagerly)
         self._warned = False
 
@@ -61,17 +66,16 @@ class GraphLoop:
         """`carry` after `steps` runs of `step` (see the module docstring)."""
         carry = list(carry)
         full_key = (key, tuple((tuple(t.shape), t.dtype) for t in carry))
+        resident_ids = {id(t) for t in outside}
+        resident = [id(t) in resident_ids for t in carry]
         if full_key in self._refused:
-            return _eager(step, carry, steps)
-        kept = self._graphs.get(full_key)
-        if kept is not None and any(r and b is not c for b, c, r in zip(kept.buffers, carry, kept.resident,
-                                                                         strict=True)):
-            kept = None  # a resident slot holds another tensor (the model moved, another cache): capture anew
+            return _eager(step, carry, steps, resident)
+        kept = self._graphs.pop(full_key, None)
+        if kept is not None and _moved(kept, carry):
+            kept = None  # a resident slot holds another tensor, or its memory moved (`model.to`): capture anew
         if kept is None:
             if steps < 1:
                 return carry
-            resident_ids = {id(t) for t in outside}
-            resident = [id(t) in resident_ids for t in carry]
             first = list(step(carry))  # the first step, eagerly: also the capture's warm-up
             try:
                 kept = self._capture(step, carry, _checked(first, carry), resident)
@@ -82,13 +86,15 @@ class GraphLoop:
                     self._warned = True
                     warnings.warn(f"{err}; the loop's steps run one by one instead (more host time per step, the "
                                   "same results)", stacklevel=2)
-                return _eager(step, first, steps - 1)
-            self._graphs[full_key] = kept
+                return _eager(step, first, steps - 1, resident, carry)
+            while len(self._graphs) >= MAX_GRAPHS:
+                self._graphs.pop(next(iter(self._graphs)))
             steps -= 1
         else:
             for buffer, tensor, r in zip(kept.buffers, carry, kept.resident, strict=True):
                 if not r:
                     buffer.copy_(tensor)
+        self._graphs[full_key] = kept  # the most recently used last
         for _ in range(steps):
             kept.graph.replay()
         # The buffers are the graph's, overwritten by the next call: the caller gets copies of those, its own
@@ -98,26 +104,20 @@ class GraphLoop:
     def _capture(self, step: Callable, carry: list[torch.Tensor], first: list[torch.Tensor],
                  resident: list[bool]) -> _Graph:
         """The graph of one step on buffers that hold the state after `first` (the eager step's outputs)."""
-        buffers = []
-        for c, f, r in zip(carry, first, resident, strict=True):
-            if r:
-                if f is not c:  # the caller's state is advanced where it is
-                    c.copy_(f)
-                buffers.append(c)
-            else:
-                buffers.append(f.clone())
+        _advance([c for c, r in zip(carry, resident, strict=True) if r],
+                 [f for f, r in zip(first, resident, strict=True) if r])  # the caller's state, where it is
+        buffers = [c if r else f.clone() for c, f, r in zip(carry, first, resident, strict=True)]
         graph = torch.cuda.CUDAGraph()
         # Autocast's cache of cast weights must not live in the graph's memory (torch's CUDA graph notes).
         cache = torch.is_autocast_cache_enabled()
         torch.set_autocast_cache_enabled(False)
+        stream = torch.cuda.current_stream(self.device)
         try:
             # Thread-local: another thread's CUDA calls meanwhile (a loader's pinned-memory thread) neither fail the
             # capture nor fail themselves.
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                out = _checked(step(list(buffers)), buffers)
-                for b, o in zip(buffers, out, strict=True):
-                    if o is not b:
-                        b.copy_(o)  # one replay is one step: the next replay reads what this one made
+                # One replay is one step: the next replay reads what this one made.
+                _advance(buffers, _checked(step(list(buffers)), buffers))
         except ReplayUnsupported:
             raise
         except RuntimeError as err:
@@ -125,14 +125,43 @@ class GraphLoop:
                                     f"from the host?): {first_line(err)}") from err
         finally:
             torch.set_autocast_cache_enabled(cache)
+            # A failed capture raises before torch's context puts the caller's stream back.
+            torch.cuda.set_stream(stream)
         self.captures += 1
-        return _Graph(graph, buffers, resident)
+        return _Graph(graph, buffers, resident, [c.data_ptr() if r else 0 for c, r in zip(carry, resident,
+                                                                                          strict=True)])
 
 
-def _eager(step: Callable, carry: list[torch.Tensor], steps: int) -> list[torch.Tensor]:
+def _moved(kept: _Graph, carry: list[torch.Tensor]) -> bool:
+    """Whether a resident slot of `carry` is another tensor than at the capture, or the same whose memory moved:
+    the graph would read and write the old addresses."""
+    return any(r and (c is not b or c.data_ptr() != address)
+               for b, c, r, address in zip(kept.buffers, carry, kept.resident, kept.addresses, strict=True))
+
+
+def _advance(targets: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+    """Each target takes its output's value, in place, where the output is another tensor. An output that shares
+    memory with a target (a step returning one carry tensor in another's place) is copied first: written in order,
+    it could be overwritten before it is read."""
+    storages = {t.untyped_storage().data_ptr() for t in targets}
+    values = [o.clone() if o is not t and o.untyped_storage().data_ptr() in storages else o
+              for t, o in zip(targets, outputs, strict=True)]
+    for t, v in zip(targets, values, strict=True):
+        if v is not t:
+            t.copy_(v)
+
+
+def _eager(step: Callable, carry: list[torch.Tensor], steps: int, resident: list[bool],
+           state: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """`steps` steps in Python; the resident slots' values then written into the caller's own tensors (`state`,
+    default `carry`) and returned as those, as the graph would have."""
+    state = carry if state is None else state
     for _ in range(steps):
         carry = list(step(carry))
-    return carry
+    mine = [s for s, r in zip(state, resident, strict=True) if r]
+    _advance(mine, [c for c, r in zip(carry, resident, strict=True) if r])
+    it = iter(mine)
+    return [next(it) if r else c for c, r in zip(carry, resident, strict=True)]
 
 
 def _checked(outputs: Sequence[torch.Tensor], carry: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -45,6 +45,7 @@ the same arguments replay the decode step as a CUDA graph, one launch per token.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -101,9 +102,29 @@ def _num_layers(model: torch.nn.Module) -> int:
 
 def make_cache(model: torch.nn.Module, length: int) -> Any:
     """A transformers `Cache` of full-length `StaticLayer`s (see the module docstring), allocated on first write."""
-    from transformers.cache_utils import Cache, StaticLayer
+    from transformers.cache_utils import Cache
 
-    return Cache(layers=[StaticLayer(max_cache_len=length) for _ in range(_num_layers(model))])
+    layer = _static_layer()
+    return Cache(layers=[layer(max_cache_len=length) for _ in range(_num_layers(model))])
+
+
+@functools.cache
+def _static_layer() -> type:
+    """transformers' `StaticLayer` with its values kept in their own dtype. Under bf16 autocast an fp32 model's
+    keys come out of the rotary embedding in fp32 (its cos and sin are fp32) and its values in bf16; transformers
+    up to 5.17 (Colab ships 5.15) allocates both in the keys' dtype, and the first write of the values fails
+    ("index_copy_(): self and source expected to have the same dtype"). Later releases do what this does."""
+    from transformers.cache_utils import StaticLayer
+
+    class Layer(StaticLayer):
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            super().lazy_initialization(key_states, value_states)
+            if self.values.dtype != value_states.dtype:
+                self.values = torch.zeros_like(self.values, dtype=value_states.dtype)
+                if not torch.compiler.is_compiling():
+                    torch._dynamo.mark_static_address(self.values)  # as transformers marks its own
+
+    return Layer
 
 
 def _text_config(model: torch.nn.Module) -> Any:
