@@ -27,6 +27,11 @@ trainer (CausalLMTrainer, the package's AdamW), random tokens at `--batch` x `--
 
     PYTHONPATH=. python benchmarks/step_host_time.py --device xla --model smollm2-135m --replay --runs 1 --steps 6 \
         --warm 3
+
+`--device cuda --model DIR` times the same trainer on a CUDA GPU (bf16 autocast, the package's default there; any
+saved model, e.g. SmolLM2's shape with random weights where the real weights cannot reach the GPU machine): host
+CPU is then the Python that launches the step's kernels; nothing syncs before the log step, so wall time is the
+host's too unless the GPU falls behind.
 """
 
 from __future__ import annotations
@@ -313,7 +318,7 @@ def summarise(device: str, results: dict[str, list[dict]]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", choices=("cpu", "xla", "both"), default="both")
+    ap.add_argument("--device", choices=("cpu", "xla", "cuda", "both"), default="both")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--cpus", default="auto", help="the core each run is pinned to ('auto': the last; 'all': none)")
@@ -342,6 +347,8 @@ def main() -> None:
             result = _package(args.device, args.steps, args.progress, replay=args.child == "replay", real=real)
         print(json.dumps(result))
         return
+    if args.device == "cuda" and not real:
+        ap.error("--device cuda times a Hugging Face model (--model), not the GPT's hand-written runner")
     log_every = args.steps if real else LOG_EVERY
     if args.steps <= args.warm + (1 if real else LOG_EVERY):
         ap.error(f"--steps={args.steps} must be more than {args.warm + (1 if real else LOG_EVERY)}")
