@@ -228,6 +228,28 @@ def test_rows_that_produce_eos_stop_growing(tiny_lm_dir):
     assert got.mask[0].sum() <= 3 and got.mask.sum(1).max() == 10  # row 0 stopped, another ran to the end
 
 
+def test_an_eager_backends_replay_runs_the_prompt_pass_once_and_keeps_the_tokens():
+    """`replay=backend.compile_step` on an eager backend (CPU, CUDA: it returns the function itself) keeps the cache
+    between calls but runs each call's prompt pass once: the allocation pass a capture needs first (traced and
+    dropped on XLA) would be a whole second prefill there (it ran, first call of a shape, before this was checked)."""
+    from tpu_helpers.backend.base import Backend
+
+    model = random_model(FAMILIES["llama3"].config(97, pad=0), seed=1)
+    torch.manual_seed(0)
+    p = left_pad([torch.randint(3, 97, (n,)).tolist() for n in (12, 7, 3, 10)], 12, 0)
+    want = generate_ids(model, p.ids, p.mask, max_new_tokens=5, eos_token_id=None, pad_token_id=0).ids
+    widths = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
+                                    with_kwargs=True)
+    for _ in range(2):  # the first call allocates the kept cache, the second reuses it
+        widths.clear()
+        got = generate_ids(model, p.ids, p.mask, max_new_tokens=5, eos_token_id=None, pad_token_id=0,
+                           replay=Backend().compile_step).ids
+        assert torch.equal(got, want)
+        assert widths == [12, 1, 1, 1, 1], widths  # one prompt pass, four decode steps
+    generation.release_caches(model)
+
+
 def test_bad_generation_arguments_name_the_value(tiny_lm_dir):
     model, tok = _model(tiny_lm_dir, with_lora=False)
     p = _prompts(tok)

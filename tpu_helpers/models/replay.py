@@ -78,6 +78,8 @@ def replayed_prefill(replay: Callable | None, prefill: Callable, model: torch.nn
     be captured whole (warned about once per model; the decode steps are then not replayed either, though still
     looped where `loop` is given)."""
     kept = _KEPT.setdefault(model, {})
+    if replay is not None and replay(prefill) is prefill:
+        replay = None  # an eager backend's (CUDA's): nothing to capture, so no allocation pass to run first
     if replay is not None and not kept.get("lazy"):
         # What the capture reads as device data, each in a graph that is the same from the first call on: dynamo's
         # bridge syncs pending inputs in one graph when it captures and in another when it replays (the second
