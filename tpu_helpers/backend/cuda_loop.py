@@ -15,8 +15,11 @@ shapes and dtypes and reads nothing else that can change between calls; `key` na
 on. `outside` are the caller's own state tensors in the carry (a model's weights, a kept key/value cache): the same
 objects call after call, which the graph reads and writes where they are (a graph records addresses), so a weight
 updated in place between calls is read afresh and the cache is written in place; a later call whose carry holds
-another object in such a slot captures anew. Every other carry tensor is copied into the graph's own buffers at the
-call and advanced there, and comes back as a new tensor.
+another object in such a slot, or the same object in other memory (`model.cpu().cuda()`), captures anew. Every other
+carry tensor is copied into the graph's own buffers at the call and advanced there, and comes back as a new tensor.
+Unlike the XLA loop, nothing refuses a step that reads a device tensor from outside its carry: the graph reads it
+at its capture-time address, so it must stay there (a module's buffers do; pass anything else in the carry). At
+most `MAX_GRAPHS` graphs are kept per loop, each with its private memory pool for one step's intermediates.
 
 How: the first call of a shape runs the step once eagerly (the first of its `steps`, and the warm-up a capture
 needs: lazily made library handles and workspaces), then captures it on the buffers with each new value copied
