@@ -140,19 +140,24 @@ def random_model(config: Any, *, seed: int = 0) -> torch.nn.Module:
     return model.eval()
 
 
-def lora_model(tiny_lm_dir: str | Path, backend: Any) -> torch.nn.Module:
-    """The offline tiny Qwen2 with a rank-4 LoRA whose B matrices are random (so the adapter changes the answers),
-    in eval mode on `backend`'s device: what GRPO's rollouts generate with."""
+def random_lora(tiny_lm_dir: str | Path) -> tuple[torch.nn.Module, Any]:
+    """(model, tokenizer): the offline tiny Qwen2 with a rank-4 LoRA whose B matrices are random (so the adapter
+    changes the answers; the tiny model's own init repeats one token), on the CPU."""
     from tpu_helpers.models import hf, lora
 
-    model, _ = hf.load_causal_lm(str(tiny_lm_dir))
+    model, tok = hf.load_causal_lm(str(tiny_lm_dir))
     torch.manual_seed(0)
     model = lora.add_lora(model, r=4)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.normal_(0, 0.3)
-    return backend.move_model(model.eval())
+    return model, tok
+
+
+def lora_model(tiny_lm_dir: str | Path, backend: Any) -> torch.nn.Module:
+    """`random_lora`'s model in eval mode on `backend`'s device: what GRPO's rollouts generate with."""
+    return backend.move_model(random_lora(tiny_lm_dir)[0].eval())
 
 
 def family_tokenizer(name: str, base_dir: str | Path) -> Any:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.families import FAMILIES, random_model
+from tests.models.families import FAMILIES, random_lora, random_model
 from tests.support import XLA_BACKEND
 from tpu_helpers.config import ConfigError
-from tpu_helpers.models import generation, hf, lora
+from tpu_helpers.models import generation, hf
 from tpu_helpers.models.generation import (
     Sampling,
     exponentials,
@@ -24,13 +24,7 @@ from tpu_helpers.models.generation import (
 def _model(tiny_lm_dir, *, with_lora: bool):
     """The tiny Qwen2 with weights that say something (random init repeats one token): a LoRA adapter with
     random B, kept as an adapter or merged into the base."""
-    model, tok = hf.load_causal_lm(str(tiny_lm_dir))
-    torch.manual_seed(0)
-    model = lora.add_lora(model, r=4)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.3)
+    model, tok = random_lora(tiny_lm_dir)
     return (model if with_lora else model.merge_and_unload()).eval(), tok
 
 

@@ -149,7 +149,7 @@ from tpu_helpers.models import replay
 from tpu_helpers.models.generation import generate_ids, left_pad
 b = get_backend(sys.argv[1], spmd=False, compile_cache_dir=None)
 model = random_model(FAMILIES["llama3"].config(97, pad=0), seed=1)
-model = b.move_model(model) if hasattr(b, "move_model") else model.to(b.device)
+model = b.move_model(model)
 torch.manual_seed(0)
 p = left_pad([torch.randint(3, 97, (n,)).tolist() for n in (12, 7, 3, 10)], 12, 0)
 with torch.autocast(b.device.type, dtype=torch.bfloat16):

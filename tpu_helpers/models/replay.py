@@ -141,8 +141,8 @@ def looped_steps(make_loop: Callable[[], Callable | None], decode: Callable, mod
     buffers (swapped in for the trace with torch's reparametrization, tied weights tied, so the program reads each
     call's weights, updated in place or not; one read another way is refused), the cache's tensors, `st` and
     `fixed`; the weights and the cache are the loop's `outside` (the model's own state: a CUDA graph reads and
-    writes them where they are). The modules' other tensor attributes are put back after the trace (torchao's fake quantizers set
-    theirs in each forward; kept, they would hold the trace's placeholders). None when the step cannot be looped
+    writes them where they are). The modules' other tensor attributes are put back after the trace (torchao's fake
+    quantizers set theirs in each forward; kept, they would hold the trace's placeholders). None when the step cannot be looped
     (`ReplayUnsupported`, nothing ran; that shape is not tried again, and one warning per model): the caller steps
     it otherwise."""
     kept = _KEPT.setdefault(model, {})
