@@ -104,7 +104,8 @@ class TrainConfig:
     xla_checks: str = "warn"  # recompilation / host-read / CPU-fallback detector on XLA: warn | strict | off
     # XLA: each step's forward and loss (and so its backward) and AdamW's step captured once per shape by dynamo and
     # replayed instead of traced in Python every step (backend.compile_step; Trainer.replayed, replayed_optimizer):
-    # the base Trainer, SFT, distillation, GRPO's update, DPO/ORPO. False: plain lazy tracing
+    # the base Trainer, SFT, distillation, GRPO's update, DPO/ORPO (under an SPMD mesh AdamW's step only, see
+    # XlaBackend.compile_step). False: plain lazy tracing
     replay_steps: bool = False
     # experiment tracking (see tpu_helpers.training.tracking): the main process logs the loop's log/eval records
     trackers: str = ""  # none, or tensorboard, wandb, trackio (comma separated)

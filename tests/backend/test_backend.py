@@ -175,6 +175,27 @@ def test_assign_gives_each_target_its_value_in_place_and_names_a_mismatch(xla):
         b.assign(targets, values[:1])
 
 
+@pytest.mark.parametrize("xla", [False, pytest.param(True, marks=pytest.mark.xla)])
+def test_assign_reaches_a_module_whose_weight_was_written_in_place_before(xla):
+    """A weight written in place (a checkpoint's `load_state_dict`, an init) and then assigned: the module's forward,
+    which reads it through a view (`linear`'s transpose), and its state dict see the assigned value, step after step.
+    XLA's data swap (`_replace_xla_tensor`) left both on the loaded value: a resumed run whose forward was traced
+    lazily (under a mesh, or a forward that could not be captured) never saw its replayed AdamW's updates."""
+    if xla and XLA_BACKEND is None:
+        pytest.skip("torch_xla not installed")
+    b = XLA_BACKEND if xla else Backend()
+    dev = b.device if xla else torch.device("cpu")
+    layer = torch.nn.Linear(4, 1, bias=False).to(dev)
+    with torch.no_grad():
+        layer.weight.copy_(torch.ones(1, 4))  # what load_state_dict does
+    x = torch.ones(2, 4).to(dev)
+    for k in (10.0, 20.0):
+        b.assign([layer.weight], [torch.arange(4.0).mul(k)[None].to(dev)])
+        assert layer(x).detach().cpu().tolist() == [[6 * k]] * 2
+        assert layer.state_dict()["weight"].cpu().tolist() == [[0.0, k, 2 * k, 3 * k]]
+        assert layer.weight.requires_grad
+
+
 @pytest.mark.xla
 def test_a_replayed_step_whose_graph_left_the_compile_cache_is_captured_anew():
     # torch_xla's LRU cache of compiled graphs evicts a capture's graph after enough others (2048 by default: a

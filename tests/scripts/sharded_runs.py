@@ -87,6 +87,9 @@ def main() -> None:
             "unsharded_params": [n for n, p in t.model.named_parameters() if p.dim() and not backend.sharding_spec(p)],
             "unsharded_states": sum(1 for v in states if v.dim() and not backend.sharding_spec(v)),
             "n_states": len(states),
+            # A replayed AdamW keeps its step counts on the device (capturable); torch's lazy one on the host.
+            "steps_on_device": [isinstance(s.get("step"), torch.Tensor) and s["step"].device.type == "xla"
+                                for s in t.optimizer.state.values()],
             "param_ratio": sum(backend.device_bytes(p) for p in params) / full,
             "state_ratio": sum(backend.device_bytes(v) for v in states) / max(1, sum(v.numel() * 4 for v in states)),
             "compiles": compiles.at,

@@ -117,6 +117,38 @@ def test_a_checkpoint_saved_under_fsdp_on_8_resumes_under_data_on_1_and_fsdp_on_
     assert all(abs(x) < 10 for x in pt_to_fsdp4["losses"][-2:]) and pt_to_fsdp4["losses"][-1] < data1["losses"][0]
 
 
+@pytest.mark.xla
+def test_replayed_optimizer_steps_over_a_mesh_match_lazy_ones_keep_their_shardings_and_resume(tmp_path):
+    # A full fine-tune (every weight changes, the token embedding included): under replay_steps a mesh replays
+    # AdamW's step and traces the forward lazily (XlaBackend.compile_step says why); both must give the lazy run's
+    # losses, with the parameters and moments still sharded and nothing compiled after the warm-up.
+    steps, runs = 5, []
+    for sharding in ("data", "fsdp", "2x4"):
+        for replay in (False, True):
+            runs.append({"model": "hf", "sharding": sharding, "batch_size": 2, "steps": steps,
+                         "replay_steps": replay, "out_dir": str(tmp_path / f"{sharding}-{replay}")})
+    resumed_dir = str(tmp_path / "resumed")
+    runs += [{"model": "hf", "sharding": "fsdp", "batch_size": 2, "steps": steps, "replay_steps": True,
+              "stop_at": 2, "out_dir": resumed_dir},
+             {"model": "hf", "sharding": "fsdp", "batch_size": 2, "steps": steps, "replay_steps": True,
+              "out_dir": resumed_dir}]
+    results = _train({"spmd": True, "runs": runs}, 8)
+    for i, sharding in enumerate(("data", "fsdp", "2x4")):
+        lazy, replayed = results[2 * i], results[2 * i + 1]
+        diff = max(abs(a - b) for a, b in zip(lazy["losses"], replayed["losses"], strict=True))
+        print(f"{sharding}: max |replayed - lazy loss| over {steps} steps {diff:.3g}, compilations by step "
+              f"{replayed['compiles']} (lazy {lazy['compiles']})")
+        assert diff < 1e-6, (sharding, lazy["losses"], replayed["losses"])
+        assert replayed["steps_on_device"] and all(replayed["steps_on_device"]), sharding  # AdamW was replayed
+        assert not any(lazy["steps_on_device"]), sharding
+        assert replayed["unsharded_params"] == [] and replayed["unsharded_states"] == 0, sharding
+        assert abs(replayed["param_ratio"] - lazy["param_ratio"]) < 1e-9, sharding
+        assert replayed["compiles"][str(steps)] == replayed["compiles"]["3"], (sharding, replayed["compiles"])
+    stopped, resumed, whole = results[6], results[7], results[3]
+    assert stopped["steps"] == [1, 2] and resumed["resumed_from"] == 2, (stopped["steps"], resumed["resumed_from"])
+    assert resumed["losses"][2:] == whole["losses"][2:], (resumed["losses"], whole["losses"])
+
+
 def test_sharding_values_are_checked():
     assert check_sharding("fsdp") == "fsdp" and check_sharding(" Data ") == "data"
     assert check_sharding("2x4") == "2x4" and check_sharding((2, 4)) == "2x4"

@@ -200,11 +200,13 @@ class Backend(TorchSharding):
     def sync(self) -> None:
         """End of an optimizer step: on XLA this cuts and launches the graph; eager backends need nothing."""
 
-    def compile_step(self, fn: Callable) -> Callable:
+    def compile_step(self, fn: Callable, *, over_mesh: bool = False) -> Callable:
         """`fn` captured once per shape and replayed without re-running its Python (XLA: dynamo's openxla
         backend), for a step whose tracing costs more host time than the device spends on it (a decode step). Eager
         backends run `fn` as it is: their Python is the compute itself (CPU) or only launches kernels (CUDA).
-        The capture is whole or nothing: what cannot be captured raises `ReplayUnsupported` before anything ran."""
+        The capture is whole or nothing: what cannot be captured raises `ReplayUnsupported` before anything ran.
+        Under an XLA SPMD mesh `fn` runs as it is unless `over_mesh` says its replay over sharded tensors is
+        checked against the lazy step (the optimizer's: tests/training/test_sharding.py)."""
         return fn
 
     def assign(self, targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:

@@ -111,6 +111,7 @@ class XlaBackend(SpmdSharding, Backend):
         self.local_rank = 0 if spmd else xr.local_ordinal()
         self._host_group = False
         self.mesh = None
+        self._mesh_captures: set[Callable] = set()  # compile_step's functions replayed over the mesh (after_load)
         if spmd:
             self.set_mesh(xr.global_runtime_device_count(), 1)
         self.hardware = self._detect_hardware()
@@ -189,21 +190,43 @@ class XlaBackend(SpmdSharding, Backend):
     def sync(self) -> None:
         torch_xla.sync()
 
-    def compile_step(self, fn: Callable) -> Callable:
-        # One device per process only: the tests here never ran the openxla bridge on an SPMD mesh's sharded
-        # tensors, so a mesh keeps the lazily traced step (correct, only slower on the host).
-        return fn if self.mesh is not None else _compiled(fn)
+    def compile_step(self, fn: Callable, *, over_mesh: bool = False) -> Callable:
+        # Under a mesh only what the caller vouches for (`over_mesh`: the optimizer step, checked against the lazy
+        # one over data, fsdp and 2x4 meshes). A forward whose backward is captured computed wrong gradients there:
+        # torch_xla 2.9's bridge matches a graph's inputs to the call's tensors by the id their device data records,
+        # and over a mesh an input the backward takes straight from the forward (the token ids, an RMSNorm weight)
+        # records another tensor's id by then, so it became a constant of the capture: a full fine-tune's second
+        # replayed step took the first step's tokens (gradients off by ~2e-2 against lazy; LoRA, whose frozen
+        # weights never change, was unaffected). Such steps stay lazily traced: correct, slower on the host.
+        if self.mesh is None:
+            return _compiled(fn)
+        if not over_mesh:
+            return fn
+        self._mesh_captures.add(fn)
+        return _compiled(fn)
+
+    def after_load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().after_load(model, optimizer)
+        # A checkpoint loaded into a mesh's tensors (and resharded) in a process that already replayed a step over
+        # the mesh: the bridge re-extracted that capture over the changed shardings and crashed ("buffer ... is
+        # deleted": an fsdp run resumed in the same process). Captured anew instead, as a new process would.
+        for fn in self._mesh_captures:
+            torch._dynamo.reset_code(fn.__code__)
 
     def _assign(self, targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        # Each target's XLA tensor swapped for its value's (what torch_xla's own FSDP does with parameters): no op
-        # traced, ~2 us a tensor against ~10 for a copy_. A target that is a view is copied into (swapped, it would
-        # part from its base). A view taken earlier of a swapped target would keep the old value: an optimizer's
-        # parameters and moments have none outside a forward.
+        # Each target's value replaced by its value's, no op traced (~2.4 us a tensor against ~5 for a copy_). XLA
+        # tensors are functionalization wrappers: the replacement goes through torch's functionalization (replace,
+        # then commit, as AOT autograd writes back a mutated input), so the views a module reads its weight through
+        # (`linear`'s transpose, `state_dict`'s detach) follow. torch_xla's `_replace_xla_tensor` swapped the wrapped
+        # tensor only: a weight once written in place (a checkpoint's load_state_dict) kept showing its views the
+        # loaded value. A target that is a view, or not a wrapper (functionalization turned off), is copied into.
         for t, v in zip(targets, values, strict=True):
-            if t._is_view():
-                t.copy_(v)
+            if not t._is_view() and torch._is_functional_tensor(t) and torch._is_functional_tensor(v):
+                torch._functionalize_replace(t, torch._from_functional_tensor(v))
+                torch._functionalize_commit_update(t)
             else:
-                torch_xla._XLAC._replace_xla_tensor(t, v)
+                with torch.no_grad():
+                    t.copy_(v)
 
     def compile_loop(self) -> Callable | None:
         # One device per process, as compile_step: a mesh's sharded weights were never run through the While.

@@ -25,7 +25,8 @@ What differs from the lazy step, and why:
 The update is torch's capturable formula, within float rounding of the lazy one (the tests compare the losses of
 both loops to 1e-6).
 
-Only torch's AdamW, on one device per process (`compile_step` leaves SPMD steps lazy), without a gradient scaler.
+Only torch's AdamW, in one process (one device, or an SPMD mesh: the step's sharded parameters and moments keep
+their shardings, tests/training/test_sharding.py), without a gradient scaler.
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ from torch.optim.adam import adam
 
 def can_replay(optimizer: torch.optim.Optimizer, backend: Any) -> bool:
     """Whether `replayed_step` can take this step: torch's AdamW (no amsgrad, maximize or differentiable, no step
-    hooks), one device per process, no gradient scaler."""
+    hooks), one process (one device or an SPMD mesh), no gradient scaler."""
     if type(optimizer) is not torch.optim.AdamW or getattr(backend, "scaler", None) is not None:
         return False
-    if not backend.compiles_graphs or backend.world_size > 1 or getattr(backend, "mesh", None) is not None:
+    if not backend.compiles_graphs or backend.world_size > 1:
         return False
     if getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None):
         return False  # hooks on optimizer.step(), which the replay does not call
@@ -81,7 +82,7 @@ def replayed_step(optimizer: torch.optim.AdamW, backend: Any, *, clip_norm: floa
                        (float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]))))
     if not groups:
         return None
-    norm, new = backend.compile_step(adamw_update)(groups, clip_norm)
+    norm, new = backend.compile_step(adamw_update, over_mesh=True)(groups, clip_norm)
     # Into the optimizer's own tensors (see the module docstring), in `adamw_update`'s order: per group, its params,
     # exp_avgs, exp_avg_sqs, steps.
     backend.assign([t for params, _, exp_avgs, exp_avg_sqs, steps, *_ in groups

@@ -217,9 +217,9 @@ class Trainer:
 
     def _replayed_optimizer_step(self) -> tuple[bool, torch.Tensor | None]:
         """config.replay_steps: AdamW's clip and step captured once and replayed (`replayed_optimizer`): (True, the
-        gradient norm or None). (False, None) where it does not apply (another optimizer, a mesh, a scaler), or
-        once its capture failed (said in one warning; nothing was updated: a failed capture raises before it
-        runs)."""
+        gradient norm or None). (False, None) where it does not apply (another optimizer, several processes, a
+        scaler), or once its capture failed (said in one warning; nothing was updated: a failed capture raises
+        before it runs)."""
         if not (self._replay and replayed_optimizer.adamw_update not in self._lazy_fns
                 and replayed_optimizer.can_replay(self.optimizer, self.backend)):
             return False, None
