@@ -160,3 +160,19 @@ def test_a_qat_models_fake_quantizers_loop_and_keep_no_trace_behind(one_thread):
     with torch.no_grad():
         model(input_ids=p.ids.to(b.device)).logits.sum().item()  # no placeholder left on any module
     generation.release_caches(model)
+
+
+def test_a_data_parallel_mesh_loops_the_decode_and_an_fsdp_one_steps_it():
+    """On 8 devices (SPMD): a data mesh (replicated weights) runs the decode as one device loop and answers as the
+    CPU does on every family, a third call compiling nothing; an fsdp mesh keeps the stepped decode (the loop's
+    program gathered every sharded weight whole before its While: the model whole on each chip), same tokens."""
+    from tests.support import script_result
+    from tpu_helpers.backend import runtime_env
+
+    env = runtime_env.xla_cpu_env(8)
+    data = script_result("mesh_generation", {"sharding": "data", "families": sorted(FAMILIES)}, env=env, timeout=900)
+    fsdp = script_result("mesh_generation", {"sharding": "fsdp", "families": ["llama3"]}, env=env, timeout=900)
+    for family, r in {**data, "llama3 fsdp": fsdp["llama3"]}.items():
+        assert r["same_ids"] and r["logprob_diff"] < 1e-4, (family, r)
+    assert all(r["looped"] and r["third_call_compiles"] == 0 and r["mesh"] == [8, 1] for r in data.values()), data
+    assert not fsdp["llama3"]["looped"] and fsdp["llama3"]["mesh"] == [1, 8], fsdp

@@ -229,8 +229,11 @@ class XlaBackend(SpmdSharding, Backend):
                     t.copy_(v)
 
     def compile_loop(self) -> Callable | None:
-        # One device per process, as compile_step: a mesh's sharded weights were never run through the While.
-        if self.mesh is not None:
+        # A data mesh (replicated weights) loops: the same tokens as the CPU on every family. Over an fsdp axis the
+        # partitioner gathered every sharded weight whole before the While (a 2-layer Llama on 8 devices: each weight
+        # all-gathered in the program's entry), so the loop would hold the model whole on each chip, what fsdp is
+        # there to avoid: that decode stays stepped (tests/models/test_generation_loop.py checks both).
+        if self.mesh is not None and self.mesh_shape[1] > 1:
             return None
         from tpu_helpers.backend.xla_loop import DeviceLoop
 

@@ -1,0 +1,54 @@
+"""Greedy generation with the backend's decode loop on an SPMD mesh (CPU_NUM_DEVICES=8, the caller's): for each
+family of the JSON argument's "families", the tokens and log-probabilities of three calls on the model placed for "sharding",
+the CPU's for the same prompts, whether the decode ran as a device loop, and what a third call compiled (the first
+call makes the kept cache, the second resets it: each compiles its prefill). For
+tests/models/test_generation_loop.py.
+
+    python tests/scripts/mesh_generation.py '{"sharding": "data", "families": ["llama3"]}'
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tests.models.families import FAMILIES, random_model
+from tests.support import print_result, script_args
+from tpu_helpers.backend import get_backend
+from tpu_helpers.models.generation import generate_ids, left_pad
+
+VOCAB = 97
+
+
+def main() -> None:
+    args = script_args()
+    b = get_backend("xla", spmd=True, compile_cache_dir=None)
+    torch.manual_seed(0)
+    p = left_pad([torch.randint(3, VOCAB, (n,)).tolist() for n in (12, 7, 3, 10, 5, 9, 11, 4)], 12, 0)
+    out = {}
+    for family in args["families"]:
+        model = random_model(FAMILIES[family].config(VOCAB, pad=0), seed=1)
+        want = generate_ids(model, p.ids, p.mask, max_new_tokens=9, eos_token_id=None, pad_token_id=0)
+        model = b.prepare_model(model, args["sharding"])
+        loops: list = []
+
+        def make_loop(loops=loops):
+            loops.append(b.compile_loop())
+            return loops[-1]
+
+        ids, mask = p.ids.to(b.device), p.mask.to(b.device)
+        compiles = []
+        for _ in range(3):
+            before = b.metrics()["compilations"]
+            got = generate_ids(model, ids, mask, max_new_tokens=9, eos_token_id=None, pad_token_id=0, sync=b.sync,
+                               loop=make_loop)
+            got_ids, got_lp = got.ids.cpu(), got.logprobs.cpu()
+            compiles.append(b.metrics()["compilations"] - before)
+        out[family] = {"same_ids": torch.equal(got_ids, want.ids),
+                       "logprob_diff": float((got_lp - want.logprobs).abs().max()),
+                       "looped": bool(loops and loops[0] is not None and loops[0]._built),
+                       "third_call_compiles": compiles[2], "mesh": list(b.mesh_shape)}
+    print_result(out)
+
+
+if __name__ == "__main__":
+    main()
