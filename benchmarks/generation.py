@@ -20,7 +20,9 @@ left-padded to 32. For each number of new tokens and each side:
 - `hf`: `model.generate(do_sample=False, min_new_tokens=N)` with transformers' default (dynamic) cache; on XLA every
   token has a new shape, so it compiles about one graph per token (`--hf-xla-tokens` limits which lengths it runs;
   `--uncached-tokens` likewise the uncached loop, whose time grows with the square of the new tokens).
-Each device runs in its own process (PJRT_DEVICE=CPU for XLA:CPU, so the XLA metrics are the side's own). Printed
+Each device runs in its own process (PJRT_DEVICE=CPU for XLA:CPU, so the XLA metrics are the side's own); `xla8` is
+XLA over an 8-device data-parallel SPMD mesh (8 simulated devices on XLA:CPU; a v5e-8's chips on a TPU VM), the
+model's weights replicated as a v5e-8 run places them (`prepare_model(model, "data")`). Printed
 per case: tokens/s of the first call (compilation included) and the best of `--repeats` identical calls after it
 (the best, as the machine may be shared; the uncached loop past 16 tokens: one call on the CPU, two on XLA), the graphs compiled by the first call and by any later one (XLA only),
 whether the other sides' tokens equal the cached ones, and for the best call per token: host (the call until it
@@ -115,10 +117,14 @@ def child(args) -> None:
     from tpu_helpers.models.generation import generate_ids, generate_ids_uncached
     from tpu_helpers.models.hf import cache_bucket
 
-    backend = get_backend(args.child, precision="bf16" if args.bf16 else "fp32", spmd=False, compile_cache_dir=None)
+    mesh = args.child == "xla8"
+    backend = get_backend("xla" if mesh else args.child, precision="bf16" if args.bf16 else "fp32", spmd=mesh,
+                          compile_cache_dir=None)
     blocked = _time_replay_runs() if backend.compiles_graphs else [0.0]
     torch.set_num_threads(args.threads)
     model, tok, ids, mask = _setup(args, backend.device)
+    if mesh:
+        model = backend.prepare_model(model, "data")
     xla = backend.compiles_graphs
 
     def cached(n):
@@ -186,7 +192,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="16,128,512")
     parser.add_argument("--sides", default="cached,uncached,hf")
-    parser.add_argument("--devices", default="cpu,xla")
+    parser.add_argument("--devices", default="cpu,xla", help="of cpu, xla, xla8 (an 8-device SPMD mesh), cuda")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
@@ -203,7 +209,7 @@ def main() -> None:
                         help="the random model without --model: a 4-layer Qwen2 of width 256, or a 30-layer Llama of "
                         "width 64 (the host's time per token shows)")
     parser.add_argument("--bf16", action="store_true", help="weights and compute in bf16 (default fp32)")
-    parser.add_argument("--child", choices=["cpu", "xla", "cuda"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=["cpu", "xla", "xla8", "cuda"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.tokens = [int(t) for t in str(args.tokens).split(",")]
     args.sides = args.sides.split(",")
@@ -220,8 +226,10 @@ def main() -> None:
           flush=True)
     for device in args.devices.split(","):
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        if device == "xla":
+        if device.startswith("xla"):
             env.setdefault("PJRT_DEVICE", "CPU")
+        if device == "xla8" and env["PJRT_DEVICE"] == "CPU":
+            env["CPU_NUM_DEVICES"] = "8"
         cmd = [sys.executable, __file__, "--child", device, "--tokens", ",".join(map(str, args.tokens)),
                "--sides", ",".join(args.sides), "--batch", str(args.batch), "--prompt", str(args.prompt),
                "--threads", str(args.threads), "--repeats", str(args.repeats), "--hf-xla-tokens", str(args.hf_xla_tokens),
@@ -232,7 +240,7 @@ def main() -> None:
                 if not line.startswith("{"):
                     continue
                 r = json.loads(line)
-                name = {"xla": "XLA:CPU", "cuda": "CUDA"}.get(device, "CPU")
+                name = {"xla": "XLA:CPU", "xla8": "XLA x8", "cuda": "CUDA"}.get(device, "CPU")
                 if r.get("skipped"):
                     print(f"{name:8}{r['tokens']:>5}  {r['side']:9}  skipped ({r['skipped']})", flush=True)
                     continue

@@ -48,11 +48,12 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
                                [r"^package +\d+ +\d+ ", r"^hf +\d+ +\d+ ",
                                 rf"steady throughput ratio package / HF Trainer: {NUMBER}"]),
     # HF generate on XLA compiles a graph per token (16 for 4 tokens): it runs on the CPU here, XLA says skipped.
-    "generation": (["--tokens", "2", "--batch", "2", "--prompt", "8", "--hf-xla-tokens", "0", "--threads", "1",
-                    "--sides", "cached,replay,loop,uncached,hf"],
+    "generation": (["--tokens", "2", "--batch", "8", "--prompt", "8", "--hf-xla-tokens", "0", "--threads", "1",
+                    "--sides", "cached,replay,loop,uncached,hf", "--devices", "cpu,xla,xla8"],
                    [rf"^CPU +2 +hf +{NUMBER}", rf"^XLA:CPU +2 +uncached +{NUMBER}", r"^XLA:CPU +2 +hf +skipped",
                     *(rf"^XLA:CPU +2 +{side} +{NUMBER} .* {NUMBER} +{NUMBER} +{NUMBER} +{NUMBER} +True$"
-                      for side in ("replay", "loop"))]),
+                      for side in ("replay", "loop")),
+                    rf"^XLA x8 +2 +loop +{NUMBER} .* {NUMBER} +{NUMBER} +{NUMBER} +{NUMBER} +True$"]),
     "gpu_throughput": (["--smoke"], [rf"eager: {NUMBER} tokens/s, MFU"]),
     "graph_hygiene": (["--steps", "12", "--eval-every", "6", "--log-every", "3", "--save-every", "6"],
                       [r"^distinct graphs compiled: \d+", r"^last step that compiled: \d+",
