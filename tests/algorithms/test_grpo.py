@@ -171,6 +171,21 @@ def test_strict_xla_dapo_with_sequence_ratios_clip_higher_and_batch_std_compiles
           f"{[steps[k]['compilations'] for k in (1, 2)]})")
 
 
+@pytest.mark.xla
+def test_strict_xla_grpo_on_an_eight_device_data_mesh_compiles_nothing_after_warm_up():
+    # A v5e-8's default placement, simulated: the rollouts' decode runs as one device loop, and reading their
+    # batch-sharded tokens compiles nothing per step (torch_xla compiled a gather for every read: strict failed at
+    # step 3, the first step past the warm-up).
+    from tests.support import script_result
+    from tpu_helpers.backend import runtime_env
+
+    out = script_result("grpo_on_mesh", env=runtime_env.xla_cpu_env(8), timeout=900)
+    print(f"GRPO strict on 8 simulated devices: {out['compilations']} compilations in {len(out['losses'])} steps")
+    assert out["replicas"] == 8 and out["problems"] == [], out
+    assert len(out["losses"]) == 6 and all(math.isfinite(x) for x in out["losses"]), out
+    assert out["looped"] == ["DeviceLoop"], out
+
+
 def test_bad_loss_settings_name_the_value():
     with pytest.raises(ConfigError, match=r"LOSS_TYPE='ppo' is not one of \('grpo', 'bnpo', 'dr_grpo', 'dapo'\)"):
         config_from_parameters({"LOSS_TYPE": "ppo"}, base=GRPOConfig())

@@ -44,6 +44,21 @@ def sharding_spec(tensor: torch.Tensor) -> str:
     return torch_xla._XLAC._get_xla_sharding_spec(tensor)
 
 
+def replicated_copy(tensor: torch.Tensor, mesh: xs.Mesh) -> torch.Tensor:
+    """`tensor` gathered whole onto every device by a graph op, for a read to the host: torch_xla reads a sharded
+    tensor by compiling a program that gathers it, anew on every read (a GRPO rollout's tokens on a data mesh: one
+    compile every step). The op's program is compiled once per shape and sharding, then cached, and its replicated
+    result reads with no compile; it holds the whole tensor on every device until read. A tensor not sharded is
+    returned as it is."""
+    if tensor.device.type != "xla" or tensor.dim() == 0 or sharding_spec(tensor) in ("", "{replicated}"):
+        return tensor
+    # A new node (a clone would carry the sharding annotation, which mark_sharding refuses to change); adding a
+    # zero of the same dtype keeps the dtype (bool and integers too) and folds away in the compiler.
+    out = tensor.detach() + torch.zeros((), dtype=tensor.dtype, device=tensor.device)
+    xs.mark_sharding(out, mesh, (None,) * tensor.dim())
+    return out
+
+
 def make_mesh(data: int, fsdp: int) -> xs.Mesh:
     """The device mesh: ("data",) for pure data parallel (fsdp == 1), else ("data", "fsdp")."""
     if fsdp == 1:

@@ -33,7 +33,7 @@ import torch_xla.utils.checkpoint as xla_checkpoint
 
 from tpu_helpers.backend import runtime_env
 from tpu_helpers.backend.base import Backend, ReplayUnsupported, first_line, tree_map_tensors
-from tpu_helpers.backend.sharding_xla import SpmdSharding
+from tpu_helpers.backend.sharding_xla import SpmdSharding, replicated_copy
 from tpu_helpers.hardware import detect_tpu, format_bytes, lookup
 
 _CACHE_INITIALISED: str | None = None  # the directory in use (with its per-process subdirectory)
@@ -280,7 +280,13 @@ class XlaBackend(SpmdSharding, Backend):
         return xla_checkpoint.checkpoint
 
     def to_cpu(self, obj: Any) -> Any:
-        # One batched device-to-host transfer for the whole state instead of one per tensor.
+        # One batched device-to-host transfer for the whole state instead of one per tensor. Over a data mesh each
+        # batch-sharded tensor is first gathered in a graph (sharding_xla.replicated_copy: read as it is, it compiles
+        # every time). Not over an fsdp axis: what is read sharded there includes the weights and moments of a whole
+        # checkpoint, which gathered in one graph would be the whole model on every chip at once; torch_xla's own
+        # read gathers one tensor at a time (compiling each time).
+        if self.mesh is not None and self.mesh_shape[1] == 1:
+            obj = tree_map_tensors(lambda t: replicated_copy(t, self.mesh), obj)
         try:
             return xm._maybe_convert_to_cpu(obj, convert=True)
         except Exception:  # private helper; fall back to per-tensor copies if it moves
