@@ -22,7 +22,7 @@ left-padded to 32. For each number of new tokens and each side:
   `--uncached-tokens` likewise the uncached loop, whose time grows with the square of the new tokens).
 Each device runs in its own process (PJRT_DEVICE=CPU for XLA:CPU, so the XLA metrics are the side's own); `xla8` is
 XLA over an 8-device data-parallel SPMD mesh (8 simulated devices on XLA:CPU; a v5e-8's chips on a TPU VM), the
-model's weights replicated as a v5e-8 run places them (`prepare_model(model, "data")`). Printed
+model's weights replicated and the batch's rows split over the chips, as a v5e-8 run places them. Printed
 per case: tokens/s of the first call (compilation included) and the best of `--repeats` identical calls after it
 (the best, as the machine may be shared; the uncached loop past 16 tokens: one call on the CPU, two on XLA), the graphs compiled by the first call and by any later one (XLA only),
 whether the other sides' tokens equal the cached ones, and for the best call per token: host (the call until it
@@ -123,8 +123,9 @@ def child(args) -> None:
     blocked = _time_replay_runs() if backend.compiles_graphs else [0.0]
     torch.set_num_threads(args.threads)
     model, tok, ids, mask = _setup(args, backend.device)
-    if mesh:
+    if mesh:  # placed as a v5e-8 run places them: weights replicated, the batch's rows split over the chips
         model = backend.prepare_model(model, "data")
+        ids, mask = backend.shard_rows(ids), backend.shard_rows(mask)
     xla = backend.compiles_graphs
 
     def cached(n):
@@ -224,12 +225,15 @@ def main() -> None:
           f"{'graphs then':>12}{'host ms/tok':>12}{'python ms/tok':>14}{'cpu ms/tok':>11}{'device ms/tok':>14}"
           "  same as cached",
           flush=True)
+    sys.path.insert(0, str(ROOT))
+    from tpu_helpers.backend import runtime_env
+
     for device in args.devices.split(","):
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         if device.startswith("xla"):
             env.setdefault("PJRT_DEVICE", "CPU")
         if device == "xla8" and env["PJRT_DEVICE"] == "CPU":
-            env["CPU_NUM_DEVICES"] = "8"
+            env.update(runtime_env.xla_cpu_env(8))
         cmd = [sys.executable, __file__, "--child", device, "--tokens", ",".join(map(str, args.tokens)),
                "--sides", ",".join(args.sides), "--batch", str(args.batch), "--prompt", str(args.prompt),
                "--threads", str(args.threads), "--repeats", str(args.repeats), "--hf-xla-tokens", str(args.hf_xla_tokens),

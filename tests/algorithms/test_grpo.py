@@ -179,7 +179,7 @@ def test_strict_xla_grpo_on_an_eight_device_data_mesh_compiles_nothing_after_war
     from tests.support import script_result
     from tpu_helpers.backend import runtime_env
 
-    out = script_result("grpo_on_mesh", env=runtime_env.xla_cpu_env(8), timeout=900)
+    out = script_result("grpo_on_mesh", {"sharding": "data"}, env=runtime_env.xla_cpu_env(8), timeout=900)
     print(f"GRPO strict on 8 simulated devices: {out['compilations']} compilations in {len(out['losses'])} steps")
     assert out["replicas"] == 8 and out["problems"] == [], out
     assert len(out["losses"]) == 6 and all(math.isfinite(x) for x in out["losses"]), out

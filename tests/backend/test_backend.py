@@ -156,7 +156,7 @@ def test_dump_flags_add_the_dump_dir_to_existing_xla_flags_without_touching_the_
 @pytest.mark.parametrize("xla", [False, pytest.param(True, marks=pytest.mark.xla)])
 def test_assign_gives_each_target_its_value_in_place_and_names_a_mismatch(xla):
     """`Backend.assign` (the replayed AdamW's write-back): each target object keeps its identity and autograd flags
-    and takes its value (XLA: its data swapped, no copy traced); a pair of another shape or dtype is an error naming
+    and takes its value (XLA: replaced, no copy traced); a pair of another shape or dtype is an error naming
     its index, before any target changed."""
     if xla and XLA_BACKEND is None:
         pytest.skip("torch_xla not installed")
@@ -198,16 +198,21 @@ def test_assign_reaches_a_module_whose_weight_was_written_in_place_before(xla):
 
 @pytest.mark.xla
 def test_reading_sharded_tensors_on_a_mesh_compiles_once_not_every_read():
-    """On 8 devices (SPMD), `to_cpu` of batch-sharded outputs (int64 and bool), four times with new values: the
-    values come back whole and in their dtypes, and only the first read compiles (torch_xla compiled a gather for
-    every read of a sharded tensor: a GRPO rollout on a data mesh recompiled each step)."""
+    """On 8 devices (SPMD), data and fsdp meshes: `to_cpu` of row-sharded outputs (int64 and bool), four times with
+    new values: the values come back whole and in their dtypes, and only the first read compiles (torch_xla compiled a
+    gather for every read of a sharded tensor: a GRPO rollout on a mesh recompiled each step). Past the gather budget
+    (0 here) reads are torch_xla's again: a compile every read."""
     from tests.support import script_result
     from tpu_helpers.backend import runtime_env
 
-    out = script_result("sharded_reads", env=runtime_env.xla_cpu_env(8))
-    assert out["spec"].startswith("{devices=[8"), out  # the tensors read really were sharded
-    assert all(out["same"]), out
-    assert out["compiles"][1:] == [0, 0, 0], out
+    env = runtime_env.xla_cpu_env(8)
+    for mesh in ([8, 1], [1, 8], [2, 4]):
+        out = script_result("sharded_reads", {"mesh": mesh}, env=env)
+        assert out["spec"].startswith("{devices=["), (mesh, out)  # the tensors read really were sharded
+        assert all(out["same"]), (mesh, out)
+        assert out["compiles"][0] > 0 and out["compiles"][1:] == [0, 0, 0], (mesh, out)
+    out = script_result("sharded_reads", {"mesh": [8, 1], "budget": 0}, env=env)
+    assert all(out["same"]) and all(c > 0 for c in out["compiles"]), out
 
 
 @pytest.mark.xla

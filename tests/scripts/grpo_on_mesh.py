@@ -1,17 +1,17 @@
-"""A GRPO run (the recipe, its tiny offline model with LoRA) on an 8-device data-parallel SPMD mesh
-(CPU_NUM_DEVICES=8, the caller's) with xla_checks="strict": a recompilation or an undeclared host read after the
+"""A GRPO run (the recipe, its tiny offline model with LoRA) on an 8-device SPMD mesh (CPU_NUM_DEVICES=8, the
+caller's) placed for the JSON argument's "sharding" (data, fsdp) with xla_checks="strict": a recompilation or an undeclared host read after the
 warm-up raises. Prints the rewards, losses, compilations, the detector's problems and whether the rollouts' decode
 ran as a device loop. For tests/algorithms/test_grpo.py."""
 
 import tempfile
 
-from tests.support import print_result
+from tests.support import print_result, script_args
 from tpu_helpers.backend import get_backend
 from tpu_helpers.models import replay
 from tpu_helpers.recipes.grpo import GRPO, GRPOConfig
 
 b = get_backend("xla", spmd=True, compile_cache_dir=None)
-cfg = GRPOConfig(device="xla", start_from=None, steps=6, batch_size=8, num_generations=2, max_prompt_len=24,
+cfg = GRPOConfig(device="xla", sharding=script_args()["sharding"], start_from=None, steps=6, batch_size=8, num_generations=2, max_prompt_len=24,
                  max_new_tokens=6, lr=1e-2, warmup_steps=1, log_every=1, save_every=100, out_dir=tempfile.mkdtemp(),
                  xla_checks="strict", max_records=64, lora_r=4, seed=0)
 job = GRPO(cfg, backend=b, progress=False)

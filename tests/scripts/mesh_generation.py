@@ -1,8 +1,8 @@
 """Greedy generation with the backend's decode loop on an SPMD mesh (CPU_NUM_DEVICES=8, the caller's): for each
-family of the JSON argument's "families", the tokens and log-probabilities of three calls on the model placed for "sharding",
-the CPU's for the same prompts, whether the decode ran as a device loop, and what a third call compiled (the first
-call makes the kept cache, the second resets it: each compiles its prefill). For
-tests/models/test_generation_loop.py.
+family of the JSON argument's "families", the tokens and log-probabilities of three calls on the model placed for
+"sharding" with the prompts' rows split over the chips (as the loader lays out a batch), the CPU's for the same
+prompts, whether the decode ran as a device loop, and what a third call compiled (the first call makes the kept
+cache, the second resets it: each compiles its prefill). For tests/models/test_generation_loop.py.
 
     python tests/scripts/mesh_generation.py '{"sharding": "data", "families": ["llama3"]}'
 """
@@ -35,13 +35,15 @@ def main() -> None:
             loops.append(b.compile_loop())
             return loops[-1]
 
-        ids, mask = p.ids.to(b.device), p.mask.to(b.device)
+        # The rows split over the chips, as the loader lays out GRPO's prompt batches.
+        ids, mask = b.shard_rows(p.ids.to(b.device)), b.shard_rows(p.mask.to(b.device))
         compiles = []
         for _ in range(3):
             before = b.metrics()["compilations"]
             got = generate_ids(model, ids, mask, max_new_tokens=9, eos_token_id=None, pad_token_id=0, sync=b.sync,
                                loop=make_loop)
-            got_ids, got_lp = got.ids.cpu(), got.logprobs.cpu()
+            host = b.to_cpu({"ids": got.ids, "logprobs": got.logprobs})  # as GRPO reads its rollouts
+            got_ids, got_lp = host["ids"], host["logprobs"]
             compiles.append(b.metrics()["compilations"] - before)
         out[family] = {"same_ids": torch.equal(got_ids, want.ids),
                        "logprob_diff": float((got_lp - want.logprobs).abs().max()),

@@ -211,8 +211,10 @@ class Backend(TorchSharding):
 
     def assign(self, targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Each of `targets` takes the value of the tensor at the same place in `values` (same shape and dtype), in
-        place: an optimizer's parameters and moments their updated values. Eager backends copy (one foreach op); XLA
-        swaps each target's data for its value's (a view taken of a target beforehand keeps the old value)."""
+        place: an optimizer's parameters and moments their updated values. `values` are fresh tensors (a captured
+        step's outputs), not written through a view of theirs since they were made. Eager backends copy (one foreach
+        op); XLA replaces each target's value through torch's functionalization, no op traced, the target's views
+        following."""
         if len(targets) != len(values):
             raise ValueError(f"assign: {len(targets)} targets for {len(values)} values")
         if [(t.shape, t.dtype) for t in targets] != [(v.shape, v.dtype) for v in values]:  # one compare: ~1,000 a step

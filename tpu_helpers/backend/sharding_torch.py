@@ -66,6 +66,11 @@ class TorchSharding:
         model's own gradient checkpointing must stay off. Never here."""
         return False
 
+    def shard_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (on the device) laid out as the loader lays out a batch: its rows split over the chips under an
+        XLA SPMD mesh, for a batch made outside the loader. Here (one process per device) as it is."""
+        return tensor
+
     def sharding_spec(self, tensor: torch.Tensor) -> str:
         """How `tensor` is split over devices ("" when it is whole here)."""
         placements = getattr(tensor, "placements", None)  # a DTensor under FSDP2

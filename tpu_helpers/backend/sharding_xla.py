@@ -230,6 +230,11 @@ class SpmdSharding:
         # ("fsdp" on a single chip runs unwrapped, and the model checkpoints by itself).
         return is_sharded(sharding) and mesh_shape(sharding, self.device_count)[1] > 1
 
+    def shard_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.mesh is not None:
+            xs.mark_sharding(tensor, self.mesh, (batch_axes(self.mesh),) + (None,) * (tensor.dim() - 1))
+        return tensor
+
     def sharding_spec(self, tensor: torch.Tensor) -> str:
         return sharding_spec(tensor) if tensor.device.type == "xla" else ""
 

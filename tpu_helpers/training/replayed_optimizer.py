@@ -19,7 +19,7 @@ What differs from the lazy step, and why:
 - the clipped gradients are new tensors rather than the `.grad` ones scaled in place (the loop drops them after
   the step anyway);
 - the captured step returns the new parameters, moments and step counts, which `backend.assign` puts into the
-  optimizer's tensors (on XLA by swapping the tensors' data, no op traced): a captured step that wrote its inputs
+  optimizer's tensors (on XLA by replacing their values, no op traced): a captured step that wrote its inputs
   in place would have each written back by dynamo with a Python `copy_`, ~9 ms of host time per step for ~1,000
   tensors.
 The update is torch's capturable formula, within float rounding of the lazy one (the tests compare the losses of
