@@ -48,8 +48,9 @@ def replicated_copy(tensor: torch.Tensor, mesh: xs.Mesh) -> torch.Tensor:
     """`tensor` gathered whole onto every device by a graph op, for a read to the host: torch_xla reads a sharded
     tensor by compiling a program that gathers it, anew on every read (a GRPO rollout's tokens on a data mesh: one
     compile every step). The op's program is compiled once per shape and sharding, then cached, and its replicated
-    result reads with no compile; it holds the whole tensor on every device until read. A tensor not sharded is
-    returned as it is."""
+    result reads with no compile; it holds the whole tensor on every device until read. A tensor not sharded, or
+    not placed yet (a pending value carries no annotation until its graph runs: read after a sync), is returned as
+    it is."""
     if tensor.device.type != "xla" or tensor.dim() == 0 or sharding_spec(tensor) in ("", "{replicated}"):
         return tensor
     # A new node (a clone would carry the sharding annotation, which mark_sharding refuses to change); adding a
