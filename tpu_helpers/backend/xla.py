@@ -294,10 +294,10 @@ class XlaBackend(SpmdSharding, Backend):
 
             def gathered(t: torch.Tensor) -> torch.Tensor:
                 size = t.numel() * t.element_size()
-                if size > left[0] or not self.sharding_spec(t) or self.sharding_spec(t) == "{replicated}":
-                    return t
-                left[0] -= size
-                return replicated_copy(t, self.mesh)
+                out = replicated_copy(t, self.mesh) if size <= left[0] else t
+                if out is not t:  # it was sharded: gathered, and counted against the budget
+                    left[0] -= size
+                return out
 
             obj = tree_map_tensors(gathered, obj)
         try:
