@@ -165,7 +165,9 @@ def test_a_qat_models_fake_quantizers_loop_and_keep_no_trace_behind(one_thread):
 def test_a_data_parallel_mesh_loops_the_decode_and_an_fsdp_one_steps_it():
     """On 8 devices (SPMD): a data mesh (replicated weights) runs the decode as one device loop and answers as the
     CPU does on every family, a third call compiling nothing; an fsdp mesh keeps the stepped decode (the loop's
-    program gathered every sharded weight whole before its While: the model whole on each chip), same tokens."""
+    program gathered every sharded weight whole before its While: the model whole on each chip), same tokens. On
+    both a call with fewer new tokens in the same cache compiles nothing: over fsdp the replayed steps, which capture
+    nothing over a mesh, were traced unsynced into one graph per call length (every call compiled 2 graphs)."""
     from tests.support import script_result
     from tpu_helpers.backend import runtime_env
 
@@ -176,3 +178,6 @@ def test_a_data_parallel_mesh_loops_the_decode_and_an_fsdp_one_steps_it():
         assert r["same_ids"] and r["logprob_diff"] < 1e-4, (family, r)
     assert all(r["looped"] and r["third_call_compiles"] == 0 and r["mesh"] == [8, 1] for r in data.values()), data
     assert not fsdp["llama3"]["looped"] and fsdp["llama3"]["mesh"] == [1, 8], fsdp
+    for family, r in {**data, "llama3 fsdp": fsdp["llama3"]}.items():
+        assert r["shorter_same_ids"] and r["shorter_call_compiles"] == 0, (family, r)
+    assert fsdp["llama3"]["third_call_compiles"] == 0, fsdp

@@ -1,8 +1,10 @@
 """Greedy generation with the backend's decode loop on an SPMD mesh (CPU_NUM_DEVICES=8, the caller's): for each
 family of the JSON argument's "families", the tokens and log-probabilities of three calls on the model placed for
 "sharding" with the prompts' rows split over the chips (as the loader lays out a batch), the CPU's for the same
-prompts, whether the decode ran as a device loop, and what a third call compiled (the first call makes the kept
-cache, the second resets it: each compiles its prefill). For tests/models/test_generation_loop.py.
+prompts, whether the decode ran as a device loop, what a third call compiled (the first call makes the kept
+cache, the second resets it: each compiles its prefill), and a fourth call's with fewer new tokens in the same cache
+(its tokens the first ones of the CPU's). The calls pass `replay` and `loop` as GRPO's rollouts do. For
+tests/models/test_generation_loop.py.
 
     python tests/scripts/mesh_generation.py '{"sharding": "data", "families": ["llama3"]}'
 """
@@ -41,14 +43,20 @@ def main() -> None:
         for _ in range(3):
             before = b.metrics()["compilations"]
             got = generate_ids(model, ids, mask, max_new_tokens=9, eos_token_id=None, pad_token_id=0, sync=b.sync,
-                               loop=make_loop)
+                               replay=b.compile_step, loop=make_loop)
             host = b.to_cpu({"ids": got.ids, "logprobs": got.logprobs})  # as GRPO reads its rollouts
             got_ids, got_lp = host["ids"], host["logprobs"]
             compiles.append(b.metrics()["compilations"] - before)
+        before = b.metrics()["compilations"]
+        short = generate_ids(model, ids, mask, max_new_tokens=5, eos_token_id=None, pad_token_id=0, sync=b.sync,
+                             replay=b.compile_step, loop=make_loop, cache_len=p.ids.shape[1] + 9)
+        short_ids = b.to_cpu({"ids": short.ids, "logprobs": short.logprobs})["ids"]  # the same read: no new gather
         out[family] = {"same_ids": torch.equal(got_ids, want.ids),
                        "logprob_diff": float((got_lp - want.logprobs).abs().max()),
                        "looped": bool(loops and loops[0] is not None and loops[0]._built),
-                       "third_call_compiles": compiles[2], "mesh": list(b.mesh_shape)}
+                       "third_call_compiles": compiles[2], "mesh": list(b.mesh_shape),
+                       "shorter_same_ids": torch.equal(short_ids[:, :5], want.ids[:, :5]),
+                       "shorter_call_compiles": b.metrics()["compilations"] - before}
     print_result(out)
 
 

@@ -110,11 +110,14 @@ def replayed_steps(replay: Callable, decode: Callable, model: torch.nn.Module, c
                    steps: int, sync: Callable[[], None], args: tuple) -> tuple:
     """`steps` calls of `decode` (models/generation.py's step) through `replay(decode)`, each replay a graph of its
     own (no sync). A model whose step cannot be captured whole (`ReplayUnsupported`: nothing ran) is warned about
-    once and traced lazily from then on."""
+    once and traced lazily from then on. Where `replay` captures nothing and gives `decode` back (an eager
+    backend; XLA over an SPMD mesh, `XlaBackend.compile_step`), the steps are `lazy_steps`, each cut by `sync`:
+    unsynced, a lazy backend traced all of a call's steps into one graph, as long as the call (an fsdp rollout's
+    decode, unrolled, compiled anew for each length and run twice: once for the tokens read, again for the rest)."""
     kept = _KEPT.setdefault(model, {})
-    if kept.get("lazy"):
-        return lazy_steps(decode, model, cache, st, fixed, steps, sync, args)
     step_fn = replay(decode)
+    if kept.get("lazy") or step_fn is decode:
+        return lazy_steps(decode, model, cache, st, fixed, steps, sync, args)
     try:
         with _no_input_grad_hook(model):
             st = step_fn(model, cache, st, fixed, *args)
