@@ -187,6 +187,7 @@ def test_strict_xla_grpo_on_an_eight_device_mesh_compiles_nothing_after_warm_up(
     assert out["replicas"] == 8 and out["problems"] == [], out
     assert len(out["losses"]) == 6 and all(math.isfinite(x) for x in out["losses"]), out
     assert out["looped"] == (["DeviceLoop"] if sharding == "data" else ["NoneType"]), out
+    assert out["device_ms"] > 0, out  # timed under ExecuteReplicatedTime over a mesh (it read 0)
 
 
 def test_bad_loss_settings_name_the_value():

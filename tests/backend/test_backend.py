@@ -201,7 +201,8 @@ def test_reading_sharded_tensors_on_a_mesh_compiles_once_not_every_read():
     """On 8 devices (SPMD), data and fsdp meshes: `to_cpu` of row-sharded outputs (int64 and bool), four times with
     new values: the values come back whole and in their dtypes, and only the first read compiles (torch_xla compiled a
     gather for every read of a sharded tensor: a GRPO rollout on a mesh recompiled each step). Past the gather budget
-    (0 here) reads are torch_xla's again: a compile every read."""
+    (0 here) reads are torch_xla's again: a compile every read. The graphs run are counted and timed (over a mesh
+    torch_xla times them under another name: the device time of a v5e-8's steps read 0)."""
     from tests.support import script_result
     from tpu_helpers.backend import runtime_env
 
@@ -211,6 +212,8 @@ def test_reading_sharded_tensors_on_a_mesh_compiles_once_not_every_read():
         assert out["spec"].startswith("{devices=["), (mesh, out)  # the tensors read really were sharded
         assert all(out["same"]), (mesh, out)
         assert out["compiles"][0] > 0 and out["compiles"][1:] == [0, 0, 0], (mesh, out)
+        # Each round's sync and read ran graphs, timed: over a mesh torch_xla times them apart from one device's.
+        assert out["executions"] == out["executions_in_metrics"] >= 8 and out["device_seconds"] > 0, (mesh, out)
     out = script_result("sharded_reads", {"mesh": [8, 1], "budget": 0}, env=env)
     assert all(out["same"]) and all(c > 0 for c in out["compiles"]), out
 

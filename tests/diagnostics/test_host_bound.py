@@ -4,17 +4,32 @@ far longer than it runs, and not on a wide shallow one, whose step runs longer t
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from tests.support import XLA_BACKEND, tiny_config
 from tpu_helpers.diagnostics.detector import host_bound
 from tpu_helpers.recipes.xla_demo import _logits_loss
+from tpu_helpers.training import step_timing
 from tpu_helpers.training.step_timing import StepTimer, format_timing
 from tpu_helpers.training.trainer import Trainer
 
 
-def test_the_timer_gives_device_time_per_steady_step_from_the_device_clock():
+def _wall_clock(monkeypatch, tick: float) -> None:
+    """The timer's wall clock, `tick` seconds further at each reading."""
+    now = [0.0]
+
+    def perf_counter() -> float:
+        now[0] += tick
+        return now[0]
+
+    monkeypatch.setattr(step_timing, "time", SimpleNamespace(perf_counter=perf_counter))
+
+
+def test_the_timer_gives_device_time_per_steady_step_from_the_device_clock(monkeypatch):
+    _wall_clock(monkeypatch, 1.0)  # far more wall time than the device's seconds: no cap
     clock = iter([10.0, 10.6, 11.0])  # read when the steady steps begin, at a tracker window, at the end
     timer = StepTimer(warmup_steps=1, device_clock=lambda: next(clock))
     for _ in range(5):
@@ -30,6 +45,22 @@ def test_the_timer_gives_device_time_per_steady_step_from_the_device_clock():
     blind.begin()
     blind.end()
     assert blind.summary(tokens_per_step=10, flops_per_token=None, peak_tflops=None, chips=1)["device_ms"] is None
+
+
+def test_device_time_is_at_most_the_wall_time_that_passed(monkeypatch):
+    # The runtime times each graph from its launch: graphs launched back to back (a replayed step's forward,
+    # backward and optimizer) each count the others' runs as their wait. XLA:CPU read 16 s of device per 4.2 s step.
+    _wall_clock(monkeypatch, 0.1)
+    clock = iter([0.0, 100.0, 200.0])
+    timer = StepTimer(warmup_steps=1, device_clock=lambda: next(clock))
+    for _ in range(5):
+        timer.begin()
+        timer.end()
+    window = timer.window(1)
+    summary = timer.summary(tokens_per_step=10, flops_per_token=None, peak_tflops=None, chips=1)
+    # A few 0.1 s readings of the wall clock per step, not the device clock's 25 s per step.
+    assert 0 < window["device"] < 500 and 0 < summary["device_ms"] < 500, (window, summary)
+    assert summary["device_ms"] > window["device"]  # the wall clock went on between the two readings
 
 
 def test_the_diagnosis_compares_host_and_device_time():

@@ -1,7 +1,7 @@
 """A GRPO run (the recipe, its tiny offline model with LoRA) on an 8-device SPMD mesh (CPU_NUM_DEVICES=8, the
 caller's) placed for the JSON argument's "sharding" (data, fsdp) with xla_checks="strict": a recompilation or an undeclared host read after the
-warm-up raises. Prints the rewards, losses, compilations, the detector's problems and whether the rollouts' decode
-ran as a device loop. For tests/algorithms/test_grpo.py."""
+warm-up raises. Prints the rewards, losses, compilations, the detector's problems, whether the rollouts' decode
+ran as a device loop, and the report's device time per step. For tests/algorithms/test_grpo.py."""
 
 import tempfile
 
@@ -19,4 +19,4 @@ report = job.train()
 print_result({"losses": [r["loss"] for r in job.history.train], "rewards": [r["reward"] for r in job.history.train],
               "compilations": report.xla["compilations"], "problems": report.xla["problems"],
               "looped": [type(kept.get("loop")).__name__ for kept in replay._KEPT.values()],
-              "replicas": b.num_replicas})
+              "replicas": b.num_replicas, "device_ms": report.timing["device_ms"]})

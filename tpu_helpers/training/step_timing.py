@@ -12,7 +12,9 @@
 - device (XLA): the device's busy time per steady step, from the runtime's execution time
   (`backend.device_seconds()`, read when the steady steps begin, at tracker windows and at the end, never per
   step; a graph queued behind the previous one counts its wait too, so it overstates the device when the device
-  bounds the loop, and is exact when the host does). Beside host it tells who bounds the step:
+  bounds the loop, and is exact when the host does and each step is one graph; a replayed step, several graphs
+  launched back to back, queues within the step: XLA:CPU read 16 s of device per 4.2 s step, so the figure is
+  capped at the wall time that passed). Beside host it tells who bounds the step:
   `diagnostics.detector.host_bound(timing)` says so when tracing takes longer than the device runs (a deep narrow
   model on a fast chip), with what to do.
 
@@ -58,10 +60,11 @@ class StepTimer:
         self._begin = self._synced = 0.0
         self._sync = 0.0
         # The device's busy seconds so far (`backend.device_seconds`), read when the steady steps begin, at each
-        # tracker window and at the end only: (steps timed, seconds) at the steady start and at the last window.
+        # tracker window and at the end only: (steps timed, device seconds, wall clock) at the steady start and at
+        # the last window.
         self._device_clock = device_clock
-        self._steady_mark: tuple[int, float] | None = None
-        self._window_mark: tuple[int, float] | None = None
+        self._steady_mark: tuple[int, float, float] | None = None
+        self._window_mark: tuple[int, float, float] | None = None
 
     def wrap(self, batches: Iterator) -> Iterator:
         """Yield from `batches`, adding the time spent waiting for each batch to the current step."""
@@ -81,7 +84,7 @@ class StepTimer:
         if self._steady_mark is None and len(self.steps) == self.warmup_steps:
             now = self._device_now()
             if now is not None:
-                self._steady_mark = self._window_mark = (len(self.steps), now)
+                self._steady_mark = self._window_mark = (len(self.steps), now, time.perf_counter())
         self._begin, self._wait, self._sync = time.perf_counter(), 0.0, 0.0
         self._synced = self._begin
 
@@ -108,10 +111,7 @@ class StepTimer:
         mfu = None
         if flops_per_token and peak_tflops and tokens_per_s:
             mfu = tokens_per_s * flops_per_token / (peak_tflops * 1e12 * chips)
-        device_ms = None
-        now = self._device_now() if self._steady_mark is not None else None
-        if now is not None and len(self.steps) > self._steady_mark[0]:
-            device_ms = (now - self._steady_mark[1]) / (len(self.steps) - self._steady_mark[0]) * 1e3
+        device_ms, _ = self._device_ms_since(self._steady_mark)
         return {
             "device_ms": device_ms,  # the device's busy time per steady step (XLA), None where not known
             "steps_timed": len(self.steps),
@@ -134,11 +134,21 @@ class StepTimer:
         split = {p: median(s[i] for s in steps) * 1e3 for i, p in enumerate(PARTS)}
         out = {**split, "step": sum(s[0] + s[1] + s[2] for s in steps) / len(steps) * 1e3}
         # The device's busy time per step since the last window (steady steps only: warm-up compiles).
-        now = self._device_now() if self._window_mark is not None else None
-        if now is not None and len(self.steps) > self._window_mark[0]:
-            out["device"] = (now - self._window_mark[1]) / (len(self.steps) - self._window_mark[0]) * 1e3
-            self._window_mark = (len(self.steps), now)
+        device_ms, now = self._device_ms_since(self._window_mark)
+        if device_ms is not None:
+            out["device"] = device_ms
+            self._window_mark = (len(self.steps), now, time.perf_counter())
         return out
+
+    def _device_ms_since(self, mark: tuple[int, float, float] | None) -> tuple[float | None, float | None]:
+        """(The device's busy ms per step timed since `mark`, the device clock read): at most the wall time that
+        passed, as the runtime times each graph from its launch, so graphs queued behind each other (a replayed
+        step's) count their waits too."""
+        now = self._device_now() if mark is not None else None
+        if now is None or len(self.steps) <= mark[0]:
+            return None, now
+        busy = min(now - mark[1], time.perf_counter() - mark[2])
+        return busy / (len(self.steps) - mark[0]) * 1e3, now
 
     def fill_report(self, report: Any, *, tokens_per_step: int, mfu: tuple[float | None, float | None, int]) -> None:
         """Put the summary into `report.timing` and `report.mfu`; `mfu` is what `mfu_inputs` returns."""
