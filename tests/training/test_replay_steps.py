@@ -1,7 +1,8 @@
 """TrainConfig.replay_steps on XLA:CPU: the step's loss (forward, and so its backward) and AdamW's step captured once
 by dynamo (openxla) and replayed instead of traced every step; the same losses as the lazily traced loop to 1e-6 over
 5 steps with gradient accumulation, and no compile after warm-up (strict). The package's GPT under the base Trainer,
-a tiny Hugging Face model with LoRA under the SFT trainer and under live distillation, GRPO's update, DPO and ORPO;
+a tiny Hugging Face model with LoRA under the SFT trainer and under live distillation, GRPO's update, DPO and ORPO,
+the fine-tune recipe's QLoRA and QAT from the notebook's REPLAY_STEPS;
 the replayed AdamW step against torch's; a replayed run killed and resumed; trainers without a replay say so."""
 
 from __future__ import annotations
@@ -127,6 +128,28 @@ def test_preference_tuning_replays_its_policy_forward_with_the_lazy_losses(tmp_p
                                val_fraction=0.2, lora_r=4, algorithm=algorithm, method=method, xla_checks="strict",
                                out_dir=str(tmp_path / f"pref-{replay}"), replay_steps=replay)
         return Preference(cfg, backend=XLA_BACKEND, progress=False).trainer
+
+    _same_losses(make)
+
+
+@pytest.mark.parametrize("frozen", [{"QUANTIZE_BASE": "nf4", "QUANTIZE_GROUP_SIZE": 32}, {"QAT": "int4"}],
+                         ids=["qlora-nf4", "qat-int4"])
+def test_the_finetune_notebooks_replay_steps_switch_replays_a_4bit_base_with_the_lazy_losses(tmp_path, one_thread,
+                                                                                           frozen):
+    # The notebook's parameters as papermill gives them (REPLAY_STEPS among them), the recipe's LoRA over a 4-bit
+    # frozen base (QLoRA: the dequantizing linear in the capture) or fake-quantized weights (QAT).
+    from tpu_helpers.config import config_from_parameters
+    from tpu_helpers.recipes.finetune import Finetune, FinetuneConfig
+
+    def make(replay):
+        torch.manual_seed(0)
+        cfg = config_from_parameters({"REPLAY_STEPS": replay, "DEVICE": "xla", "STEPS": 5, "BATCH_SIZE": 2,
+                                      "GRAD_ACCUM": 2, "SEQ_LEN": 32, "LR": 3e-3, "WARMUP_STEPS": 1,
+                                      "EVAL_EVERY": 100, "SAVE_EVERY": 100, "LORA_TARGETS": "q_proj,v_proj",
+                                      "OUT_DIR": str(tmp_path / f"ft-{replay}"), **frozen},
+                                     base=FinetuneConfig(log_every=1, max_records=64, xla_checks="strict"))
+        assert cfg.replay_steps is replay
+        return Finetune(cfg, backend=XLA_BACKEND, progress=False).trainer
 
     _same_losses(make)
 
