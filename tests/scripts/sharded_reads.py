@@ -27,7 +27,7 @@ for i in range(4):
     read = b.to_cpu(dev)
     compiles.append(b.metrics()["compilations"] - before)
     same.append(all(torch.equal(read[k], host[k]) and read[k].dtype == host[k].dtype for k in host))
-xm.wait_device_ops()  # a run is counted at its launch and timed when it ends
+xm.wait_device_ops()  # runs are counted and timed as they finish, asynchronously
 runs = (b.step_metrics()["executions"], b.metrics()["executions"], b.device_seconds())
 print_result({"compiles": compiles, "same": same, "spec": b.sharding_spec(dev["ids"]),
               "executions": runs[0] - counted[0], "executions_in_metrics": runs[1] - counted[1],

@@ -136,18 +136,27 @@ def test_preference_tuning_replays_its_policy_forward_with_the_lazy_losses(tmp_p
                          ids=["qlora-nf4", "qat-int4"])
 def test_the_finetune_notebooks_replay_steps_switch_replays_a_4bit_base_with_the_lazy_losses(tmp_path, one_thread,
                                                                                            frozen):
-    # The notebook's parameters as papermill gives them (REPLAY_STEPS among them), the recipe's LoRA over a 4-bit
-    # frozen base (QLoRA: the dequantizing linear in the capture) or fake-quantized weights (QAT).
+    # The notebook's parameters cell (REPLAY_STEPS among them, off), then what papermill would inject; the recipe's
+    # LoRA over a 4-bit frozen base (QLoRA: the dequantizing linear in the capture) or fake-quantized weights (QAT).
+    import json
+    from pathlib import Path
+
     from tpu_helpers.config import config_from_parameters
     from tpu_helpers.recipes.finetune import Finetune, FinetuneConfig
 
+    cells = json.loads((Path(__file__).parents[2] / "notebooks" / "finetune_llm.ipynb").read_text())["cells"]
+    cell = next(c for c in cells if "parameters" in c["metadata"].get("tags", []))
+    notebook: dict = {}
+    exec("".join(cell["source"]), notebook)
+    assert notebook["REPLAY_STEPS"] is False
+
     def make(replay):
         torch.manual_seed(0)
-        cfg = config_from_parameters({"REPLAY_STEPS": replay, "DEVICE": "xla", "STEPS": 5, "BATCH_SIZE": 2,
-                                      "GRAD_ACCUM": 2, "SEQ_LEN": 32, "LR": 3e-3, "WARMUP_STEPS": 1,
-                                      "EVAL_EVERY": 100, "SAVE_EVERY": 100, "LORA_TARGETS": "q_proj,v_proj",
-                                      "OUT_DIR": str(tmp_path / f"ft-{replay}"), **frozen},
-                                     base=FinetuneConfig(log_every=1, max_records=64, xla_checks="strict"))
+        params = {**notebook, "REPLAY_STEPS": replay, "DEVICE": "xla", "STEPS": 5, "BATCH_SIZE": 2, "GRAD_ACCUM": 2,
+                  "SEQ_LEN": 32, "LR": 3e-3, "WARMUP_STEPS": 1, "EVAL_EVERY": 100, "SAVE_EVERY": 100,
+                  "LORA_TARGETS": "q_proj,v_proj", "INSTALL": False, "OUT_DIR": str(tmp_path / f"ft-{replay}"),
+                  **frozen}
+        cfg = config_from_parameters(params, base=FinetuneConfig(log_every=1, max_records=64, xla_checks="strict"))
         assert cfg.replay_steps is replay
         return Finetune(cfg, backend=XLA_BACKEND, progress=False).trainer
 

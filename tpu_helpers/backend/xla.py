@@ -340,13 +340,12 @@ class XlaBackend(SpmdSharding, Backend):
         return xla_metrics()
 
     def step_metrics(self) -> dict:
-        # Not metrics(): its ExecuteTime read copies that metric's last 1024 samples (one per step) into Python
-        # lists, and listing every counter to find the fallbacks costs as much again (together about 0.6 ms of
-        # host time per step, measured on XLA:CPU, where a small model's whole step traces in 16 ms).
-        # "executions" from the counters, not ExecuteTime's count (the same number, without the sample copy).
-        executions = sum(int(met.counter_value(name) or 0) for name in EXECUTE_COUNTERS)
+        # Only what the detector compares, read cheaply: executions from the executor's counters, not from the
+        # ExecuteTime metric, whose read copies its last 1024 samples (one per step) into Python lists (with the
+        # full metrics' other reads, about 0.6 ms of host time per step on XLA:CPU, where a small model's whole step
+        # traces in 16 ms).
         return {"compilations": _count("CompileTime"), "device_to_host_transfers": _count("TransferFromDeviceTime"),
-                "executions": executions, "cpu_fallback_ops": _fallback_ops()}
+                "executions": _executions(), "cpu_fallback_ops": _fallback_ops()}
 
     def run_metrics(self) -> dict:
         return {**xla_metrics(), "compile_cache_dir": self.compile_cache_dir}
@@ -355,12 +354,13 @@ class XlaBackend(SpmdSharding, Backend):
         met.clear_all()
 
     def device_seconds(self) -> float | None:
-        # ExecuteTime's total: the time from each graph's launch to its outputs being ready, summed (measured on
-        # XLA:CPU: it equals the wait after an asynchronous sync). A graph launched while the previous one still
-        # runs counts its time in the queue too, so when the device bounds the loop this overstates the device's
-        # share (never when the host bounds it, the case the host-bound advice is about). Its sample list comes
-        # with it: read it at log steps and at the end, not every step. Under SPMD a graph runs through
-        # ExecuteReplicated, timed apart (ExecuteTime stayed empty: a v5e-8's runs reported 0 s on the device).
+        # The execution time metrics' totals (EXECUTE_METRICS: under SPMD a graph runs through ExecuteReplicated,
+        # timed apart; ExecuteTime alone read 0 s on a v5e-8): the time from each graph's launch to its outputs
+        # being ready, summed (measured on XLA:CPU: it equals the wait after an asynchronous sync). A graph launched
+        # while another still runs counts its time in the queue too: it overstates the device when the device
+        # bounds the loop, and when a step is several graphs launched back to back (a replayed step's), which is
+        # why StepTimer caps it at the wall time that passed; it is exact for one graph per step when the host
+        # bounds it. Its sample lists come with it: read it at log steps and at the end, not every step.
         return sum(float(data[1]) / 1e9 for data in map(met.metric_data, EXECUTE_METRICS) if data)
 
     def status(self) -> str:
@@ -412,18 +412,24 @@ EXECUTE_METRICS = ("ExecuteTime", "ExecuteReplicatedTime")
 EXECUTE_COUNTERS = ("ExecuteComputation", "ExecuteReplicated")
 
 
+def _executions() -> int:
+    """The graphs torch_xla's graph executor ran (the lazily traced ones), from its counters: the timing metrics
+    count more (dynamo's replays and torch_xla's own gathers of sharded reads are timed, not counted) but come
+    with their sample lists, too costly to read after every step."""
+    return sum(int(met.counter_value(name) or 0) for name in EXECUTE_COUNTERS)
+
+
 def xla_metrics() -> dict:
     """The counters that tell whether a loop is XLA-clean: compilations, host transfers, CPU fallbacks."""
     compile_data = met.metric_data("CompileTime")
     transfer_data = met.metric_data("TransferFromDeviceTime")
-    executions = sum(int(data[0]) for data in map(met.metric_data, EXECUTE_METRICS) if data)
     return {
         "compilations": int(compile_data[0]) if compile_data else 0,
         "compile_seconds": float(compile_data[1]) / 1e9 if compile_data else 0.0,
         "uncached_compiles": int(met.counter_value("UncachedCompile") or 0),
         "cached_compiles": int(met.counter_value("CachedCompile") or 0),
         "device_to_host_transfers": int(transfer_data[0]) if transfer_data else 0,
-        "executions": executions,  # graphs run (one per step is the goal)
+        "executions": _executions(),  # lazy graphs run (one per step is the goal)
         "cpu_fallback_ops": _fallback_ops(),
         "persistent_cache_hits": int(met.counter_value("PersistentCacheHit") or 0),
         "persistent_cache_misses": int(met.counter_value("PersistentCacheMiss") or 0),
