@@ -28,15 +28,22 @@ def _wall_clock(monkeypatch, tick: float) -> None:
     monkeypatch.setattr(step_timing, "time", SimpleNamespace(perf_counter=perf_counter))
 
 
-def test_the_timer_gives_device_time_per_steady_step_from_the_device_clock(monkeypatch):
-    _wall_clock(monkeypatch, 1.0)  # far more wall time than the device's seconds: no cap
-    clock = iter([10.0, 10.6, 11.0])  # read when the steady steps begin, at a tracker window, at the end
+def _five_steps(monkeypatch, tick: float, device_readings: list[float]) -> tuple[dict, dict]:
+    """A tracker window and the summary of 5 steps (1 of warm-up) timed by a wall clock of `tick` seconds a reading
+    and a device clock read when the steady steps begin, at the window and at the end."""
+    _wall_clock(monkeypatch, tick)
+    clock = iter(device_readings)
     timer = StepTimer(warmup_steps=1, device_clock=lambda: next(clock))
     for _ in range(5):
         timer.begin()
         timer.end()
     window = timer.window(1)
-    summary = timer.summary(tokens_per_step=10, flops_per_token=None, peak_tflops=None, chips=1)
+    return window, timer.summary(tokens_per_step=10, flops_per_token=None, peak_tflops=None, chips=1)
+
+
+def test_the_timer_gives_device_time_per_steady_step_from_the_device_clock(monkeypatch):
+    # Far more wall time than the device's seconds: no cap.
+    window, summary = _five_steps(monkeypatch, 1.0, [10.0, 10.6, 11.0])
     assert window["device"] == pytest.approx(150.0)  # 0.6 s over the 4 steady steps
     assert summary["device_ms"] == pytest.approx(250.0)  # 1.0 s over the same 4
     assert "device 250.0 ms per step" in format_timing(summary)
@@ -50,14 +57,7 @@ def test_the_timer_gives_device_time_per_steady_step_from_the_device_clock(monke
 def test_device_time_is_at_most_the_wall_time_that_passed(monkeypatch):
     # The runtime times each graph from its launch: graphs launched back to back (a replayed step's forward,
     # backward and optimizer) each count the others' runs as their wait. XLA:CPU read 16 s of device per 4.2 s step.
-    _wall_clock(monkeypatch, 0.1)
-    clock = iter([0.0, 100.0, 200.0])
-    timer = StepTimer(warmup_steps=1, device_clock=lambda: next(clock))
-    for _ in range(5):
-        timer.begin()
-        timer.end()
-    window = timer.window(1)
-    summary = timer.summary(tokens_per_step=10, flops_per_token=None, peak_tflops=None, chips=1)
+    window, summary = _five_steps(monkeypatch, 0.1, [0.0, 100.0, 200.0])
     # A few 0.1 s readings of the wall clock per step, not the device clock's 25 s per step.
     assert 0 < window["device"] < 500 and 0 < summary["device_ms"] < 500, (window, summary)
     assert summary["device_ms"] > window["device"]  # the wall clock went on between the two readings
