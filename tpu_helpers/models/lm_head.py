@@ -21,6 +21,12 @@ autograd reaches through the module's own forward; and on XLA the checkpoint is 
 optimization barrier on the recomputation's inputs, so XLA's common-subexpression pass cannot merge the backward's
 logits with the forward's (a hand-written recomputation is exactly such a duplicate, and the saving would silently
 vanish in the compiled graph). It is all ordinary lazy ops: one graph per step (tests/algorithms/test_chunked.py).
+Measured on SmolLM2's 4-layer LoRA step (XLA:CPU, 2,304 tokens in 1,024-token chunks), the lazily traced graph holds
+6 vocabulary-sized matmuls (each chunk's forward and input gradient: no second matmul for the recomputation) and the
+chunks still lower its compiled peak, 1.81 GiB against 2.21 unchunked: a chunk's backward needs only the loss's
+constant gradient, so it can run right after that chunk's forward. Under `replay_steps` the backward is a captured
+graph of its own and recomputes each chunk's logits (9 such matmuls; 10% more of the step's matmul FLOPs at 30
+layers, a third more at 4).
 
 The head as the family computes it: `lm_head(h)`, then Gemma 2/3's final-logit soft-capping (cap * tanh(z / cap)),
 tied embeddings included (the head module is the embedding's weight either way). Families are taken by model_type
