@@ -290,13 +290,14 @@ class XlaBackend(SpmdSharding, Backend):
         # up to READ_GATHER_BYTES a read: a whole checkpoint's sharded weights gathered so in one graph would be the
         # whole model on every chip at once; past the budget torch_xla's own read gathers one tensor at a time.
         if self.mesh is not None:
-            left = [READ_GATHER_BYTES]
+            left = READ_GATHER_BYTES
 
             def gathered(t: torch.Tensor) -> torch.Tensor:
+                nonlocal left
                 size = t.numel() * t.element_size()
-                out = replicated_copy(t, self.mesh) if size <= left[0] else t
+                out = replicated_copy(t, self.mesh) if size <= left else t
                 if out is not t:  # it was sharded: gathered, and counted against the budget
-                    left[0] -= size
+                    left -= size
                 return out
 
             obj = tree_map_tensors(gathered, obj)

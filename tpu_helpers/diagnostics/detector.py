@@ -231,8 +231,8 @@ def host_bound(timing: dict) -> str | None:
             f"chip idles {1 - device_ms / host_ms:.0%} of each step while Python traces it. Tracing costs per op, "
             "not per FLOP (a deep narrow model is the worst case): give each trace more work, a larger batch_size or "
             "seq_len (the same trace, more device time), or replay_steps=True (REPLAY_STEPS in the notebooks: "
-            "each step traced once and replayed); generation replays its prompt pass and loops its decode steps on the device "
-            "(generate_ids(replay=backend.compile_step, loop=backend.compile_loop)).")
+            "each step traced once and replayed); generation replays its prompt pass and loops its decode steps on "
+            "the device (generate_ids(replay=backend.compile_step, loop=backend.compile_loop)).")
 
 
 
