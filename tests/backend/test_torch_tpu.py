@@ -87,9 +87,12 @@ def test_the_pair_to_install_is_the_newest_torch_xla_for_a_newer_torch():
     assert pair_version(None) == "2.9.0"
 
 
-def _calls(tmp_path: Path, metadata: str, sysfs: Path, calls: list) -> list[dict]:
-    site = fake_torch_tpu(tmp_path / "site", metadata)
-    out = script_result("backend_in_a_process", {"case": "torch_tpu", "sysfs": str(sysfs), "torch": "2.11.0",
+def _calls(tmp_path: Path, metadata: str | None, sysfs: Path, calls: list, torch: str = "2.11.0") -> list[dict]:
+    """What get_backend did for each of `calls` in a process without torch_xla, on the host `sysfs` records, with a
+    stand-in torch_tpu of `metadata` on the path (None: no torch_tpu at all) and torch claiming `torch`."""
+    site = fake_torch_tpu(tmp_path / "site", metadata) if metadata is not None else tmp_path / "site"
+    site.mkdir(parents=True, exist_ok=True)
+    out = script_result("backend_in_a_process", {"case": "torch_tpu", "sysfs": str(sysfs), "torch": torch,
                                                  "calls": calls},
                         env={"PYTHONPATH": f"{Path(__file__).resolve().parents[2]}:{site}"})
     assert out["imported_torch_tpu"] is False
@@ -135,3 +138,23 @@ def test_sophgos_torch_tpu_is_named_as_sophgos_and_without_chips_auto_stays_quie
                        [["auto", False], ["tpu", False]])
     assert auto == {"backend": "cpu", "warnings": []}
     assert tpu["error"].startswith("device='tpu' cannot be used: no TPU chips are attached")
+
+
+@pytest.mark.slow
+def test_a_tpu_host_with_neither_torch_xla_nor_torch_tpu_warns_on_auto_and_a_host_without_chips_does_not(tmp_path):
+    # The chips are there, nothing can drive them: "auto" says so before it trains on the CPU.
+    auto, tpu = _calls(tmp_path / "chips", None, v6e_1(tmp_path / "sys"), [["auto", False], ["tpu", False]],
+                       torch="2.9.0")
+    assert auto["backend"] == "cpu" and len(auto["warnings"]) == 1
+    assert auto["warnings"][0] == (
+        "device='auto': 1 TPU chip(s) are attached but cannot be used: torch_xla is not installed; install the "
+        f"torch_xla that matches torch 2.9.0: {PAIR_LINE} (see requirements-tpuvm.txt / requirements-colab.txt). "
+        "Running on 'cpu' instead.")
+    assert tpu["error"].startswith("device='tpu' cannot be used: torch_xla is not installed; install the torch_xla")
+    # A newer torch: the same warning, with the pair that exists, in an environment of its own.
+    (auto,) = _calls(tmp_path / "newer", None, v6e_1(tmp_path / "sys2"), [["auto", False]])
+    assert len(auto["warnings"]) == 1 and "no torch_xla release matches torch 2.11.0" in auto["warnings"][0]
+    assert PAIR_LINE in auto["warnings"][0] and auto["warnings"][0].endswith("Running on 'cpu' instead.")
+    # No chips (a GPU VM): "auto" runs on the CPU without a word, as it always did.
+    (auto,) = _calls(tmp_path / "gce", None, gce_gpu_vm(tmp_path / "gce_sys"), [["auto", False]], torch="2.9.0")
+    assert auto == {"backend": "cpu", "warnings": []}

@@ -5,7 +5,7 @@
     python tests/scripts/backend_in_a_process.py '{"case": "mismatch"}'     # torch claims 2.8.0, torch_xla fails
 
 The last two install a fault before the package is imported (hence a process of their own) and print the
-BackendUnavailable message. And, with a stand-in `torch_tpu` on PYTHONPATH:
+BackendUnavailable message. And, with a stand-in `torch_tpu` on PYTHONPATH (or none):
 
     python tests/scripts/backend_in_a_process.py '{"case": "torch_tpu", "sysfs": "/tmp/v6e", "torch": "2.11.0",
                                                    "calls": [["tpu", false], ["tpu", true], ["auto", false]]}'

@@ -7,7 +7,8 @@
 
 Device names:
 - "auto": a TPU if torch_xla is installed and TPU chips are attached, else a CUDA GPU, else the CPU (with a warning
-  where TPU chips are attached and a `torch_tpu` is installed instead of torch_xla: see `backend.torch_tpu`);
+  where TPU chips are attached but torch_xla is not installed, naming a `torch_tpu` installed instead: see
+  `backend.torch_tpu`);
 - "tpu": a TPU through torch_xla, or an error that says what is missing (or, with fallback=True, a warning and
   the next best device, the behaviour some TPU guides rely on);
 - "cuda", "cpu": those devices;
@@ -232,8 +233,9 @@ def get_backend(
                                      "best device instead, or device='auto'.")
         if device == "tpu":
             warn_fallback("tpu", problem, "cuda" if torch.cuda.is_available() else "cpu")
-        elif tpu_chip_count() and torch_xla_version() is None and torch_tpu.installed() is not None:
-            # A TPU host with TorchTPU (or another torch_tpu) instead of torch_xla: the user meant the TPU.
+        elif tpu_chip_count() and torch_xla_version() is None:
+            # A TPU host without torch_xla (with TorchTPU or another torch_tpu instead, or nothing): the user meant
+            # the TPU, so the CPU/GPU is not chosen without a word. Without chips "auto" stays quiet.
             warnings.warn(f"device='auto': {tpu_chip_count()} TPU chip(s) are attached but cannot be used: {problem}. "
                           f"Running on {'cuda' if torch.cuda.is_available() else 'cpu'!r} instead.", stacklevel=2)
     if device in ("auto", "tpu", "cuda"):
