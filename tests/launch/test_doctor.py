@@ -197,3 +197,10 @@ def test_ipywidgets_7_under_ipykernel_7_is_flagged_with_its_fix(tmp_path):
     ok = _host(tmp_path / "second", gce_gpu_vm(tmp_path / "sys2"), platform="colab",
                versions={"torch_xla": None, "libtpu": None, "ipykernel": "6.31.0"})
     assert _by_name(doctor(ok))["ipywidgets"].status == INFO
+
+
+def test_a_missing_libtpu_beside_a_torch_newer_than_any_torch_xla_gets_a_torch_xla_that_exists(tmp_path):
+    host = _host(tmp_path, v6e_1(tmp_path / "sys"), versions={"torch": "2.11.0", "torch_xla": None, "libtpu": None},
+                 platform="local", find_torch_tpu=lambda: None)
+    check = _by_name(doctor(host))["libtpu"]
+    assert check.status == FAIL and check.fix == "pip install 'torch_xla[tpu]==2.9.0'"  # no torch_xla 2.11 exists

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from tpu_helpers.backend import runtime_env, torch_tpu, tpu_host
+from tpu_helpers.backend import NEWEST_TORCH_XLA, pair_version, runtime_env, torch_tpu, tpu_host
 from tpu_helpers.extras import EXTRAS
 from tpu_helpers.launch import platform, stacks
 
@@ -85,8 +85,6 @@ def _pair(host: Host, chips: int) -> list[Check]:
     elif pair.torch and not pair.torch_xla and not chips:
         out = [Check("torch/torch_xla", INFO, f"torch {pair.torch}; torch_xla not installed (needed for TPUs only)")]
     else:
-        from tpu_helpers.backend import pair_version
-
         base = pair_version(pair.torch)
         apart = "" if base == (pair.torch or base).split("+")[0] else \
             f"  (in an environment of its own: no torch_xla release matches torch {pair.torch})"
@@ -96,7 +94,7 @@ def _pair(host: Host, chips: int) -> list[Check]:
     if libtpu:
         out.append(Check("libtpu", OK if chips else INFO, libtpu))
     elif chips:
-        base = (pair.torch_xla or pair.torch or "2.9.0").split("+")[0]
+        base = (pair.torch_xla or pair_version(pair.torch)).split("+")[0]
         out.append(Check("libtpu", FAIL, "not installed: torch_xla cannot reach the TPU chips",
                          f"pip install 'torch_xla[tpu]=={base}'"))
     else:
@@ -194,8 +192,7 @@ def _torch_tpu(host: Host) -> Check:
         return Check(torch_tpu.NAME, SKIP, "not installed")
     detail = f"{found.describe()}: {found.support()}"
     if found.is_google:
-        from tpu_helpers.backend import NEWEST_TORCH_XLA as v
-
+        v = NEWEST_TORCH_XLA
         detail += f"; TPUs run on the torch {v} + torch_xla {v} pair, in an environment of its own"
     return Check(torch_tpu.NAME, INFO, detail)
 
