@@ -204,3 +204,27 @@ def test_a_missing_libtpu_beside_a_torch_newer_than_any_torch_xla_gets_a_torch_x
                  platform="local", find_torch_tpu=lambda: None)
     check = _by_name(doctor(host))["libtpu"]
     assert check.status == FAIL and check.fix == "pip install 'torch_xla[tpu]==2.9.0'"  # no torch_xla 2.11 exists
+
+
+def test_libtpu_beside_torchtpu_and_no_torch_xla_is_named_as_torchtpus_not_ok(tmp_path):
+    # TorchTPU brings its own libtpu (0.0.50): nothing here runs on it, so it is no "ok" for this package's TPU.
+    site = fake_torch_tpu(tmp_path / "google", GOOGLE_METADATA)
+    host = _host(tmp_path, v6e_1(tmp_path / "sys"), versions={"torch": "2.11.0", "torch_xla": None, "libtpu": "0.0.50"},
+                 platform="local", find_torch_tpu=lambda: torch_tpu.installed([str(site)]))
+    check = _by_name(doctor(host))["libtpu"]
+    assert (check.status, check.detail) == (INFO, "0.0.50, TorchTPU's (torch_xla 2.9.0 pairs with libtpu 0.0.21)")
+    # With torch_xla beside it, the libtpu is torch_xla's and judged as before.
+    (tmp_path / "x").mkdir()
+    host = _host(tmp_path / "x", v6e_1(tmp_path / "sys2"), platform="local",
+                 find_torch_tpu=lambda: torch_tpu.installed([str(site)]))
+    assert _by_name(doctor(host))["libtpu"].status == OK
+
+
+def test_the_libtpu_of_the_newest_torch_xla_is_what_its_tpu_extra_requires():
+    import importlib.metadata
+
+    from tpu_helpers.backend import NEWEST_TORCH_XLA, NEWEST_TORCH_XLA_LIBTPU
+
+    assert importlib.metadata.version("torch_xla").split("+")[0] == NEWEST_TORCH_XLA  # the dev venv's
+    wanted = [r for r in importlib.metadata.requires("torch_xla") if r.startswith("libtpu") and 'extra == "tpu"' in r]
+    assert wanted == [f'libtpu=={NEWEST_TORCH_XLA_LIBTPU}; extra == "tpu"']

@@ -36,8 +36,8 @@ from tpu_helpers.backend import runtime_env, torch_tpu, tpu_host
 from tpu_helpers.backend.base import Backend, BackendUnavailable, warn_fallback
 from tpu_helpers.choices import DEVICES
 
-__all__ = ["DEFAULT_COMPILE_CACHE", "DEVICES", "NEWEST_TORCH_XLA", "Backend", "BackendUnavailable", "active_compile_cache",
-           "backend_for", "get_backend", "pair_version", "resolve_compile_cache", "started_xla_backend",
+__all__ = ["DEFAULT_COMPILE_CACHE", "DEVICES", "NEWEST_TORCH_XLA", "NEWEST_TORCH_XLA_LIBTPU", "Backend",
+           "BackendUnavailable", "active_compile_cache", "backend_for", "get_backend", "pair_version", "resolve_compile_cache", "started_xla_backend",
            "tpu_chip_count", "xla_module"]
 
 _XLA_BACKEND = None  # the XLA runtime is per process: build its backend once and hand the same one out
@@ -89,6 +89,7 @@ def tpu_chip_count() -> int:
 # The newest torch_xla release. torch_xla is released for the torch of its own version only, so a newer torch (what
 # TorchTPU needs, or Colab's GPU runtime ships) has no torch_xla to pair with.
 NEWEST_TORCH_XLA = "2.9.0"
+NEWEST_TORCH_XLA_LIBTPU = "0.0.21"  # the libtpu its `tpu` extra requires (TorchTPU brings a newer one of its own)
 
 
 def _release(version: str) -> tuple[int, ...]:

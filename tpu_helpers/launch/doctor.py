@@ -20,7 +20,14 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from tpu_helpers.backend import NEWEST_TORCH_XLA, pair_version, runtime_env, torch_tpu, tpu_host
+from tpu_helpers.backend import (
+    NEWEST_TORCH_XLA,
+    NEWEST_TORCH_XLA_LIBTPU,
+    pair_version,
+    runtime_env,
+    torch_tpu,
+    tpu_host,
+)
 from tpu_helpers.extras import EXTRAS
 from tpu_helpers.launch import platform, stacks
 
@@ -91,7 +98,11 @@ def _pair(host: Host, chips: int) -> list[Check]:
         out = [Check("torch/torch_xla", FAIL, f"torch {pair.torch or 'missing'}, torch_xla {pair.torch_xla or 'missing'}"
                      " (they must be the same version)", f"pip install 'torch=={base}' 'torch_xla[tpu]=={base}'{apart}")]
     libtpu = host.version("libtpu") or host.version("libtpu-nightly")
-    if libtpu:
+    if libtpu and not pair.torch_xla and (found := host.find_torch_tpu()) is not None and found.is_google:
+        # TorchTPU's own libtpu: nothing of this package runs on it, so no "ok" for the TPU.
+        out.append(Check("libtpu", INFO, f"{libtpu}, {torch_tpu.NAME}'s (torch_xla {NEWEST_TORCH_XLA} pairs with "
+                                         f"libtpu {NEWEST_TORCH_XLA_LIBTPU})"))
+    elif libtpu:
         out.append(Check("libtpu", OK if chips else INFO, libtpu))
     elif chips:
         base = (pair.torch_xla or pair_version(pair.torch)).split("+")[0]
