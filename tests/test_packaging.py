@@ -123,3 +123,13 @@ def test_the_doctors_stack_profiles_are_the_stack_venvs_pins(name):
     for dist, version in {"torch": profile.torch, "torch_xla": profile.torch, **profile.packages}.items():
         assert stacks._matches(locked[_canonical(dist)].split("==")[1], version), (dist, locked[_canonical(dist)])
     assert profile.python == stack.lock.python
+
+
+def test_the_recommended_pair_is_the_backends_newest_torch_xla_and_a_tested_one():
+    from tpu_helpers.backend import NEWEST_TORCH_XLA
+
+    # One concept, one place: the pair a fix installs is the backend's newest torch_xla itself, not a copy of its
+    # number that could drift from it.
+    assert stacks.RECOMMENDED is NEWEST_TORCH_XLA
+    assert stacks.RECOMMENDED in stacks.TESTED_PAIRS
+    assert stacks.PAIR_FIX == f"pip install 'torch=={NEWEST_TORCH_XLA}' 'torch_xla[tpu]=={NEWEST_TORCH_XLA}'"

@@ -79,6 +79,48 @@ def test_only_backend_knows_torch_xla_and_the_xla_environment():
                            f"ask tpu_helpers.backend.runtime_env instead: {offenders}")
 
 
+TORCH_TPU_NAME = re.compile(r"torch[_-]tpu|TorchTPU", re.IGNORECASE)
+
+
+def torch_tpu_knowledge(source: str) -> list[str]:
+    """What in `source` imports torch_tpu or spells a TorchTPU name in a string (docstrings and comments aside)."""
+    tree = ast.parse(source)
+    docs = _docstrings(tree)
+    found = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [node.module or ""]
+        if isinstance(node, ast.Call) and ast.unparse(node.func).endswith(("import_module", "__import__")) \
+                and node.args and isinstance(node.args[0], ast.Constant):
+            names = [str(node.args[0].value)]
+        found += [f"line {node.lineno}: import {n}" for n in names if n.split(".")[0] == "torch_tpu"]
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs \
+                and TORCH_TPU_NAME.search(node.value):
+            found.append(f"line {node.lineno}: {node.value[:60]!r}")
+    return found
+
+
+def test_the_torch_tpu_checker_sees_what_it_must():
+    bad = 'import torch_tpu\nx = "torch-tpu"\ny = f"{v} TorchTPU"\nimportlib.import_module("torch_tpu.ops")\n'
+    assert len(torch_tpu_knowledge(bad)) == 5  # the last: its import and its string
+    fine = '"""TorchTPU may be explained."""\n# torch_tpu too\nfrom tpu_helpers.backend import torch_tpu\n' \
+           'name = torch_tpu.NAME\n'
+    assert torch_tpu_knowledge(fine) == []
+
+
+def test_torchtpu_is_known_in_one_backend_module_and_never_imported():
+    # The future TorchTPU port starts in one place: tpu_helpers/backend/torch_tpu.py, which reads package metadata
+    # only (importing torch_tpu may take the TPU, and Sophgo's unrelated package has the same import name).
+    offenders = {name: found for name, path in _modules().items()
+                 if (found := torch_tpu_knowledge(path.read_text())) and name != "tpu_helpers.backend.torch_tpu"}
+    assert not offenders, f"TorchTPU names belong in tpu_helpers.backend.torch_tpu only: {offenders}"
+    own = torch_tpu_knowledge((PACKAGE / "backend" / "torch_tpu.py").read_text())
+    assert not [f for f in own if ": import " in f], own
+
+
 # The layer order of the package's parts (tpu_helpers/__init__.py says what each is for). A part may import only
 # parts of lower layers, at module level or inside a function; parts of one layer do not import each other.
 LAYERS = (

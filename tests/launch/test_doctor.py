@@ -9,8 +9,10 @@ import sys
 
 import pytest
 
+from tests.backend.test_torch_tpu import GOOGLE_METADATA, SOPHGO_METADATA, fake_torch_tpu
 from tests.backend.test_tpu_host import fake_proc, gce_gpu_vm, v5e_8, v6e_1
 from tests.support import NOTEBOOKS, ROOT
+from tpu_helpers.backend import torch_tpu
 from tpu_helpers.launch import runner
 from tpu_helpers.launch.doctor import FAIL, INFO, OK, SKIP, WARN, Host, doctor
 
@@ -96,6 +98,47 @@ def test_doctor_command_runs_here_and_prints_a_report(tmp_path):
     assert proc.stdout.strip().splitlines()[-1] in ("all checks passed",) or "failed" in proc.stdout
 
 
+def test_torchtpu_is_named_with_what_runs_on_it_and_sophgos_torch_tpu_as_sophgos(tmp_path):
+    # A TPU VM where TorchTPU was installed (torch 2.11) and torch_xla was not.
+    site = fake_torch_tpu(tmp_path / "google", GOOGLE_METADATA)
+    host = _host(tmp_path, v6e_1(tmp_path / "sys"), versions={"torch": "2.11.0", "torch_xla": None, "libtpu": "0.0.50"},
+                 platform="local", find_torch_tpu=lambda: torch_tpu.installed([str(site)]))
+    checks = _by_name(doctor(host))
+    assert checks["TorchTPU"].status == INFO
+    assert checks["TorchTPU"].detail == (
+        "TorchTPU 0.2.0 (Google's torch-tpu, github.com/google-pytorch/torch_tpu): tpu_helpers runs nothing on "
+        "TorchTPU yet (it drives TPUs through torch_xla; torch-tpu needs torch>=2.11.0,<=2.15.0); TPUs run on the "
+        "torch 2.9.0 + torch_xla 2.9.0 pair, in an environment of its own")
+    # The pair's fix installs a torch_xla that exists (there is no torch_xla 2.11), apart from TorchTPU's torch.
+    assert checks["torch/torch_xla"].status == FAIL
+    assert checks["torch/torch_xla"].fix == ("pip install 'torch==2.9.0' 'torch_xla[tpu]==2.9.0'  (in an environment "
+                                             "of its own: no torch_xla release matches torch 2.11.0)")
+
+    (tmp_path / "s").mkdir()
+    site = fake_torch_tpu(tmp_path / "sophgo", SOPHGO_METADATA)
+    host = _host(tmp_path / "s", gce_gpu_vm(tmp_path / "sys2"), versions={"torch_xla": None, "libtpu": None},
+                 platform="local", find_torch_tpu=lambda: torch_tpu.installed([str(site)]))
+    check = _by_name(doctor(host))["TorchTPU"]
+    assert check.status == INFO and check.detail == (
+        "Sophgo's torch_tpu 2.1.0.post1 (PyTorch on Sophgo's chips, https://github.com/sophgo/torch-tpu), not "
+        "Google's TorchTPU: tpu_helpers does not use it (Google's TPUs run through torch_xla)")
+
+    (tmp_path / "n").mkdir()
+    host = _host(tmp_path / "n", gce_gpu_vm(tmp_path / "sys3"), platform="local",
+                 find_torch_tpu=lambda: torch_tpu.installed([str(tmp_path / "n")]))
+    check = _by_name(doctor(host))["TorchTPU"]
+    assert (check.status, check.detail) == (SKIP, "not installed")
+
+
+def test_doctor_command_finds_torchtpu_on_the_path_without_importing_it(tmp_path):
+    site = fake_torch_tpu(tmp_path / "site", GOOGLE_METADATA)  # its import raises: the report would not print
+    proc = subprocess.run([sys.executable, "-m", "tpu_helpers", "doctor"], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONPATH": f"{ROOT}:{site}"})
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.split()[1:2] == ["TorchTPU"]]
+    assert line.split()[0] == INFO and "TorchTPU 0.2.0 (Google's torch-tpu" in line, proc.stdout
+
+
 def test_runner_refuses_to_start_a_tpu_kernel_while_the_tpu_is_held(tmp_path, monkeypatch):
     roots = {"sysfs_root": v5e_8(tmp_path / "sys"), "lockfile": tmp_path / "lockfile",
              "proc_root": fake_proc(tmp_path / "proc", {4242: ["/dev/accel0"]})}
@@ -154,3 +197,34 @@ def test_ipywidgets_7_under_ipykernel_7_is_flagged_with_its_fix(tmp_path):
     ok = _host(tmp_path / "second", gce_gpu_vm(tmp_path / "sys2"), platform="colab",
                versions={"torch_xla": None, "libtpu": None, "ipykernel": "6.31.0"})
     assert _by_name(doctor(ok))["ipywidgets"].status == INFO
+
+
+def test_a_missing_libtpu_beside_a_torch_newer_than_any_torch_xla_gets_a_torch_xla_that_exists(tmp_path):
+    host = _host(tmp_path, v6e_1(tmp_path / "sys"), versions={"torch": "2.11.0", "torch_xla": None, "libtpu": None},
+                 platform="local", find_torch_tpu=lambda: None)
+    check = _by_name(doctor(host))["libtpu"]
+    assert check.status == FAIL and check.fix == "pip install 'torch_xla[tpu]==2.9.0'"  # no torch_xla 2.11 exists
+
+
+def test_libtpu_beside_torchtpu_and_no_torch_xla_is_named_as_torchtpus_not_ok(tmp_path):
+    # TorchTPU brings its own libtpu (0.0.50): nothing here runs on it, so it is no "ok" for this package's TPU.
+    site = fake_torch_tpu(tmp_path / "google", GOOGLE_METADATA)
+    host = _host(tmp_path, v6e_1(tmp_path / "sys"), versions={"torch": "2.11.0", "torch_xla": None, "libtpu": "0.0.50"},
+                 platform="local", find_torch_tpu=lambda: torch_tpu.installed([str(site)]))
+    check = _by_name(doctor(host))["libtpu"]
+    assert (check.status, check.detail) == (INFO, "0.0.50, TorchTPU's (torch_xla 2.9.0 pairs with libtpu 0.0.21)")
+    # With torch_xla beside it, the libtpu is torch_xla's and judged as before.
+    (tmp_path / "x").mkdir()
+    host = _host(tmp_path / "x", v6e_1(tmp_path / "sys2"), platform="local",
+                 find_torch_tpu=lambda: torch_tpu.installed([str(site)]))
+    assert _by_name(doctor(host))["libtpu"].status == OK
+
+
+def test_the_libtpu_of_the_newest_torch_xla_is_what_its_tpu_extra_requires():
+    import importlib.metadata
+
+    from tpu_helpers.backend import NEWEST_TORCH_XLA, NEWEST_TORCH_XLA_LIBTPU
+
+    assert importlib.metadata.version("torch_xla").split("+")[0] == NEWEST_TORCH_XLA  # the dev venv's
+    wanted = [r for r in importlib.metadata.requires("torch_xla") if r.startswith("libtpu") and 'extra == "tpu"' in r]
+    assert wanted == [f'libtpu=={NEWEST_TORCH_XLA_LIBTPU}; extra == "tpu"']

@@ -33,6 +33,17 @@ def test_pair_check_reports_this_environment_and_the_fix_for_broken_pairs():
     assert "torch 2.8.0 and torch_xla 2.9.0 differ" in mismatch.fix and "'torch==2.8.0'" in mismatch.fix
 
 
+def test_the_pairs_fix_for_a_torch_newer_than_any_torch_xla_installs_the_newest_pair_apart():
+    # TorchTPU's torch 2.11 (or Colab's GPU runtime's): there is no torch_xla 2.11, so the fix names the pair that
+    # exists, in an environment of its own, as the backend and the doctor do (backend.pair_version decides).
+    newer = TorchXlaPair("2.11.0+cu128", None)
+    assert "pip install 'torch==2.9.0' 'torch_xla[tpu]==2.9.0'" in newer.fix and "2.11.0'" not in newer.fix
+    assert "No torch_xla release matches torch 2.11.0:" in newer.fix and "environment of its own" in newer.fix
+    assert "pip install 'torch==2.9.0' 'torch_xla[tpu]==2.9.0'" in TorchXlaPair(None, None).fix
+    same = TorchXlaPair("2.8.0", None)  # a torch that has its torch_xla: the same version, in place
+    assert "pip install 'torch==2.8.0' 'torch_xla[tpu]==2.8.0'" in same.fix and "of its own" not in same.fix
+
+
 def test_installed_version_reads_metadata_and_is_the_doctors_default():
     from tpu_helpers.launch.doctor import Host
 

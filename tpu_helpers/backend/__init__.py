@@ -6,7 +6,9 @@
     backend = backend_for(config)       # what a TrainConfig asks for (device, fallback, precision, spmd, cache)
 
 Device names:
-- "auto": a TPU if torch_xla is installed and TPU chips are attached, else a CUDA GPU, else the CPU;
+- "auto": a TPU if torch_xla is installed and TPU chips are attached, else a CUDA GPU, else the CPU (with a warning
+  where TPU chips are attached but torch_xla is not installed, naming a `torch_tpu` installed instead: see
+  `backend.torch_tpu`);
 - "tpu": a TPU through torch_xla, or an error that says what is missing (or, with fallback=True, a warning and
   the next best device, the behaviour some TPU guides rely on);
 - "cuda", "cpu": those devices;
@@ -22,6 +24,7 @@ import copy
 import importlib
 import importlib.metadata
 import os
+import re
 import sys
 import warnings
 from collections.abc import Mapping
@@ -29,12 +32,13 @@ from typing import Any
 
 import torch
 
-from tpu_helpers.backend import runtime_env, tpu_host
+from tpu_helpers.backend import runtime_env, torch_tpu, tpu_host
 from tpu_helpers.backend.base import Backend, BackendUnavailable, warn_fallback
 from tpu_helpers.choices import DEVICES
 
-__all__ = ["DEFAULT_COMPILE_CACHE", "DEVICES", "Backend", "BackendUnavailable", "active_compile_cache", "backend_for",
-           "get_backend", "resolve_compile_cache", "started_xla_backend", "tpu_chip_count", "xla_module"]
+__all__ = ["DEFAULT_COMPILE_CACHE", "DEVICES", "NEWEST_TORCH_XLA", "NEWEST_TORCH_XLA_LIBTPU", "Backend",
+           "BackendUnavailable", "active_compile_cache", "backend_for", "get_backend", "pair_version", "resolve_compile_cache", "started_xla_backend",
+           "tpu_chip_count", "xla_module"]
 
 _XLA_BACKEND = None  # the XLA runtime is per process: build its backend once and hand the same one out
 
@@ -82,20 +86,56 @@ def tpu_chip_count() -> int:
     return tpu_host.tpu_chip_count()
 
 
+# The newest torch_xla release. torch_xla is released for the torch of its own version only, so a newer torch (what
+# TorchTPU needs, or Colab's GPU runtime ships) has no torch_xla to pair with.
+NEWEST_TORCH_XLA = "2.9.0"
+NEWEST_TORCH_XLA_LIBTPU = "0.0.21"  # the libtpu its `tpu` extra requires (TorchTPU brings a newer one of its own)
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+def pair_version(torch_version: str | None) -> str:
+    """The torch/torch_xla version to install for a TPU, given the torch installed: the same one, or the newest
+    torch_xla's where torch is newer than every torch_xla release (or absent)."""
+    base = (torch_version or "").split("+")[0]
+    if not base or _release(base) > _release(NEWEST_TORCH_XLA):
+        return NEWEST_TORCH_XLA
+    return base
+
+
 def _install_hint() -> str:
     v = torch.__version__.split("+")[0]
+    pair = pair_version(v)
+    if pair != v:
+        return (
+            f"no torch_xla release matches torch {v}: install the torch {pair} + torch_xla {pair} pair in an "
+            f"environment of its own (a new virtualenv or runtime): pip install 'torch=={pair}' "
+            f"'torch_xla[tpu]=={pair}' (see requirements-tpuvm.txt / requirements-colab.txt)"
+        )
     return (
         f"install the torch_xla that matches torch {v}: pip install 'torch=={v}' 'torch_xla[tpu]=={v}' "
         "(see requirements-tpuvm.txt / requirements-colab.txt)"
     )
 
 
+def torch_xla_version() -> str | None:
+    """The installed torch_xla's version from its metadata, or None: the package's one question "is torch_xla
+    installed?" (nothing imported)."""
+    try:
+        return importlib.metadata.version("torch_xla")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def xla_module():
     """Import the XLA backend module, turning the usual install problems into an actionable message."""
-    try:
-        xla_version = importlib.metadata.version("torch_xla")
-    except importlib.metadata.PackageNotFoundError:
-        raise BackendUnavailable(f"torch_xla is not installed; {_install_hint()}") from None
+    xla_version = torch_xla_version()
+    if xla_version is None:
+        found = torch_tpu.installed()  # a torch_tpu instead (TorchTPU, or Sophgo's): say so, it is why no TPU runs
+        also = f"; {found.problem()}" if found is not None else ""
+        raise BackendUnavailable(f"torch_xla is not installed{also}; {_install_hint()}")
     torch_version = torch.__version__.split("+")[0]
     try:
         return importlib.import_module("tpu_helpers.backend.xla")
@@ -194,6 +234,11 @@ def get_backend(
                                      "best device instead, or device='auto'.")
         if device == "tpu":
             warn_fallback("tpu", problem, "cuda" if torch.cuda.is_available() else "cpu")
+        elif tpu_chip_count() and torch_xla_version() is None:
+            # A TPU host without torch_xla (with TorchTPU or another torch_tpu instead, or nothing): the user meant
+            # the TPU, so the CPU/GPU is not chosen without a word. Without chips "auto" stays quiet.
+            warnings.warn(f"device='auto': {tpu_chip_count()} TPU chip(s) are attached but cannot be used: {problem}. "
+                          f"Running on {'cuda' if torch.cuda.is_available() else 'cpu'!r} instead.", stacklevel=2)
     if device in ("auto", "tpu", "cuda"):
         if torch.cuda.is_available():
             from tpu_helpers.backend.cuda import CudaBackend

@@ -1,7 +1,8 @@
 """XLA backend: TPUs through torch_xla (and XLA:CPU, which runs the same code path without a TPU).
 
-This is the only module in the package that imports torch_xla. A new torch_xla API, or a successor such as
-TorchTPU, changes this file and nothing else.
+This is the only module in the package that imports torch_xla (with its helpers xla_loop.py and sharding_xla.py). A
+new torch_xla API changes these files and nothing else; its successor TorchTPU would get a twin of each, in the
+backend layer only (docs/design/torchtpu.md).
 
 What it does that a hand-written TPU loop must remember:
 - one `torch_xla.sync()` per optimizer step, so each step is one compiled graph that is reused;

@@ -7,7 +7,9 @@ against the stacks CI tests, the torch/torch_xla pair (matching, and one of the 
 fine-tuning notebook needs, the TPU chips (by PCI device id) and their generation, whether another process holds the
 TPU, transparent hugepages on TPU hosts, free HBM (only when this process already runs the TPU: the doctor never
 starts a runtime, which would take the TPU from the notebook), whether the compile-cache directory is writable, the
-PJRT variables and the ipywidgets front-end (and ipykernel 7 under ipywidgets 7, which renders nothing). Each failing
+PJRT variables, the ipywidgets front-end (and ipykernel 7 under ipywidgets 7, which renders nothing) and TorchTPU
+(found by its package metadata, never imported: what tpu_helpers supports on it, or that the `torch_tpu` installed is
+Sophgo's). Each failing
 check prints the command that fixes it. `Host` says where to look, so tests run the checks on recorded trees.
 """
 
@@ -18,7 +20,14 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from tpu_helpers.backend import runtime_env, tpu_host
+from tpu_helpers.backend import (
+    NEWEST_TORCH_XLA,
+    NEWEST_TORCH_XLA_LIBTPU,
+    pair_version,
+    runtime_env,
+    torch_tpu,
+    tpu_host,
+)
 from tpu_helpers.extras import EXTRAS
 from tpu_helpers.launch import platform, stacks
 
@@ -48,6 +57,7 @@ class Host:
     python: tuple[int, int, int] = tuple(sys.version_info[:3])  # type: ignore[assignment]
     platform: str | None = None  # colab | kaggle | local; None: detected
     hbm: Callable[[], tuple[int, int] | None] | None = None  # (free, total) bytes; None: this process's runtime
+    find_torch_tpu: Callable[[], torch_tpu.TorchTpu | None] = torch_tpu.installed  # the torch_tpu on the path
 
 
 @dataclass
@@ -82,14 +92,20 @@ def _pair(host: Host, chips: int) -> list[Check]:
     elif pair.torch and not pair.torch_xla and not chips:
         out = [Check("torch/torch_xla", INFO, f"torch {pair.torch}; torch_xla not installed (needed for TPUs only)")]
     else:
-        base = (pair.torch or "2.9.0").split("+")[0]
+        base = pair_version(pair.torch)
+        apart = "" if base == (pair.torch or base).split("+")[0] else \
+            f"  (in an environment of its own: no torch_xla release matches torch {pair.torch})"
         out = [Check("torch/torch_xla", FAIL, f"torch {pair.torch or 'missing'}, torch_xla {pair.torch_xla or 'missing'}"
-                     " (they must be the same version)", f"pip install 'torch=={base}' 'torch_xla[tpu]=={base}'")]
+                     " (they must be the same version)", f"pip install 'torch=={base}' 'torch_xla[tpu]=={base}'{apart}")]
     libtpu = host.version("libtpu") or host.version("libtpu-nightly")
-    if libtpu:
+    if libtpu and not pair.torch_xla and (found := host.find_torch_tpu()) is not None and found.is_google:
+        # TorchTPU's own libtpu: nothing of this package runs on it, so no "ok" for the TPU.
+        out.append(Check("libtpu", INFO, f"{libtpu}, {torch_tpu.NAME}'s (torch_xla {NEWEST_TORCH_XLA} pairs with "
+                                         f"libtpu {NEWEST_TORCH_XLA_LIBTPU})"))
+    elif libtpu:
         out.append(Check("libtpu", OK if chips else INFO, libtpu))
     elif chips:
-        base = (pair.torch_xla or pair.torch or "2.9.0").split("+")[0]
+        base = (pair.torch_xla or pair_version(pair.torch)).split("+")[0]
         out.append(Check("libtpu", FAIL, "not installed: torch_xla cannot reach the TPU chips",
                          f"pip install 'torch_xla[tpu]=={base}'"))
     else:
@@ -179,6 +195,19 @@ def _hbm(host: Host, chips: int) -> Check:
                  "free tensors you no longer need (del x), or restart the kernel")
 
 
+def _torch_tpu(host: Host) -> Check:
+    """TorchTPU (torch_xla's successor) or Sophgo's torch_tpu, as the backend layer finds it: what tpu_helpers does
+    with it. Information only: where it stands in for torch_xla on a TPU host, the torch/torch_xla check fails."""
+    found = host.find_torch_tpu()
+    if found is None:
+        return Check(torch_tpu.NAME, SKIP, "not installed")
+    detail = f"{found.describe()}: {found.support()}"
+    if found.is_google:
+        v = NEWEST_TORCH_XLA
+        detail += f"; TPUs run on the torch {v} + torch_xla {v} pair, in an environment of its own"
+    return Check(torch_tpu.NAME, INFO, detail)
+
+
 def _writable_dir(path: str) -> str | None:
     """None when files can be created in `path` (made if absent), else why not."""
     probe = path
@@ -257,7 +286,7 @@ def doctor(host: Host | None = None) -> DoctorReport:
     checks.append(Check("TPU chips", OK if chips else INFO,
                         tpu_host.describe_chips(chips) if chips else "none on the PCI bus (GPU/CPU machine)"))
     checks += [_lock(host, len(chips)), _hugepages(host, len(chips)), _hbm(host, len(chips)),
-               _cache(host, len(chips)), _pjrt(host, len(chips)), _widgets(host, where)]
+               _cache(host, len(chips)), _pjrt(host, len(chips)), _widgets(host, where), _torch_tpu(host)]
     return DoctorReport(where, checks)
 
 

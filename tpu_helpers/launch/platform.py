@@ -121,12 +121,18 @@ class TorchXlaPair:
     def fix(self) -> str | None:
         if self.ok:
             return None
-        v = _base(self.torch) if self.torch else "2.9.0"
+        from tpu_helpers.backend import pair_version  # the one place that decides which pair exists
+
+        v = pair_version(self.torch)
         what = ("torch_xla is not installed" if self.torch and not self.torch_xla else
                 "torch is not installed" if not self.torch else
                 f"torch {self.torch} and torch_xla {self.torch_xla} differ (they must be the same version)")
+        where = "Install the pair together"
+        if self.torch and v != _base(self.torch):  # a torch newer than every torch_xla release
+            where = (f"No torch_xla release matches torch {_base(self.torch)}: install the torch {v} + torch_xla {v} pair "
+                     "in an environment of its own (a new virtualenv or runtime)")
         restart = " then restart the runtime (Runtime > Restart session)" if in_colab() else ""
-        return (f"{what}. Install the pair together: pip install 'torch=={v}' 'torch_xla[tpu]=={v}'{restart}. "
+        return (f"{what}. {where}: pip install 'torch=={v}' 'torch_xla[tpu]=={v}'{restart}. "
                 "Without a TPU the notebook can still run on a GPU or the CPU (DEVICE='auto').")
 
     def __str__(self) -> str:

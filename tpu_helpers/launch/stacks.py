@@ -8,13 +8,16 @@
 CI tests three stacks: the dev venv of `make test` (Python 3.11, requirements-dev.lock) and, in `make test-stacks`,
 the `colab` and `kaggle` profiles (stacks/colab.txt, stacks/kaggle.txt: a test keeps the pins here equal to those).
 Each profile names the platform it stands for, so the doctor can say which stack a machine runs and how it differs
-from the tested one. Nothing here imports torch or torch_xla: versions come from package metadata.
+from the tested one. Installed versions come from package metadata (torch_xla is never imported); the
+recommended pair is the backend's `NEWEST_TORCH_XLA`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from tpu_helpers.backend import NEWEST_TORCH_XLA
 
 
 @dataclass(frozen=True)
@@ -53,9 +56,10 @@ PROFILES: dict[str, StackProfile] = {
     "kaggle": StackProfile("kaggle", "Kaggle TPU v5e-8 image (its TPU build files, March 2026)", "3.12", "2.8.0"),
     "dev": StackProfile("dev", "make test (requirements-dev.lock)", "3.11", "2.9.0"),
 }
-# torch/torch_xla versions CI runs the package on; RECOMMENDED is what a fix installs.
+# torch/torch_xla versions CI runs the package on; RECOMMENDED is what a fix installs: the newest torch_xla release,
+# as the backend layer knows it (backend.pair_version decides which pair a given torch gets).
 TESTED_PAIRS = tuple(sorted({p.torch for p in PROFILES.values()}))
-RECOMMENDED = "2.9.0"
+RECOMMENDED = NEWEST_TORCH_XLA
 # The platforms' names as the doctor prints them (platform.platform_name(), plus "tpuvm" for a local TPU host).
 PLATFORM_NAMES = {"colab": "Colab", "kaggle": "Kaggle", "tpuvm": "TPU VM", "local": "this machine (no TPU)"}
 
