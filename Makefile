@@ -17,7 +17,7 @@ STAMP := $(VENV)/.complete
 TARGET ?= auto
 DEVICE ?=
 PYTEST_ARGS ?=
-STACKS ?= colab kaggle core
+STACKS ?= colab kaggle core latest
 
 .PHONY: setup browser run test test-real test-stacks lock lint clean-runs print-venv
 
