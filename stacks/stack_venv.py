@@ -215,8 +215,11 @@ def _stack(name: str) -> Stack:
 
 
 def _run(cmd: list[str]) -> None:
+    # A lock is the whole closure at exact pins: a machine-wide pip constraints file (pip.conf's `constraint`, e.g.
+    # one capping torch at what a local wheel cache holds) would only make a pin it forbids unresolvable.
+    env = {**os.environ, "PIP_CONSTRAINT": os.devnull}
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     except OSError as err:
         raise StackError(f"cannot run {cmd[0]}: {err}") from None
     if proc.returncode != 0:
