@@ -2,7 +2,7 @@
 
     python3 stacks/stack_venv.py lock              # re-resolve every lock file at the newest versions allowed
     python3 stacks/stack_venv.py build colab       # the colab stack's venv (cached; prints its path)
-    python3 stacks/stack_venv.py paths colab kaggle core   # NAME=VENV,... for the stack tests (builds missing ones)
+    python3 stacks/stack_venv.py paths colab kaggle core latest   # NAME=VENV,... for the stack tests (builds missing)
 
 Lock files (plain pip requirements files: exact pins of the whole closure, nothing else, so `pip install --no-deps
 -r LOCK` then `pip check` rebuilds the set): `requirements-dev.lock` (the dev/CI venv of `make test`: the ranges of
@@ -13,10 +13,13 @@ pyproject.toml's extras and requirements-dev.txt, Python 3.11) and one per stack
   move, `lock` fails, which is the check that it never upgrades what Colab ships);
 - `kaggle`: Kaggle's TPU image (stacks/kaggle.txt), Python 3.12, torch/torch_xla 2.8.0 and the newest of the rest;
 - `core`: torch and the package's core dependencies only (pyproject's `dependencies` at the dev lock's versions),
-  Python 3.11; its wheelhouse holds the `hf` and `notebooks` extras, so the tests install `.[hf,notebooks]` offline.
+  Python 3.11; its wheelhouse holds the `hf` and `notebooks` extras, so the tests install `.[hf,notebooks]` offline;
+- `latest`: the newest torch the registry serves, pinned (stacks/latest.txt), without torch_xla, and the newest
+  transformers, peft, torchao and the rest, Python 3.12: Colab's CPU/GPU runtimes, where the package's GPU/CPU
+  fallback runs on a newer torch than any TPU stack. Its venv holds pytest: the package's CPU tests run in it.
 
 The resolver is uv (`uv pip compile`): it resolves for a named Python version and platform without that interpreter
-or a venv, so one command rewrites the four locks in seconds, and its output is a pip requirements file, so every
+or a venv, so one command rewrites every lock in seconds, and its output is a pip requirements file, so every
 install here is plain pip. uv itself is installed once, at a pinned version, into its own small venv.
 
 Each venv lives in $TPU_HELPERS_VENV_ROOT (default ~/.cache/tpu_helpers) as `stack-NAME-<hash>`, the hash of its lock
@@ -81,6 +84,8 @@ STACKS = {
                   Lock("stacks/core-adds.lock", ("pyproject.toml",), "3.11", ("hf", "notebooks"),
                        constraints=(DEV.path,)),
                   "torch and the core dependencies only (pip install tpu_helpers)"),
+    "latest": Stack("3.12", Lock("stacks/latest.lock", ("stacks/latest.txt",), "3.12"), also=(),
+                    about="the newest torch (no torch_xla) and the newest of the rest: Colab's CPU/GPU runtimes"),
 }
 
 
@@ -210,8 +215,11 @@ def _stack(name: str) -> Stack:
 
 
 def _run(cmd: list[str]) -> None:
+    # A lock is the whole closure at exact pins: a machine-wide pip constraints file (pip.conf's `constraint`, e.g.
+    # one capping torch at what a local wheel cache holds) would only make a pin it forbids unresolvable.
+    env = {**os.environ, "PIP_CONSTRAINT": os.devnull}
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     except OSError as err:
         raise StackError(f"cannot run {cmd[0]}: {err}") from None
     if proc.returncode != 0:

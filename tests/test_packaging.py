@@ -111,16 +111,18 @@ def _pins(path) -> dict[str, str]:
     return out
 
 
-@pytest.mark.parametrize("name", ["colab", "kaggle"])
+@pytest.mark.parametrize("name", ["colab", "kaggle", "latest"])
 def test_the_doctors_stack_profiles_are_the_stack_venvs_pins(name):
     profile, stack = stacks.PROFILES[name], _stack_venv_module().STACKS[name]
     pinned = _pins(f"stacks/{name}.txt")
-    assert pinned["torch"] == profile.torch and pinned["torch-xla"] == profile.torch
+    assert pinned["torch"] == profile.torch and pinned.get("torch-xla") == (profile.torch if profile.xla else None)
     assert {k: v for k, v in pinned.items() if k not in ("torch", "torch-xla", "notebook")} == \
         {_canonical(k): v for k, v in profile.packages.items()}
     assert stack.python == profile.python
     locked = _stack_venv_module().pins(ROOT / stack.lock.path)
-    for dist, version in {"torch": profile.torch, "torch_xla": profile.torch, **profile.packages}.items():
+    assert ("torch-xla" in locked) == profile.xla and "torch-tpu" not in locked
+    for dist, version in {"torch": profile.torch, **({"torch_xla": profile.torch} if profile.xla else {}),
+                          **profile.packages}.items():
         assert stacks._matches(locked[_canonical(dist)].split("==")[1], version), (dist, locked[_canonical(dist)])
     assert profile.python == stack.lock.python
 

@@ -187,6 +187,28 @@ def test_a_colab_runtime_that_moved_on_is_named_with_what_differs(tmp_path):
     assert "transformers 5.16.0 (tested: 5.15.0)" in stack.detail and "accelerate" not in stack.detail.split("in:")[1]
 
 
+def test_a_colab_gpu_runtime_without_torch_xla_is_held_to_the_latest_stack(tmp_path):
+    """Colab's CPU/GPU runtimes ship a newer torch than its TPU runtime and no torch_xla: the tested stack for them
+    is `latest` (the newest torch without torch_xla, stacks/latest.txt), not the TPU runtime's."""
+    from tpu_helpers.launch import stacks
+
+    latest = stacks.PROFILES["latest"]
+    assert latest.torch not in stacks.TESTED_PAIRS  # no torch_xla of that version is tested
+    host = _host(tmp_path, gce_gpu_vm(tmp_path / "sys"), platform="colab", python=(3, 12, 12),
+                 versions={**HF, "torch": "2.11.0+cu128", "torch_xla": None, "libtpu": None})
+    checks = _by_name(doctor(host))
+    assert checks["torch/torch_xla"].status == INFO and "torch_xla not installed" in checks["torch/torch_xla"].detail
+    stack = checks["stack"]
+    assert stack.status == INFO and stack.detail.startswith("Colab: Python 3.12.12, torch 2.11.0+cu128, torch_xla -")
+    assert "differs from the tested latest stack" in stack.detail and "without torch_xla" in stack.detail
+    assert stack.detail.endswith(f"in: torch 2.11.0+cu128 (tested: {latest.torch})"), stack.detail
+    (tmp_path / "second").mkdir()
+    newest = _host(tmp_path / "second", gce_gpu_vm(tmp_path / "sys2"), platform="colab", python=(3, 12, 12),
+                   versions={**HF, "torch": f"{latest.torch}+cu130", "torch_xla": None, "libtpu": None})
+    stack = _by_name(doctor(newest))["stack"]
+    assert stack.status == OK and stack.detail.endswith("the tested latest stack"), stack.detail
+
+
 def test_ipywidgets_7_under_ipykernel_7_is_flagged_with_its_fix(tmp_path):
     host = _host(tmp_path, gce_gpu_vm(tmp_path / "sys"), platform="colab",
                  versions={"torch_xla": None, "libtpu": None, "ipykernel": "7.4.0"})

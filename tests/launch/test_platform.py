@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from packaging.requirements import Requirement
 
 from tests.support import XLA_BACKEND, script_result
 from tpu_helpers.backend import tpu_host
@@ -176,6 +177,21 @@ def test_setup_notebook_installs_what_qat_and_trackers_ask_for_and_only_where_ab
     with pytest.raises(ConfigError, match=r"unknown tracker\(s\) 'mlflow'"):
         platform.setup_notebook("quickstart", trackers="mlflow", installer=pip)
     assert len(pip.calls) == 1
+
+
+@pytest.mark.parametrize("have, installs", [("0.18.0", False), ("0.16.0", False), ("0.15.0", True), (None, True)])
+def test_a_later_torchao_than_the_qat_pin_is_kept_not_downgraded(monkeypatch, have, installs):
+    """The qat extra pins torchao 0.16.0, which the setup cell installs where torchao is absent or older; a runtime
+    with a newer one (the latest stack: newest torch, newest torchao) keeps it: the setup cell of a QAT run on the
+    latest stack had put 0.16.0 over its 0.18.0. Requirements files keep their exact meaning."""
+    pip = RecordingInstaller()
+    real = platform.installed_version
+    monkeypatch.setattr(platform, "installed_version", lambda dist: have if dist == "torchao" else real(dist))
+    report = platform.setup_notebook("finetune_llm", qat="int4", installer=pip)
+    assert pip.calls == ([["torchao==0.16.0"]] if installs else []), pip.calls
+    assert ("torchao" in report.present) is not installs
+    assert platform.missing_requirements_of([Requirement("torchao==0.16.0")]) == \
+        ([] if have == "0.16.0" else [Requirement("torchao==0.16.0")])
 
 
 def test_pip_install_is_one_well_formed_pip_command_that_keeps_every_other_package(monkeypatch):

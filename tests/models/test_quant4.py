@@ -22,7 +22,10 @@ PAPER_NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.3949174880981445
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_nf4_codes_and_scales_equal_torchaos_to_the_bit(dtype):
-    from torchao.dtypes.nf4tensor import get_block_absmax, to_nf4
+    try:  # torchao 0.16 (the dev set's); 0.18 (the latest stack's) moved it under quantization
+        from torchao.dtypes.nf4tensor import get_block_absmax, to_nf4
+    except ImportError:
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import get_block_absmax, to_nf4
 
     w = (torch.randn(128, 256) * torch.rand(128, 1) * 3).to(dtype)
     w[0, :64] = 0.0  # an all-zero group: torchao divides by a zero absmax too (NaN -> code 0); so must we

@@ -1,5 +1,5 @@
-"""The stack tests run the package in the Colab, Kaggle and core venvs: `make test-stacks` builds them
-(stacks/stack_venv.py) and names them in TPU_HELPERS_STACK_VENVS ("colab=/path,kaggle=/path,core=/path").
+"""The stack tests run the package in the Colab, Kaggle, core and latest venvs: `make test-stacks` builds them
+(stacks/stack_venv.py) and names them in TPU_HELPERS_STACK_VENVS ("colab=/path,kaggle=/path,core=/path,latest=/path").
 
 Without that variable (a plain `make test` or `pytest`) nothing here is collected: these tests need the venvs, and a
 skipped stack test would read as a passed one. With it, a named venv that is missing or half-built fails.
@@ -46,3 +46,9 @@ def colab_venv() -> StackVenv:
 @pytest.fixture
 def core_venv() -> StackVenv:
     return stack("core")
+
+
+@pytest.fixture
+def latest_venv() -> StackVenv:
+    """The newest torch without torch_xla (Colab's CPU/GPU runtimes)."""
+    return stack("latest")

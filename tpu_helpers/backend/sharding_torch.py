@@ -58,7 +58,12 @@ class TorchSharding:
 
     def move_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model on this process's device, unwrapped: for frozen copies (a teacher, a reference model) and
-        generation, which need no gradient all-reduce."""
+        generation, which need no gradient all-reduce. A model already there is returned as it is: `Module.to`
+        would change nothing, and torch 2.15 (not 2.9) swaps each fake parameter for a new one there, which fails
+        under FakeTensorMode (the traced estimate's fake CPU model: "Cannot swap t1 because it has weakref")."""
+        tensors = [*model.parameters(), *model.buffers()]
+        if tensors and all(t.device == self.device for t in tensors):
+            return model
         return model.to(self.device)
 
     def checkpoints_blocks(self, sharding: str) -> bool:

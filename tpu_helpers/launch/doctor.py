@@ -119,10 +119,10 @@ def _stack(host: Host, where: str, chips: int) -> Check:
     label = stacks.PLATFORM_NAMES.get(name, name)
     shown = ", ".join(f"{d} {host.version(d) or '-'}" for d in ("torch", "torch_xla", "transformers", "ipywidgets"))
     py = ".".join(map(str, host.python))
-    profile = stacks.profile_for(where)
+    profile = stacks.profile_for(where, tpu=bool(chips) or host.version("torch_xla") is not None)
     if profile is None:
-        return Check("stack", INFO, f"{label}: Python {py}, {shown} (CI tests the Colab and Kaggle stacks and the "
-                     f"dev set of requirements-dev.lock)")
+        return Check("stack", INFO, f"{label}: Python {py}, {shown} (CI tests the Colab and Kaggle stacks, the newest "
+                     f"torch without torch_xla and the dev set of requirements-dev.lock)")
     diffs = profile.differences(host.version, host.python)
     if not diffs:
         return Check("stack", OK, f"{label}: Python {py}, {shown}: the tested {profile.name} stack")

@@ -33,6 +33,7 @@ from importlib import resources
 from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from tpu_helpers.choices import QAT_SCHEMES, check_choice, check_trackers
@@ -56,7 +57,9 @@ NOTEBOOK_NEEDS: dict[str, tuple[str, ...]] = {
 }
 # What a run's parameters ask for beyond its notebook's needs, installed by the setup cell only when asked for and
 # absent: QAT (int4/int8) needs torchao, each tracker TRACKERS names its own package. The requirements are those of
-# pyproject.toml's `qat` and `tracking` extras (a test keeps them equal).
+# pyproject.toml's `qat` and `tracking` extras (a test keeps them equal). An exact pin (torchao's) is what gets
+# installed; a later release already there is kept, never downgraded (the `latest` stack runs QAT on the newest
+# torchao, with the newest torch: what Colab's CPU/GPU runtimes ship).
 PARAMETER_REQUIREMENTS: dict[str, str] = {
     "torchao": "torchao==0.16.0",
     "tensorboard": "tensorboard>=2.16",
@@ -172,14 +175,19 @@ def missing_requirements(path: str | Path) -> list[str]:
     return [str(r) for r in missing_requirements_of(read_requirements(path))]
 
 
-def missing_requirements_of(reqs: Sequence[Requirement]) -> list[Requirement]:
-    """Those of `reqs` absent or outside their specifier (torch/torch_xla/libtpu excluded)."""
+def missing_requirements_of(reqs: Sequence[Requirement], keep_newer: bool = False) -> list[Requirement]:
+    """Those of `reqs` absent or outside their specifier (torch/torch_xla/libtpu excluded). `keep_newer`: an exact
+    pin (`name==X`) is met by X or any later release already installed."""
     missing = []
     for req in reqs:
         if req.name.lower().replace("-", "_") in {p.replace("-", "_") for p in PROTECTED}:
             continue
         installed = installed_version(req.name)
-        if installed is None or (req.specifier and not req.specifier.contains(installed, prereleases=True)):
+        spec = req.specifier
+        pins = [s.version for s in spec if s.operator == "=="]
+        if keep_newer and len(spec) == 1 and pins and "*" not in pins[0]:
+            spec = SpecifierSet(f">={pins[0]}")
+        if installed is None or (spec and not spec.contains(installed, prereleases=True)):
             missing.append(req)
     return missing
 
@@ -293,7 +301,7 @@ def setup_notebook(notebook: str, *, install: bool = True, qat: str | None = Non
     TRACKERS parameters, also what they ask for (`parameter_requirements`: torchao, a tracker's package), again only
     where absent. `install=False` only reports. `installer` receives the requirement lines (tests pass a recorder)."""
     reqs = notebook_requirements(notebook) + parameter_requirements(qat=qat, trackers=trackers)
-    wanted = missing_requirements_of(reqs)
+    wanted = missing_requirements_of(reqs, keep_newer=True)
     present = {r.name: installed_version(r.name) for r in reqs if r not in wanted}
     installed: dict[str, str] = {}
     if wanted and install:

@@ -75,10 +75,13 @@ def build_on_meta(model: ModelSpec) -> torch.nn.Module:
     return built
 
 
-def _materialize_fake(module: torch.nn.Module) -> torch.nn.Module:
-    """Give every meta parameter and buffer a fake CPU twin, keeping shared (tied) tensors shared.
+def _materialize_fake(module: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """Give every meta parameter and buffer a fake CPU twin, keeping shared (tied) tensors shared; `dtype`: the
+    floating-point ones in that dtype (what ``Module.to(dtype)`` does).
 
-    ``Module.to_empty`` would give the second name of a tied weight a storage of its own and count it twice.
+    ``Module.to_empty`` would give the second name of a tied weight a storage of its own and count it twice. And no
+    ``Module.to`` runs on the fake module: torch 2.15 (not 2.9) swaps each fake parameter for a new one there, which
+    FakeTensorMode refuses ("Cannot swap t1 because it has weakref associated with it").
     """
     twins: dict[int, torch.Tensor] = {}
     for mod in module.modules():
@@ -87,7 +90,8 @@ def _materialize_fake(module: torch.nn.Module) -> torch.nn.Module:
                 if t is None:
                     continue
                 if id(t) not in twins:
-                    new = torch.empty_like(t, device="cpu")
+                    cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+                    new = torch.empty_like(t, device="cpu", dtype=cast)
                     twins[id(t)] = torch.nn.Parameter(new, t.requires_grad) if isinstance(t, torch.nn.Parameter) else new
                 table[name] = twins[id(t)]
     return module
@@ -154,9 +158,7 @@ def traced_estimate(
                              f"Hugging Face model; {type(meta).__name__} is neither")
     backend = get_backend("cpu", precision=precision)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        module = _materialize_fake(meta)
-        if pure_bf16:
-            module = module.to(torch.bfloat16)
+        module = _materialize_fake(meta, torch.bfloat16 if pure_bf16 else None)
         trainer = step_trainer(module, backend, precision=precision, optimizer=optimizer, grad_accum=grad_accum,
                                gradient_checkpointing=gradient_checkpointing, loss_fn=loss_fn)
         trainer.model.train()
