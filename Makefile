@@ -18,16 +18,12 @@ STAMP := $(VENV)/.complete
 TARGET ?= auto
 DEVICE ?=
 PYTEST_ARGS ?=
-<<<<<<< HEAD
 # pytest-xdist workers (tests/runner_hooks.py: a test file is one unit of work, so its fixtures are built once).
 # Most tests are one core's work (an XLA compile, a notebook kernel, a subprocess), so two keep a 2-core machine busy.
 WORKERS ?= 2
 XDIST := -n $(WORKERS) --dist loadfile
 FAST := not slow and not notebooks and not browser
-STACKS ?= colab kaggle core
-=======
 STACKS ?= colab kaggle core latest
->>>>>>> latest-torch
 
 .PHONY: setup browser run test test-fast test-real test-stacks lock lint clean-runs print-venv
 

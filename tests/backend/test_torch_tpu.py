@@ -87,13 +87,15 @@ def test_the_pair_to_install_is_the_newest_torch_xla_for_a_newer_torch():
     assert pair_version(None) == "2.9.0"
 
 
-def _calls(tmp_path: Path, metadata: str | None, sysfs: Path, calls: list, torch: str = "2.11.0") -> list[dict]:
-    """What get_backend did for each of `calls` in a process without torch_xla, on the host `sysfs` records, with a
-    stand-in torch_tpu of `metadata` on the path (None: no torch_tpu at all) and torch claiming `torch`."""
+def _calls(tmp_path: Path, metadata: str | None, sysfs: Path, calls: list, torch: str = "2.11.0",
+           torch_xla: str = "absent") -> list[dict]:
+    """What get_backend did for each of `calls` in a process without torch_xla (or, "broken", with one that fails
+    to import), on the host `sysfs` records, with a stand-in torch_tpu of `metadata` on the path (None: no torch_tpu
+    at all) and torch claiming `torch`."""
     site = fake_torch_tpu(tmp_path / "site", metadata) if metadata is not None else tmp_path / "site"
     site.mkdir(parents=True, exist_ok=True)
     out = script_result("backend_in_a_process", {"case": "torch_tpu", "sysfs": str(sysfs), "torch": torch,
-                                                 "calls": calls},
+                                                 "calls": calls, "torch_xla": torch_xla},
                         env={"PYTHONPATH": f"{Path(__file__).resolve().parents[2]}:{site}"})
     assert out["imported_torch_tpu"] is False
     return out["calls"]
@@ -158,3 +160,11 @@ def test_a_tpu_host_with_neither_torch_xla_nor_torch_tpu_warns_on_auto_and_a_hos
     # No chips (a GPU VM): "auto" runs on the CPU without a word, as it always did.
     (auto,) = _calls(tmp_path / "gce", None, gce_gpu_vm(tmp_path / "gce_sys"), [["auto", False]], torch="2.9.0")
     assert auto == {"backend": "cpu", "warnings": []}
+
+
+@pytest.mark.slow
+def test_a_tpu_host_whose_torch_xla_fails_to_import_warns_on_auto(tmp_path):
+    (auto,) = _calls(tmp_path, None, v6e_1(tmp_path / "sys"), [["auto", False]], torch="2.9.0", torch_xla="broken")
+    assert auto["backend"] == "cpu" and len(auto["warnings"]) == 1, auto
+    assert auto["warnings"][0].startswith("device='auto': 1 TPU chip(s) are attached but cannot be used: torch_xla "
+                                          "2.9.0 failed to import"), auto

@@ -10,7 +10,7 @@ BackendUnavailable message. And, with a stand-in `torch_tpu` on PYTHONPATH (or n
     python tests/scripts/backend_in_a_process.py '{"case": "torch_tpu", "sysfs": "/tmp/v6e", "torch": "2.11.0",
                                                    "calls": [["tpu", false], ["tpu", true], ["auto", false]]}'
 
-hides torch_xla (its import and its metadata), makes the recorded sysfs tree the host's PCI bus and torch claim
+hides torch_xla (its import and its metadata; with `"torch_xla": "broken"` its import only), makes the recorded sysfs tree the host's PCI bus and torch claim
 `torch`, then prints what each get_backend(device, fallback=...) did (the error, or the backend's name, with the
 warnings) and whether anything imported torch_tpu.
 """
@@ -40,7 +40,10 @@ def torch_tpu_case(args: dict) -> None:
 
     import torch
 
-    hide_torch_xla()
+    if args.get("torch_xla") == "broken":  # installed (its metadata stays), but its import fails
+        sys.modules["torch_xla"] = None
+    else:
+        hide_torch_xla()
     torch.__version__ = args.get("torch", torch.__version__)
     from tpu_helpers.backend import BackendUnavailable, get_backend, tpu_host
 

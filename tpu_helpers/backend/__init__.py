@@ -37,8 +37,8 @@ from tpu_helpers.backend.base import Backend, BackendUnavailable, warn_fallback
 from tpu_helpers.choices import DEVICES
 
 __all__ = ["DEFAULT_COMPILE_CACHE", "DEVICES", "NEWEST_TORCH_XLA", "NEWEST_TORCH_XLA_LIBTPU", "Backend",
-           "BackendUnavailable", "active_compile_cache", "backend_for", "get_backend", "pair_version", "resolve_compile_cache", "started_xla_backend",
-           "tpu_chip_count", "xla_module"]
+           "BackendUnavailable", "active_compile_cache", "backend_for", "get_backend", "pair_version",
+           "resolve_compile_cache", "started_xla_backend", "tpu_chip_count", "xla_module"]
 
 _XLA_BACKEND = None  # the XLA runtime is per process: build its backend once and hand the same one out
 
@@ -234,9 +234,10 @@ def get_backend(
                                      "best device instead, or device='auto'.")
         if device == "tpu":
             warn_fallback("tpu", problem, "cuda" if torch.cuda.is_available() else "cpu")
-        elif tpu_chip_count() and torch_xla_version() is None:
-            # A TPU host without torch_xla (with TorchTPU or another torch_tpu instead, or nothing): the user meant
-            # the TPU, so the CPU/GPU is not chosen without a word. Without chips "auto" stays quiet.
+        elif tpu_chip_count():
+            # A TPU host whose TPU cannot run (no torch_xla, TorchTPU or another torch_tpu instead, a torch_xla that
+            # does not match torch): the user meant the TPU, so the CPU/GPU is not chosen without a word. Without
+            # chips "auto" stays quiet.
             warnings.warn(f"device='auto': {tpu_chip_count()} TPU chip(s) are attached but cannot be used: {problem}. "
                           f"Running on {'cuda' if torch.cuda.is_available() else 'cpu'!r} instead.", stacklevel=2)
     if device in ("auto", "tpu", "cuda"):
