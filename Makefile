@@ -73,11 +73,12 @@ test-real: setup
 	$(PY) -m pytest tests/real -s $(PYTEST_ARGS)
 
 # The stack profiles (tests/stacks/): each stack's venv is built from its lock on first use (Python 3.12 and 3.13 from
-# PATH or pyenv), then the tests drive it from the dev venv's pytest. STACKS=colab runs one.
+# PATH or pyenv), then the tests drive it from the dev venv's pytest, over the xdist workers (most of a stack test is
+# a child process: a pip install, a notebook, the latest stack's own pytest).
 test-stacks: setup browser
 	PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	venvs=$$($(PYTHON) stacks/stack_venv.py paths $(STACKS)) && \
-	TPU_HELPERS_STACK_VENVS=$$venvs $(PY) -m pytest tests/stacks $(PYTEST_ARGS)
+	TPU_HELPERS_STACK_VENVS=$$venvs $(PY) -m pytest tests/stacks $(XDIST) --durations=10 $(PYTEST_ARGS)
 
 # Re-resolve requirements-dev.lock and stacks/*.lock at the newest versions the ranges and pins allow (uv pip compile;
 # LOCK_ARGS=--keep keeps current pins where the inputs allow). Commit the locks with a green make test and test-stacks.
