@@ -8,7 +8,9 @@ Loaded by tests/conftest.py (`pytest_plugins`); `pytest -p tests.runner_hooks` l
   controller then reports the crashed worker's test by name too, and the run goes on with a new worker.
 - Scheduling (`make test`'s `-n 2 --dist loadfile`): whole files go to a worker, so a module's fixtures (models
   built, graphs compiled) are made once. The benchmark smoke runs are the exception: each script is a process of
-  its own, so each of those tests is a unit, and the two workers share them.
+  its own, so each of those tests is a unit, and the two workers share them. The units go out in collection order
+  with those runs first (the longest units, so that the workers end together on the short files at the end),
+  rather than xdist's order by test count, which sent the one-test units last.
 """
 
 from __future__ import annotations
@@ -50,9 +52,18 @@ def pytest_timeout_set_timer(item, settings):
     return True
 
 
+def _per_test(nodeid: str) -> bool:
+    return nodeid.split("[", 1)[0] in PER_TEST
+
+
+def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput"):  # an xdist worker: its collection is the order the units go out in
+        items.sort(key=lambda item: not _per_test(item.nodeid))  # stable: each group keeps its order
+
+
 def split_scope(nodeid: str) -> str:
     """The work unit a test belongs to: its file, or itself for the tests in PER_TEST."""
-    if nodeid.split("[", 1)[0] in PER_TEST:
+    if _per_test(nodeid):
         return nodeid
     return nodeid.split("::", 1)[0]
 
@@ -62,6 +73,8 @@ def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
+
+    config.option.loadscopereorder = False  # collection order (above), not the units' test counts
 
     class FilesAndBenchmarks(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:

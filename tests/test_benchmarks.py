@@ -92,10 +92,11 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
                                                      r"^set_to_none=False +graphs \[\d+\]"]),
 }
 
-# Started first (the longest runs, slowest first, as timed side by side), so that the two workers end together rather
-# than one finishing the alphabet's last long run alone.
-SLOWEST = ("sharding", "memory_accuracy", "loop_vs_peers", "attention_impl", "finetune_memory", "distill_cache",
-           "qlora_memory", "finetune_vs_hf_trainer", "zero_grad", "sharded_checkpoint")
+# Started first (the longest runs, slowest first, as timed side by side under make test's two xdist workers), so that
+# the two workers end together rather than one finishing the alphabet's last long run alone.
+SLOWEST = ("chunked_loss", "generation", "sharding", "zero_grad", "qlora_memory", "grpo_vs_trl",
+           "finetune_vs_hf_trainer", "attention_impl", "distill_cache", "memory_accuracy", "loop_vs_peers",
+           "finetune_memory", "sharded_checkpoint")
 
 
 def _scripts() -> list[str]:
@@ -150,7 +151,7 @@ def smoke_runs(request, tmp_path_factory):
     pool.shutdown(cancel_futures=True)
 
 
-@pytest.mark.parametrize("name", _scripts())
+@pytest.mark.parametrize("name", sorted(_scripts(), key=lambda n: SLOWEST.index(n) if n in SLOWEST else len(SLOWEST)))
 def test_benchmark_runs_at_smoke_size_and_prints_its_figures(name, smoke_runs):
     assert name in SMOKE, f"benchmarks/{name}.py has no smoke entry: give it tiny arguments in SMOKE"
     proc, seconds = smoke_runs[name].result()
