@@ -39,24 +39,29 @@ def _docstrings(tree: ast.AST) -> set[int]:
     return ids
 
 
-def runtime_knowledge(source: str) -> list[str]:
-    """What in `source` imports torch_xla or names an XLA/PJRT variable or flag (docstrings and comments aside)."""
+def _knowledge(source: str, module: str, names: re.Pattern) -> list[str]:
+    """What in `source` imports `module` or spells a match of `names` in a string (docstrings and comments aside)."""
     tree = ast.parse(source)
     docs = _docstrings(tree)
     found = []
     for node in ast.walk(tree):
-        names = []
+        imported = []
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
+            imported = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            names = [node.module or ""]
+            imported = [node.module or ""]
         if isinstance(node, ast.Call) and ast.unparse(node.func).endswith(("import_module", "__import__")) \
                 and node.args and isinstance(node.args[0], ast.Constant):
-            names = [str(node.args[0].value)]
-        found += [f"line {node.lineno}: import {n}" for n in names if n.split(".")[0] == "torch_xla"]
+            imported = [str(node.args[0].value)]
+        found += [f"line {node.lineno}: import {n}" for n in imported if n.split(".")[0] == module]
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
-            found += [f"line {node.lineno}: {m.group(0)!r}" for m in RUNTIME_NAME.finditer(node.value)]
+            found += [f"line {node.lineno}: {m.group(0)!r}" for m in names.finditer(node.value)]
     return found
+
+
+def runtime_knowledge(source: str) -> list[str]:
+    """What in `source` imports torch_xla or names an XLA/PJRT variable or flag (docstrings and comments aside)."""
+    return _knowledge(source, "torch_xla", RUNTIME_NAME)
 
 
 def test_the_checker_sees_what_it_must():
@@ -84,23 +89,7 @@ TORCH_TPU_NAME = re.compile(r"torch[_-]tpu|TorchTPU", re.IGNORECASE)
 
 def torch_tpu_knowledge(source: str) -> list[str]:
     """What in `source` imports torch_tpu or spells a TorchTPU name in a string (docstrings and comments aside)."""
-    tree = ast.parse(source)
-    docs = _docstrings(tree)
-    found = []
-    for node in ast.walk(tree):
-        names = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            names = [node.module or ""]
-        if isinstance(node, ast.Call) and ast.unparse(node.func).endswith(("import_module", "__import__")) \
-                and node.args and isinstance(node.args[0], ast.Constant):
-            names = [str(node.args[0].value)]
-        found += [f"line {node.lineno}: import {n}" for n in names if n.split(".")[0] == "torch_tpu"]
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs \
-                and TORCH_TPU_NAME.search(node.value):
-            found.append(f"line {node.lineno}: {node.value[:60]!r}")
-    return found
+    return _knowledge(source, "torch_tpu", TORCH_TPU_NAME)
 
 
 def test_the_torch_tpu_checker_sees_what_it_must():
