@@ -3,7 +3,7 @@
 #   make test   set up the environment and run the whole test suite
 # The virtual environment lives outside the clone, keyed by the lock file's hash, so a second call (or a second
 # clone) reuses it. Override its location with TPU_HELPERS_VENV_ROOT.
-# Also: make test-fast (the unit tier for the edit loop: no slow, notebook or browser tests, a few minutes), make
+# Also: make test-fast (the unit tier for the edit loop: no slow, notebook, browser or XLA tests, minutes), make
 # test-real (the offline real model's jobs, which make test leaves out), make test-stacks (the Colab, Kaggle, core
 # and newest-torch stacks, each in a venv of its own), make lock (re-resolve every lock file; see stacks/stack_venv.py).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -22,7 +22,7 @@ PYTEST_ARGS ?=
 # Most tests are one core's work (an XLA compile, a notebook kernel, a subprocess), so two keep a 2-core machine busy.
 WORKERS ?= 2
 XDIST := -n $(WORKERS) --dist loadfile
-FAST := not slow and not notebooks and not browser
+FAST := not slow and not notebooks and not browser and not xla
 STACKS ?= colab kaggle core latest
 
 .PHONY: setup browser run test test-fast test-real test-stacks lock lint clean-runs print-venv
@@ -60,7 +60,8 @@ test: setup browser
 	$(PY) -m pytest --ignore=tests/training $(XDIST) --durations=15 $(PYTEST_ARGS)
 	$(PY) -m pytest tests/training $(XDIST) --durations=10 $(PYTEST_ARGS)
 
-# The edit loop's tier: every test not marked slow, notebooks or browser, in one run over the workers.
+# The edit loop's tier, the unit tests: every test not marked slow, notebooks, browser or xla (the XLA:CPU compiles),
+# in one run over the workers.
 test-fast: setup
 	PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m ruff check tpu_helpers tests benchmarks stacks
