@@ -22,6 +22,9 @@ import pytest
 
 # Tests whose every case is a unit of its own under xdist (see above).
 PER_TEST = ("tests/test_benchmarks.py::test_benchmark_runs_at_smoke_size_and_prints_its_figures",)
+# Folders whose tests run for minutes on 2 cores, past pyproject.toml's per-test limit under load: the real model's
+# jobs, and the stack tests (venvs built over a stack's, notebooks or a whole test selection run in them).
+LONG_RUNS = {"tests/real/": 1800, "tests/stacks/": 1800}
 
 
 def timeout_message(nodeid: str, seconds: float) -> str:
@@ -57,6 +60,10 @@ def _per_test(nodeid: str) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        limit = next((s for folder, s in LONG_RUNS.items() if item.nodeid.startswith(folder)), None)
+        if limit is not None:
+            item.add_marker(pytest.mark.timeout(limit))
     if hasattr(config, "workerinput"):  # an xdist worker: its collection is the order the units go out in
         items.sort(key=lambda item: not _per_test(item.nodeid))  # stable: each group keeps its order
 

@@ -100,7 +100,9 @@ SLOWEST = ("chunked_loss", "generation", "sharding", "zero_grad", "qlora_memory"
 
 
 def _scripts() -> list[str]:
-    return sorted(p.stem for p in BENCHMARKS.glob("*.py"))
+    """Every script, SLOWEST first (in its order), then A-Z."""
+    names = sorted(p.stem for p in BENCHMARKS.glob("*.py"))
+    return sorted(names, key=lambda name: SLOWEST.index(name) if name in SLOWEST else len(SLOWEST))
 
 
 def test_every_smoke_entry_is_a_script():
@@ -145,13 +147,12 @@ def smoke_runs(request, tmp_path_factory):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         yield {name: _Now(name, tmp_path_factory.mktemp(name)) for name in names}
         return
-    names.sort(key=lambda name: SLOWEST.index(name) if name in SLOWEST else len(SLOWEST))  # stable: then A-Z
     pool = ThreadPoolExecutor(2)
     yield {name: pool.submit(_run, name, tmp_path_factory.mktemp(name)) for name in names}
     pool.shutdown(cancel_futures=True)
 
 
-@pytest.mark.parametrize("name", sorted(_scripts(), key=lambda n: SLOWEST.index(n) if n in SLOWEST else len(SLOWEST)))
+@pytest.mark.parametrize("name", _scripts())  # the session's items, and so the runs, go SLOWEST first
 def test_benchmark_runs_at_smoke_size_and_prints_its_figures(name, smoke_runs):
     assert name in SMOKE, f"benchmarks/{name}.py has no smoke entry: give it tiny arguments in SMOKE"
     proc, seconds = smoke_runs[name].result()

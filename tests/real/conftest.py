@@ -22,10 +22,3 @@ def smollm2_dir():
             pytest.fail(f"{why}: make setup installs it from stacks/dev-data.txt")
         pytest.skip(why)
     return smollm2.smollm2_dir()
-
-
-def pytest_collection_modifyitems(items):
-    # Each job trains the real model for minutes on 2 cores: more than pyproject.toml's per-test limit under load.
-    for item in items:
-        if "tests/real/" in item.nodeid:
-            item.add_marker(pytest.mark.timeout(1800))

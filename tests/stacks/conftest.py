@@ -52,11 +52,3 @@ def core_venv() -> StackVenv:
 def latest_venv() -> StackVenv:
     """The newest torch without torch_xla (Colab's CPU/GPU runtimes)."""
     return stack("latest")
-
-
-def pytest_collection_modifyitems(items):
-    # A stack test builds venvs over the stack's, installs into them and runs notebooks or a whole test selection in
-    # them: minutes each on 2 cores, more than pyproject.toml's per-test limit under load.
-    for item in items:
-        if "tests/stacks/" in item.nodeid:
-            item.add_marker(pytest.mark.timeout(1800))

@@ -24,13 +24,13 @@ import copy
 import importlib
 import importlib.metadata
 import os
-import re
 import sys
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+from packaging.version import Version
 
 from tpu_helpers.backend import runtime_env, torch_tpu, tpu_host
 from tpu_helpers.backend.base import Backend, BackendUnavailable, warn_fallback
@@ -92,15 +92,11 @@ NEWEST_TORCH_XLA = "2.9.0"
 NEWEST_TORCH_XLA_LIBTPU = "0.0.21"  # the libtpu its `tpu` extra requires (TorchTPU brings a newer one of its own)
 
 
-def _release(version: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in re.findall(r"\d+", version.split("+")[0])[:3])
-
-
 def pair_version(torch_version: str | None) -> str:
     """The torch/torch_xla version to install for a TPU, given the torch installed: the same one, or the newest
     torch_xla's where torch is newer than every torch_xla release (or absent)."""
     base = (torch_version or "").split("+")[0]
-    if not base or _release(base) > _release(NEWEST_TORCH_XLA):
+    if not base or Version(base).release > Version(NEWEST_TORCH_XLA).release:
         return NEWEST_TORCH_XLA
     return base
 
@@ -234,11 +230,11 @@ def get_backend(
                                      "best device instead, or device='auto'.")
         if device == "tpu":
             warn_fallback("tpu", problem, "cuda" if torch.cuda.is_available() else "cpu")
-        elif tpu_chip_count():
+        elif chips := tpu_chip_count():
             # A TPU host whose TPU cannot run (no torch_xla, TorchTPU or another torch_tpu instead, a torch_xla that
             # does not match torch): the user meant the TPU, so the CPU/GPU is not chosen without a word. Without
             # chips "auto" stays quiet.
-            warnings.warn(f"device='auto': {tpu_chip_count()} TPU chip(s) are attached but cannot be used: {problem}. "
+            warnings.warn(f"device='auto': {chips} TPU chip(s) are attached but cannot be used: {problem}. "
                           f"Running on {'cuda' if torch.cuda.is_available() else 'cpu'!r} instead.", stacklevel=2)
     if device in ("auto", "tpu", "cuda"):
         if torch.cuda.is_available():
