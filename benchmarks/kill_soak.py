@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/kill_soak.py --kills 100 --sigterms 10 --steps 600 --save-every 1
 
-The CI test (tests/test_preemption.py) does 20 kills; this runs as many as asked and prints: kills survived by
+The CI test (tests/training/test_preemption.py) does 20 kills; this runs as many as asked and prints: kills survived by
 kind (start-up, between steps, during a save), checkpoints verified after each kill (every one with a manifest
 must load), steps lost per kill (last step reached minus the step the next process resumed from: at most the
 steps since the last save), SIGTERM stop latency and steps past the signal, whether the final weights equal

@@ -1,4 +1,4 @@
-"""A tiny, fully deterministic training run for the kill/signal tests (tests/test_preemption.py).
+"""A tiny, fully deterministic training run for the kill/signal tests (tests/training/test_preemption.py).
 
     python tests/scripts/train_tiny.py OUT_DIR [--steps 300] [--save-every 1] [--device cpu|xla]
         [--lr 3e-3] [--eval-every 50] [--keep-last 2] [--on-divergence stop|warn|off]

@@ -9,7 +9,7 @@
 `batch_size` rows and returns CPU tensors `(ids (B, S, k) int, logp (B, S, k), tail (B, S))`: the k most likely
 next tokens at every position, their log-probabilities, and the log of the probability mass left over (`tail`,
 -inf when k is the whole vocabulary). This module only knows files: the recipe wires the teacher's forward on the
-backend (training/distill.py `TeacherTopK`, one compiled graph for every batch: the last partial batch is padded
+backend (algorithms/distill.py `TeacherTopK`, one compiled graph for every batch: the last partial batch is padded
 with copies of its last row, never a new shape). `identity` says what the cache is for (`cache_identity`): the
 teacher's name and weight hash, the tokenizer's fingerprint, seq_len, k, the temperature and the rows' fingerprint;
 a reader expecting another value gets an error naming each difference.

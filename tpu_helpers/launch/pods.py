@@ -11,7 +11,7 @@ is the single-host one, started on all workers at once:
     # gcloud compute tpus tpu-vm ssh my-v5e-32 --zone=us-west4-a --worker=all --command='cd ~/tpu_helpers && ...'
 
 SHARDING on a pod: "data", or a "DxF" mesh with F at most the chips of one host (fsdp within each host, data
-across hosts; see `training.sharding.check_hosts` for why). Checkpoints of sharded models are written shard by
+across hosts; see `tpu_helpers.sharding.check_hosts` for why). Checkpoints of sharded models are written shard by
 shard by every host (torch.distributed.checkpoint over a gloo group of the hosts), so out_dir must be storage all
 hosts mount; an out_dir that is not shared is reported at the first save (naming the files other hosts wrote) or
 at the start of a resume (the hosts see different checkpoints). The v5e-8 notebook runs the same way on every

@@ -53,7 +53,7 @@ def nearest_slice(chips: int, spec: HardwareSpec) -> int:
 
 def max_fsdp(spec: HardwareSpec, chips: int) -> int:
     """The most chips one model copy may be sharded over: all of them, except on a TPU pod, where the trainer keeps
-    fsdp within one host (``training.sharding.check_hosts``)."""
+    fsdp within one host (``tpu_helpers.sharding.check_hosts``)."""
     if spec.kind == "tpu":
         return min(chips, max(1, spec.chips_per_host))
     return chips
