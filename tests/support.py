@@ -12,7 +12,7 @@ import os
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The session (and every process it starts) keeps no more compiled graphs than XLA:CPU's memory mappings allow
-# (runtime_env.cap_xla_cpu_cache): the whole suite in one process used to exhaust vm.max_map_count and segfault.
+# (runtime_env.cap_xla_cpu_cache): the whole suite in one process would otherwise exhaust vm.max_map_count.
 from tpu_helpers.backend import runtime_env  # noqa: E402
 
 runtime_env.cap_xla_cpu_cache()

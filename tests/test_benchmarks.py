@@ -1,5 +1,5 @@
 """Every script in benchmarks/ runs at a smoke size and prints its figures, so a benchmark nothing else runs cannot
-rot unnoticed (memory_accuracy.py once failed for months on a keyword the compiled estimate had lost).
+rot unnoticed (a keyword a package function loses breaks only the benchmark that passes it).
 
 Each script runs as a subprocess (its own XLA runtime: several set XLA flags or device counts, which are fixed per
 process) on XLA:CPU, with the tiny arguments in SMOKE; the test checks it exits 0 and printed the lines that carry its

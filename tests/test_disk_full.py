@@ -51,7 +51,7 @@ def test_full_disk_during_training_fails_clearly_and_keeps_the_previous_checkpoi
 @pytest.mark.parametrize("mode", ["lower keep_last", "fill"])
 def test_full_disk_lowering_keep_last_helps_and_a_fresh_out_dir_fails_clearly(tmp_path: Path, mode: str) -> None:
     """Following the advice "lower keep_last" works: older checkpoints go before the save when space is short
-    (before, pruning ran only after a successful save, so the rerun failed the same way). A fresh out_dir on a
+    (pruning only after a successful save would fail the rerun the same way). A fresh out_dir on a
     full disk gives an error that says so, not a raw OSError."""
     mount = tmp_path / "small_disk"
     mount.mkdir()

@@ -220,8 +220,8 @@ def test_reading_sharded_tensors_on_a_mesh_compiles_once_not_every_read():
 
 @pytest.mark.xla
 def test_a_replayed_step_whose_graph_left_the_compile_cache_is_captured_anew():
-    # torch_xla's LRU cache of compiled graphs evicts a capture's graph after enough others (2048 by default: a
-    # test session got there, and the replays of earlier captures then failed "kicked out of the LRU cache").
+    # torch_xla's LRU cache of compiled graphs evicts a capture's graph after enough others (2048 by default, which a
+    # test session reaches); a replay of an evicted capture must capture anew, not fail "kicked out of the LRU cache".
     from tests.support import script_result
 
     out = script_result("evicted_capture", env={"XLA_COMPILATION_CACHE_SIZE": "4"})

@@ -90,9 +90,9 @@ def test_backend_for_on_the_cpu(tmp_path):
 
 
 def test_xla_cpu_keeps_no_more_compiled_graphs_than_the_kernels_mapping_limit_holds():
-    """XLA:CPU's compiled graphs each hold LLVM memory mappings until torch_xla's LRU evicts them; the whole test
-    suite in one process reached vm.max_map_count (65,418 of 65,530) and segfaulted. The cache is sized to the
-    limit on XLA:CPU, a user's own setting kept, and nothing is set for other devices."""
+    """XLA:CPU's compiled graphs each hold LLVM memory mappings until torch_xla's LRU evicts them; a process past
+    vm.max_map_count fails to compile and segfaults (the whole test suite in one process gets there). The cache is
+    sized to the limit on XLA:CPU, a user's own setting kept, and nothing is set for other devices."""
     assert runtime_env.xla_cpu_cache_size(65530) == 959  # the kernel's default limit, less the process's own
     assert runtime_env.xla_cpu_cache_size(10**7) == 2048  # a raised limit: torch_xla's own default
     assert runtime_env.xla_cpu_cache_size(100) == 64  # never a uselessly small cache

@@ -94,8 +94,8 @@ def test_cached_greedy_equals_the_uncached_loop_across_model_families(family, mo
 
 
 def test_a_sliding_window_without_layer_types_is_applied_as_hf_does(monkeypatch):
-    # Mistral-style configs set sliding_window for every layer and list no layer_types: the cached generator used to
-    # attend to everything while HF's forward applies the window (6 here, prompts + completions up to 21 tokens).
+    # Mistral-style configs set sliding_window for every layer and list no layer_types: HF's forward applies the
+    # window (6 here, prompts + completions up to 21 tokens), so the cached generator must too.
     config = FAMILIES["mistral"].config(VOCAB, pad=0)
     assert getattr(config, "layer_types", None) is None and config.sliding_window == 6
     model = random_model(config, seed=2)
@@ -176,13 +176,12 @@ def test_the_race_noise_keeps_its_resolution_far_below_a_24_bit_uniform():
 def test_sampling_over_a_150k_vocabulary_draws_tokens_an_inverse_cdf_cannot(one_thread):
     # 10 likely tokens, then ~150k tokens of 2.5e-8 each (0.37% of the mass), after them in the order a cumulative
     # sum runs. In float32 that sum near 1 has a spacing of 6e-8: more than half of those tokens end where their
-    # predecessor ends (a zero-width interval), so an inverse CDF (the old sampler) never draws them. The race
+    # predecessor ends (a zero-width interval), so an inverse CDF never draws them. The race
     # draws each at its own probability: their share of 10000 draws is binomial around their mass.
     # Cost: the race hashes every (row, token), 1.5e9 in all, and the zero-width tokens can hold at most ~0.22% of
     # the mass (a quarter of the spacing each), so fewer draws would lose the margin between 0 and ~22 hits. They go
     # 2 rows per call on one thread: each of the hash's ~40 int64 passes then touches 2.4 MB, which stays in cache,
-    # where 500 rows per call (600 MB a pass, every page faulted in anew) took 16 minutes on a loaded 2-core machine
-    # (265 s of system time, 97 s of user time).
+    # where hundreds of rows per call would fault every page of each pass in anew (minutes of system time).
     vocab, head, rows, chunk = 150_000, 10, 10_000, 2
     p = torch.full((vocab,), 2.5e-8, dtype=torch.float64)
     p[:head] = torch.linspace(2.0, 1.0, head, dtype=torch.float64)
@@ -225,7 +224,7 @@ def test_rows_that_produce_eos_stop_growing(tiny_lm_dir):
 def test_an_eager_backends_replay_runs_the_prompt_pass_once_and_keeps_the_tokens():
     """`replay=backend.compile_step` on an eager backend (CPU, CUDA: it returns the function itself) keeps the cache
     between calls but runs each call's prompt pass once: the allocation pass a capture needs first (traced and
-    dropped on XLA) would be a whole second prefill there (it ran, first call of a shape, before this was checked)."""
+    dropped on XLA) would be a whole second prefill there, at the first call of each shape."""
     from tpu_helpers.backend.base import Backend
 
     model = random_model(FAMILIES["llama3"].config(97, pad=0), seed=1)

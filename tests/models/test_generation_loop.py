@@ -143,7 +143,7 @@ def test_a_step_that_cannot_be_looped_steps_one_by_one_with_one_warning(one_thre
 
 def test_a_qat_models_fake_quantizers_loop_and_keep_no_trace_behind(one_thread):
     """torchao's fake quantizers set tensors on their modules in every forward: traced on the loop's placeholders,
-    those would outlive the trace and the next sync would read a placeholder (it segfaulted). The loop restores
+    those would outlive the trace and the next sync would read a placeholder (a segfault). The loop restores
     them, answers as the lazy loop does, and the model still runs afterwards."""
     from tpu_helpers.models import qat
 
@@ -165,9 +165,9 @@ def test_a_qat_models_fake_quantizers_loop_and_keep_no_trace_behind(one_thread):
 def test_a_data_parallel_mesh_loops_the_decode_and_an_fsdp_one_steps_it():
     """On 8 devices (SPMD): a data mesh (replicated weights) runs the decode as one device loop and answers as the
     CPU does on every family, a third call compiling nothing; an fsdp mesh keeps the stepped decode (the loop's
-    program gathered every sharded weight whole before its While: the model whole on each chip), same tokens. On
+    program would gather every sharded weight whole before its While: the model whole on each chip), same tokens. On
     both a call with fewer new tokens in the same cache compiles nothing: over fsdp the replayed steps, which capture
-    nothing over a mesh, were traced unsynced into one graph per call length (every call compiled 2 graphs)."""
+    nothing over a mesh, must be synced per step, not traced into one graph per call length."""
     from tests.support import script_result
     from tpu_helpers.backend import runtime_env
 

@@ -165,7 +165,7 @@ print(json.dumps({"shape": list(out.ids.shape), "keys": str(cache.layers[0].keys
 def test_generation_under_bf16_autocast_of_an_fp32_model(profile_venv: StackVenv, device):
     """What GRPO's rollouts do with fp32 weights on a TPU or GPU (full fine-tuning): the rotary embedding gives fp32
     keys and bf16 values. transformers up to 5.17 (Colab's 5.15) allocates a static cache's values in the keys' dtype,
-    and the first write failed ("index_copy_(): self and source expected to have the same dtype"); the package's
+    so its first write fails ("index_copy_(): self and source expected to have the same dtype"); the package's
     cache layer keeps each in its own."""
     out = profile_venv.run(["-c", AUTOCAST_GENERATION, device], env={"PJRT_DEVICE": "CPU"} if device == "xla" else {})
     got = json.loads(out.stdout.strip().splitlines()[-1])

@@ -6,28 +6,9 @@ backend/xla_loop.py, with the same contract).
     loop = backend.compile_loop()                      # a GraphLoop on one CUDA GPU
     carry = loop(step, carry, steps=255, key=("decode", width), outside=weights_and_cache)
 
-Why: a decode step of a 30-layer model is ~1,000 small kernels, each launched from Python through transformers'
-modules; on an H100 that took ~24 ms per token for the whole batch whatever the precision, the GPU idle most of it.
-A CUDA graph replays the same kernels with one launch.
-
-The contract (as backend/xla_loop.py's): `step(carry) -> carry` takes and returns a list of tensors of unchanged
-shapes and dtypes and reads nothing else that can change between calls; `key` names every Python value it depends
-on. `outside` are the caller's own state tensors in the carry (a model's weights, a kept key/value cache): the same
-objects call after call, which the graph reads and writes where they are (a graph records addresses), so a weight
-updated in place between calls is read afresh and the cache is written in place; a later call whose carry holds
-another object in such a slot, or the same object in other memory (`model.cpu().cuda()`), captures anew. Every other
-carry tensor is copied into the graph's own buffers at the call and advanced there, and comes back as a new tensor.
-Unlike the XLA loop, nothing refuses a step that reads a device tensor from outside its carry: the graph reads it
-at its capture-time address, so it must stay there (a module's buffers do; pass anything else in the carry). At
-most `MAX_GRAPHS` graphs are kept per loop, each with its private memory pool for one step's intermediates.
-
-How: the first call of a shape runs the step once eagerly (the first of its `steps`, and the warm-up a capture
-needs: lazily made library handles and workspaces), then captures it on the buffers with each new value copied
-back into its buffer inside the graph, so that one replay is one step; the graph is kept per (key, shapes). A step
-that cannot be captured (a host read such as `.item()`, a copy from the host, a shape or dtype change) runs its
-other steps eagerly, as a Python loop would, with one warning per loop, and eagerly at later calls of that key.
-Unlike the XLA loop, this one never raises `ReplayUnsupported`: by the time a capture fails the first step has run
-(in-place writes to the caller's state included, a cache's write position), so the loop finishes what it started.
+`step(carry) -> carry` takes and returns a list of tensors of unchanged shapes and dtypes; `outside` are the
+caller's own tensors in the carry (weights, a kept cache), read and written where they are. A step that cannot be
+captured runs eagerly, with one warning. The contract in full and how the capture works: docs/design/device_loops.md.
 """
 
 from __future__ import annotations

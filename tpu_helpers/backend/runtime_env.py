@@ -130,8 +130,8 @@ def dump_dir_flags(path: str | Path, flags: str = "") -> str:
 
 # XLA:CPU's default scheduler favours concurrency: it runs a checkpointed block's recomputation as early as it can,
 # so the recomputed activations live as long as saved ones would and the compiled figure ignores gradient
-# checkpointing (GPT mini, batch 8, seq 256: 815.79 MB without vs 815.80 MB with). The memory-aware scheduler, as a
-# TPU's is, shows the saving (774.1 MB -> 369.8 MB): compiled-memory estimates on the CPU use it.
+# checkpointing. The memory-aware scheduler, as a TPU's is, shows the saving: compiled-memory estimates on the CPU
+# use it (memory/compiled.py; tests/memory/test_compiled_checkpointing.py checks the saving shows).
 CPU_MEMORY_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 
@@ -150,11 +150,10 @@ def dump_env(path: str | Path, *, pjrt: str = "CPU", environ: Mapping[str, str] 
 # XLA:CPU JIT-compiles each kernel of a graph with LLVM into three memory mappings (code, constants, data), freed
 # when torch_xla's LRU of compiled graphs evicts the graph. The process's mappings are capped by the kernel
 # (vm.max_map_count, 65530 by default), and a long process of real models' graphs reaches it before the LRU's 2048
-# graphs: measured, the test suite in one process held 65,418 mappings when LLVM failed ("LLVM compilation error:
-# Cannot allocate memory", with 18 GB of RAM free) and the next graph's run segfaulted. Budgeted at 64 mappings a
-# graph (a 1-layer MLP's training step takes 4) after 4096 for the process itself (torch_xla's own take ~760), the
-# cache bounds what evicted graphs give back; a model's graph of many kernels takes more than 64 (the suite in one
-# process still reached the limit), so a process that compiles thousands of such graphs needs a higher limit.
+# graphs: LLVM then fails ("LLVM compilation error: Cannot allocate memory", whatever RAM is free) and the next
+# graph's run segfaults. Budgeted at 64 mappings a graph (a 1-layer MLP's training step takes 4) after 4096 for the
+# process itself (torch_xla's own take ~760), the cache bounds what evicted graphs give back; a model's graph of many
+# kernels takes more than 64, so a process that compiles thousands of such graphs needs a higher limit.
 MAPPINGS_PER_GRAPH = 64
 PROCESS_MAPPINGS = 4096
 DEFAULT_CACHE_SIZE = 2048

@@ -92,13 +92,9 @@ class XlaBackend(SpmdSharding, Backend):
 
     compile_cache_dir: str | None = None  # set by get_backend when it turned the persistent cache on
 
-    # TPU guides advise set_to_none=False so the first step's graph matches the others. Measured instead, torch_xla
-    # 2.9 on XLA:CPU (benchmarks/zero_grad.py: 2-layer GPT d128, 40 steps, grad_accum 2, evaluation before step 1 and
-    # every 10, checkpoints): set_to_none=True compiled 4 graphs, False 5 (nothing after step 2 with either); XLA's
-    # memory report for the step 36.7 MiB against 38.8 MiB (the zeroed gradients no longer go in and out of every
-    # step's graph); CPU per steady step 128 ms against 138 ms (medians of 2 runs each, on a busy machine). A
-    # hand-written loop ran 6.14 s with True against 6.77 s with False (4 pairs). So True, on every backend.
-    # (The graph counts were taken while MpDeviceLoader still synced before every micro-batch; see wrap_loader.)
+    # True on every backend, though TPU guides advise False so the first step's graph matches the others: with True
+    # the zeroed gradients stay out of every step's graph, which compiles no more graphs, holds less memory and takes
+    # less host time per step (benchmarks/zero_grad.py compares the two).
     zero_grad_set_to_none = True
 
     def __init__(self, precision: str = "auto", *, spmd: bool = False) -> None:
@@ -181,9 +177,9 @@ class XlaBackend(SpmdSharding, Backend):
 
     def wrap_loader(self, loader: Iterable) -> Iterable:
         kwargs = {"input_sharding": self._input_sharding} if self.mesh is not None else {}
-        # The loop syncs once per optimizer step itself. MpDeviceLoader would also sync before every batch, which
-        # cut a gradient-accumulation step into one graph per micro-batch (measured: 2 executions per step and one
-        # more compile with grad_accum=2, same loss); a batch count it never reaches turns that off.
+        # The loop syncs once per optimizer step itself. MpDeviceLoader would also sync before every batch, cutting a
+        # gradient-accumulation step into one graph per micro-batch (an execution and a compile more per step);
+        # a batch count it never reaches turns that off.
         return _DeviceLoader(loader, self.device, batches_per_execution=2**62, **kwargs)
 
     def all_reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
@@ -196,12 +192,11 @@ class XlaBackend(SpmdSharding, Backend):
 
     def compile_step(self, fn: Callable, *, over_mesh: bool = False) -> Callable:
         # Under a mesh only what the caller vouches for (`over_mesh`: the optimizer step, checked against the lazy
-        # one over data, fsdp and 2x4 meshes). A forward whose backward is captured computed wrong gradients there:
+        # one over data, fsdp and 2x4 meshes). A forward whose backward is captured gets wrong gradients there:
         # torch_xla 2.9's bridge matches a graph's inputs to the call's tensors by the id their device data records,
         # and over a mesh an input the backward takes straight from the forward (the token ids, an RMSNorm weight)
-        # records another tensor's id by then, so it became a constant of the capture: a full fine-tune's second
-        # replayed step took the first step's tokens (gradients off by ~2e-2 against lazy; LoRA, whose frozen
-        # weights never change, was unaffected). Such steps stay lazily traced: correct, slower on the host.
+        # records another tensor's id by then, so it becomes a constant of the capture and later replays reuse the
+        # first step's value. Such steps stay lazily traced: correct, slower on the host.
         if self.mesh is None:
             return _compiled(fn)
         if not over_mesh:
@@ -212,8 +207,8 @@ class XlaBackend(SpmdSharding, Backend):
     def after_load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         super().after_load(model, optimizer)
         # A checkpoint loaded into a mesh's tensors (and resharded) in a process that already replayed a step over
-        # the mesh: the bridge re-extracted that capture over the changed shardings and crashed ("buffer ... is
-        # deleted": an fsdp run resumed in the same process). Captured anew instead, as a new process would.
+        # the mesh: the bridge would re-extract that capture over the changed shardings and fail ("buffer ... is
+        # deleted"), so each is captured anew, as in a new process.
         for fn in self._mesh_captures:
             torch._dynamo.reset_code(fn.__code__)
 
@@ -221,9 +216,9 @@ class XlaBackend(SpmdSharding, Backend):
         # Each target's value replaced by its value's, no op traced (~3 us a tensor against ~8 for a copy_). XLA
         # tensors are functionalization wrappers: the replacement goes through torch's functionalization (replace,
         # then commit, as AOT autograd writes back a mutated input), so the views a module reads its weight through
-        # (`linear`'s transpose, `state_dict`'s detach) follow. torch_xla's `_replace_xla_tensor` swapped the wrapped
-        # tensor only: a weight once written in place (a checkpoint's load_state_dict) kept showing its views the
-        # loaded value. A target or value that is a view, or not a wrapper (functionalization turned off), is copied.
+        # (`linear`'s transpose, `state_dict`'s detach) follow. torch_xla's `_replace_xla_tensor` swaps the wrapped
+        # tensor only: the views of a weight once written in place (a checkpoint's load_state_dict) would keep
+        # showing the loaded value. A target or value that is a view, or not a wrapper (functionalization turned off), is copied.
         # The value's own wrapper is taken as it is: `assign`'s values are fresh (a captured step's outputs), never
         # written through a view since (torch._sync would make sure, at ~2.3 us more a tensor, ~2 ms a step).
         for t, v in zip(targets, values, strict=True):
@@ -236,9 +231,9 @@ class XlaBackend(SpmdSharding, Backend):
 
     def compile_loop(self) -> Callable | None:
         # A data mesh (replicated weights) loops: the same tokens as the CPU on every family. Over an fsdp axis the
-        # partitioner gathered every sharded weight whole before the While (a 2-layer Llama on 8 devices: each weight
-        # all-gathered in the program's entry), so the loop would hold the model whole on each chip, what fsdp is
-        # there to avoid: that decode stays stepped (tests/models/test_generation_loop.py checks both).
+        # partitioner gathers every sharded weight whole before the While (each weight all-gathered in the program's
+        # entry), so the loop would hold the model whole on each chip, what fsdp is there to avoid: that decode stays
+        # stepped (tests/models/test_generation_loop.py checks both).
         if self.mesh is not None and self.mesh_shape[1] > 1:
             return None
         from tpu_helpers.backend.xla_loop import DeviceLoop
@@ -357,8 +352,8 @@ class XlaBackend(SpmdSharding, Backend):
 
     def device_seconds(self) -> float | None:
         # The execution time metrics' totals (EXECUTE_METRICS: under SPMD a graph runs through ExecuteReplicated,
-        # timed apart; ExecuteTime alone read 0 s on a v5e-8): the time from each graph's launch to its outputs
-        # being ready, summed (measured on XLA:CPU: it equals the wait after an asynchronous sync). A graph launched
+        # timed apart; ExecuteTime alone reads 0 there): the time from each graph's launch to its outputs being
+        # ready, summed (on XLA:CPU it equals the wait after an asynchronous sync). A graph launched
         # while another still runs counts its time in the queue too: it overstates the device when the device
         # bounds the loop, and when a step is several graphs launched back to back (a replayed step's), which is
         # why StepTimer caps it at the wall time that passed; it is exact for one graph per step when the host

@@ -1,43 +1,13 @@
 """Analytic memory estimate for the package GPT (or any decoder given by its sizes): instant, no model built.
 
-Per chip, for one step of the trainer (`Trainer.train_step`) with a per-chip micro-batch ``b`` of ``s`` tokens, ``L``
-layers of width ``h``, ``a`` heads and vocabulary ``V``, with data parallelism (parameters, gradients and optimizer
-states replicated on every chip, so the figure does not depend on the number of chips)::
-
-    weights      P * w                       w = 4 bytes (fp32 and bf16/fp16 autocast), 2 (pure_bf16: stored in bf16)
-    gradients    P * w                       see the two phases below
-    optimizer    AdamW 2*P*w, SGD+momentum P*w, Adafactor-like ~ (rows + columns) * w
-    activations  L * (alpha * s*b*h + 4*a*s*b)  [+ a*s^2*b*e for the unfused "math" attention that XLA compiles]
-                 + max(lam * s*b*V + c1 * s*b*h,  c2 * s*b*h)
-    temporaries  the largest gradient temporary (one parameter-sized tensor before it is added into .grad)
-
-The trainer drops the gradients between steps (``zero_grad(set_to_none=True)``), so the peak is the larger of two
-moments: the start of the backward (weights, optimizer state, every activation, the temporaries; gradients only
-with ``grad_accum`` > 1, where the earlier micro-batches' are kept), and the end of the backward (weights, every
-gradient, optimizer state, the first layer's activations and its backward or recomputation transient; the
-optimizer update after it holds less). The breakdown is that of the larger one.
-
-Source: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (arXiv:2205.05198),
-which gives ``s*b*h*(34 + 5*a*s/h)`` bytes per layer for 16-bit activations with dropout and unfused attention, and
-``2*s*b*h`` per layer with full recomputation. This GPT stores less (no dropout masks, fused SDPA whose backward keeps
-only the log-sum-exp, ``4*a*s*b``) and more (fp32 LayerNorm inputs and an fp32 copy of the logits for the loss), so
-the per-layer coefficient ``alpha`` (bytes per ``s*b*h``) was calibrated against the traced step of this model,
-which itself matches a real CPU run to within 0.3%:
-
-    layout            alpha  alpha (ckpt)  lam (logits, fwd+grad)  c1    c2     c2 (ckpt: one layer recomputed)
-    fp32              64     4             12                      8.4   20.3   80.3
-    bf16 autocast     42     4             12.5                    6.4   16     50.3
-    pure_bf16         32     2             12                      4.2   12     40.3
-
-(fp16 autocast keeps the same bytes as bf16 autocast.)
-
-``lam``: fp32 logits (or bf16 logits plus their fp32 copy), the log-softmax and the logits' gradient. ``c1``/``c2``:
-embeddings, the final LayerNorm and backward transients; the peak is either at the start of the backward (logits
-alive) or while the last layer's gradients are formed (or recomputed), whichever is larger.
-
     from tpu_helpers.memory.analytic import analytic_estimate
     est = analytic_estimate("mini", batch_size=32, seq_len=256, precision="bf16", optimizer="adamw")
     est = analytic_estimate("mini", 32, 256, precision="bf16", pure_bf16=True)   # weights stored in bf16 too
+
+Per chip, for one step of the trainer, with data parallelism (the figure does not depend on the number of chips):
+weights, gradients, optimizer state, activations (Korthikanti et al. 2022's per-layer form, its coefficients fitted
+to this model's traced step) and the largest gradient temporary, at the larger of the backward's start and end.
+The formula and its table of coefficients: docs/guides/memory.md.
 """
 
 from __future__ import annotations

@@ -1,44 +1,16 @@
 """Compiled memory estimate: the memory XLA itself reports for the compiled training-step graph.
 
 XLA reads ``XLA_FLAGS`` once, when its runtime starts, so the step runs in a fresh interpreter with
-``--xla_dump_to=DIR``; the compiler writes a ``*memory-usage-report.txt`` per program ("Total bytes used: N") and
-the largest one (the steady-state step) is parsed back here. ``PJRT_DEVICE=CPU`` by default: XLA:CPU compiles the
-same graph a TPU would get (the TPU compiler's buffer assignment differs in detail). Run it before this process
-holds a TPU, or keep the CPU default::
+``--xla_dump_to=DIR`` and the largest ``*memory-usage-report.txt`` (the steady-state step) is parsed back here.
+``PJRT_DEVICE=CPU`` by default: XLA:CPU compiles the same graph a TPU would get. Run it before this process holds a
+TPU, or keep the CPU default::
 
     from tpu_helpers.memory.compiled import compiled_estimate
     est = compiled_estimate("mini", batch_size=8, seq_len=256)       # GPT preset, name, GPTConfig or dict of sizes
     est = compiled_estimate("mymodels:make_cnn", batch_size=32, batch_fn="mymodels:cnn_batch")   # any module
 
-How it differs from the eager figure (``traced_estimate``): the graph's inputs (weights, gradients, optimizer state)
-and its outputs (their new values) are separate buffers unless XLA can alias them, attention is not fused (the
-``a*s^2*b`` probabilities are materialised), and the compiler may keep or rematerialise intermediates as it
-schedules; the figure is usually well above the eager one on XLA:CPU. Parameters, gradients and optimizer state are
-reported from their exact sizes; the rest of the compiled total is reported as ``temporaries``.
-
-Gradient checkpointing on XLA:CPU: XLA:CPU's default scheduler is tuned for concurrency, not memory; it runs the
-recomputed forward of a checkpointed block as early as its inputs allow (torch_xla's ``opt-barrier`` is expanded
-away by then), so the recomputed activations live as long as the saved ones would have and the figure does not
-move (815.79 MB without, 815.80 MB with for preset mini, batch 8, seq 256). TPU's scheduler is memory-aware. For
-CPU the child therefore compiles with the memory-minimising scheduler (``runtime_env.CPU_MEMORY_SCHEDULER_FLAG``), and the
-figure then shows the saving a TPU gets; the notes count the ``opt-barrier`` ops in the step's HLO (torch_xla puts
-them around every recomputed block, so 0 means checkpointing was not applied).
-
-Gradient accumulation (``grad_accum``): the trainer's step runs every micro-batch's forward and backward before the
-optimizer step with no sync between them, so they are one graph, and the figure is that graph's. Each micro-batch
-is a batch of its own on the device (the same tensors twice would let XLA compute the two identical passes once).
-XLA:CPU then keeps both micro-batches' activations rather than finishing one backward before the next forward: for
-the tiny GPT at batch 8 x 64, 10.1 MB with ``grad_accum=1``, 17.4 MB with 2, 18.5 MB for one batch of 16 (the
-eager step, which the traced and analytic estimates count, adds only the kept gradients).
-
-bf16 on XLA:CPU: XLA:CPU has no bf16 arithmetic; its float normalization turns every bf16 dot into an f32 one, and
-the f32 copies of the operands are what the backward keeps. A bf16 step's figure on CPU therefore holds its
-activations (and copies of its bf16 weights) in f32: the Qwen3-0.6B QAT + top-128 job of
-benchmarks/chunked_loss.py keeps 380 MiB per layer at bf16 and 346 MiB at fp32 (batch 1 x 1024), where a TPU keeps
-most of them in bf16. Compare a bf16 plan with a TPU's figure; on XLA:CPU, compare the plan and the compiled step at
-fp32 (that benchmark: within 10%).
-
-``python -m tpu_helpers.memory.compiled SPEC_JSON`` is the subprocess entry point.
+How the figure differs from the eager one, and what XLA:CPU does with checkpointing, accumulation and bf16:
+docs/guides/memory.md. ``python -m tpu_helpers.memory.compiled SPEC_JSON`` is the subprocess entry point.
 """
 
 from __future__ import annotations

@@ -6,50 +6,10 @@
     plan = hf_sharding_plan(config, 8, 512, chips=8, method="full", hardware="v5e")  # data vs fsdp per chip
     print(plan.advice())  # "full fine-tuning of this 1.5B model needs fsdp over at least 2 chips ..."
 
-Per chip, data parallel (everything replicated), batch b, sequence s, L layers of width h, a heads, vocab V:
-
-    weights      P * 2 bytes (bf16 base under LoRA/distill on TPU) or P * 4 (fp32 master weights, full)
-    gradients    trainable parameters * 4 (LoRA: only the adapters)
-    optimizer    AdamW: trainable * 8 (two fp32 moments)
-    activations  L * s*b*h*(34 + 5*a*s/h) bytes (Korthikanti et al. 2022, 16-bit, unfused attention),
-                 with checkpointing L * 2*s*b*h plus one layer recomputed; plus the logits: fp32 logits, their
-                 log-softmax and gradient, 12 * s*b*V (x2 with a teacher for the teacher's logits); with the
-                 chunked loss (`loss_chunk`, LOSS_CHUNK: "auto" by default, `models.lm_head`) those of one chunk
-                 of c tokens, 12 * c*V (x2 with a live teacher, whose hidden states, 2 * s*b*h, stay whole)
-    teacher      its weights in bf16 (distill)
-    cached       distill from a teacher cache (`teacher_topk=k`): no teacher weights and no teacher logits; the
-                 batch's top-k instead, 24 * s*b*k (int32 ids and their int64 copy, fp32 log-probabilities, their
-                 exp and the student's gathered log-probabilities); chunked, the batch's 8 * s*b*k and one
-                 chunk's 16 * c*k
-    4-bit base   (`quantize_base="nf4"`/"int4", QLoRA) the quantized linear weights (all but the head) at 0.5 byte
-                 each plus an fp32 scale per `quantize_group_size` of them (`models.quant4`), the rest of the base as
-                 above; and, as a temporary, the largest layer's weight dequantized (fp32, then the compute dtype):
-                 the forward and the backward dequantize one layer at a time and keep only the codes
-    QAT          (`qat="int4"`/"int8") the fake-quantized copy of every quantized linear weight, in the weights'
-                 dtype, which the matmul keeps for the backward: all of them at the start of the backward (one
-                 layer's with checkpointing, the rest are recomputed); scales (1/group of that) are left out
-
-As for the trainer's step (`Trainer.train_step`, which drops the gradients between steps): the peak is the larger of
-the start of the backward (every activation; gradients only those kept by `grad_accum` > 1) and its end (every
-gradient, one layer's activations), weights, optimizer state and teacher at both.
-
-The per-layer factor is the paper's; the eager attention XLA compiles keeps the a*s^2 scores, which the 5*a*s/h
-term covers. benchmarks/finetune_memory.py compares this plan with the traced figure (the trainer's step on fake
-tensors) and XLA's compiled one:
-- Qwen2.5-0.5B sizes with 4 layers, bf16, batch 8 x 512: plan/traced 0.96 (LoRA) and 0.90 (full) without
-  checkpointing, 1.03 and 0.99 with; the peak is at the start of the backward in all four. Without checkpointing the
-  plan under-counts a Qwen2 layer: the paper's 34*s*b*h is for a 4h GELU MLP, Qwen2's SwiGLU MLP is 5.4h wide and
-  saves gate, up and their product, and HF attention keeps its softmax in fp32. With checkpointing the logits term
-  (12*s*b*V, about 7 GiB here) dominates and matches.
-- tiny model, fp32, batch 8 x 128: plan 1.09-1.36x traced (at fp32 the 16-bit factors are doubled; under LoRA a
-  frozen linear needs no saved input, which the plan does not subtract); XLA's compiled figure is 0.9-1.1x traced,
-  and 2.1x with checkpointing for the full model (XLA:CPU's scheduling of the recomputed blocks).
-- Qwen3-0.6B sizes, int4 QAT, LoRA r=16 on every linear, top-128 cache, batch 4 and 8 x 1024
-  (benchmarks/chunked_loss.py --plan): plan/compiled 0.93-0.96 at fp32 (XLA:CPU, 1 and 2 layers extrapolated to
-  28), whole logits and chunked. At fp32 the layer's total agrees by compensation: a Qwen3 layer keeps ~39 values
-  per token and width unit (the paper counts 17) and one fp32 a*s^2*b softmax (the plan counts 5 bytes per score
-  in 16-bit), which cancel near 1,024 tokens. The bf16 step on XLA:CPU is no yardstick (it keeps its activations
-  in f32, memory/compiled.py); the guide measured 22-28 GB for this job at batch 4 on a v6e-1, the plan 23.1 GB.
+Per chip, data parallel: weights, gradients, AdamW state, activations (Korthikanti et al. 2022's per-layer formula
+plus the loss's logits, whole or one chunk's), a teacher or its top-k cache, a 4-bit base or QAT's fake-quantized
+copies; the peak is the larger of the backward's start and end, as in the trainer's step. The formula term by term,
+and how it compares with the traced and compiled figures: docs/guides/memory.md.
 """
 
 from __future__ import annotations

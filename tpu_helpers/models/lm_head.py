@@ -8,37 +8,9 @@
     set_loss_chunk(model, 0)                                           # off for this model: the full logits
 
 Why: with Qwen's 151,936-token vocabulary the fp32 logits of 8 x 1024 tokens are 5 GB, and their log-softmax and
-gradient as much again (Liger's FusedLinearCrossEntropy and Unsloth compute the loss in slices for this). Here the
-backbone (the model without its head: `model.model`, the decoder, under peft's LoRA and torchao's QAT too, with
-their gradient checkpointing) gives the final hidden states (B, S, H); they are flattened to tokens and each chunk
-of `chunk` tokens goes through the head and its loss in a checkpoint of its own, so the forward keeps one scalar
-(or one log-prob per token) per chunk and the backward recomputes each chunk's logits just before their gradient:
-at most one chunk's logits, log-softmax and gradient are alive at a time.
-
-Why checkpoint per chunk rather than a custom autograd.Function with a hand-written backward: the head may be a
-wrapped module (peft's LoRA on lm_head when targeted; a QAT head would be torchao's module), whose parameters
-autograd reaches through the module's own forward; and on XLA the checkpoint is torch_xla's, which puts an
-optimization barrier on the recomputation's inputs, so XLA's common-subexpression pass cannot merge the backward's
-logits with the forward's (a hand-written recomputation is exactly such a duplicate, and the saving would silently
-vanish in the compiled graph). It is all ordinary lazy ops: one graph per step (tests/algorithms/test_chunked.py).
-Measured on SmolLM2's 4-layer LoRA step (XLA:CPU, 2,304 tokens in 1,024-token chunks), the lazily traced graph holds
-6 vocabulary-sized matmuls (each chunk's forward and input gradient: no second matmul for the recomputation) and the
-chunks still lower its compiled peak, 1.81 GiB against 2.21 unchunked: a chunk's backward needs only the loss's
-constant gradient, so it can run right after that chunk's forward. Under `replay_steps` the backward is a captured
-graph of its own and recomputes each chunk's logits (9 such matmuls; 10% more of the step's matmul FLOPs at 30
-layers, a third more at 4).
-
-The head as the family computes it: `lm_head(h)`, then Gemma 2/3's final-logit soft-capping (cap * tanh(z / cap)),
-tied embeddings included (the head module is the embedding's weight either way). Families are taken by model_type
-(`CHUNKABLE`); any other model (a head that scales its logits, Cohere's logit_scale, Granite's logits_scaling, a
-model without a `.model` backbone, a wrapper this cannot see through) gets the unchunked path and, where its batch
-would have been chunked, a warning naming its type, once.
-
-When to chunk: `LOSS_CHUNK` (the recipes' field; `set_loss_chunk` on a model) is "auto" by default: tokens per
-chunk such that one chunk's fp32 logits take at most 256 MiB (a power of two, 128 to 4096: 256 tokens for Qwen's
-151,936 tokens, 4096 below a 16k vocabulary), and a micro-batch is chunked only when it has more tokens than one
-chunk (otherwise a chunk would be the whole batch, recomputed for nothing); an integer is tokens per chunk; 0
-turns it off.
+gradient as much again. Each chunk of tokens goes through the head and its loss in a checkpoint of its own, so at
+most one chunk's logits, log-softmax and gradient are alive at a time. Why a checkpoint per chunk, which families
+are chunked (`CHUNKABLE`) and when (LOSS_CHUNK, "auto" by default): docs/guides/models.md.
 """
 
 from __future__ import annotations

@@ -4,29 +4,11 @@
     fq = fake_quantized_state(model)                       # the weights the forward used (for a merged bf16 export)
     export_quantized(model, tokenizer, "out/quantized", "int4", 32)   # int weights + scales, transformers loads it
 
-Every linear layer but the output head becomes torchao's `FakeQuantizedLinear` (`torchao.quantization.qat`, the
-`QATConfig(IntxWeightOnlyConfig(...), step="prepare")` flow): in the forward its weight is quantized and
-dequantized again, symmetric per group of `group_size` input columns (scale = max|w| / 7.5 for int4, / 127.5 for
-int8; q = clamp(round(w / scale), -8, 7) or (-128, 127); w' = q * scale), with straight-through gradients (the
-rounding passes the gradient unchanged), so full QAT trains the weights for their quantized values and recovery
-LoRA trains adapters on top of the quantized base (the base frozen, its quantized value recomputed each step,
-which is cheap next to the matmul). Parameter names do not change, so checkpoints, LoRA and the exports see the
-plain model.
-
-torchao on XLA: its fake quantizer is plain aten ops (amin/amax, round through a straight-through autograd
-function, clamp, mul), registered as CompositeImplicitAutograd custom ops that decompose before they reach the
-device, so it lowers to XLA: measured on torch_xla 2.9 (XLA:CPU), a training step of a fake-quantized model
-compiles one graph with no CPU fallback op, and its outputs equal the CPU's (tests/models/test_qat.py). No
-numerics of our own are needed; the test also checks torchao's against the formula above. torchao 0.16.0 is
-pinned: the oldest that peft accepts (peft refuses to build any LoRA model next to an older torchao), pure Python
-where QAT is concerned (its C++ kernels, built for a newer torch, are skipped on 2.9.0 with a one-line notice;
-QAT and the int export use none).
-
-Export: `export_quantized` quantizes the raw weights with torchao's `IntxWeightOnlyConfig` of the same scheme
-(the QAT "convert" step: exactly the values the fake quantizer produced in training) through transformers'
-torchao integration, so `AutoModelForCausalLM.from_pretrained(dir)` loads int8-stored weights with their scales
-(torchao's `IntxUnpackedToInt8Tensor` in safetensors). Under LoRA that is the quantized base; the adapter stays
-the separate PEFT directory, as it was trained (on top of the quantized base).
+Every linear layer but the output head becomes torchao's `FakeQuantizedLinear`: its weight is quantized and
+dequantized again in the forward (symmetric, per group of `group_size` input columns), with straight-through
+gradients, so full QAT trains the weights for their quantized values and recovery LoRA trains adapters on the
+quantized base. Parameter names do not change. `export_quantized` writes int weights with their scales that
+`AutoModelForCausalLM.from_pretrained` loads. The scheme, torchao on XLA and its pin: docs/guides/models.md.
 """
 
 from __future__ import annotations

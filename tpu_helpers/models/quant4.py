@@ -5,38 +5,11 @@ columns, dequantized in the forward pass; LoRA (peft) trains on top.
     model = lora.add_lora(model, r=8)               # peft LoRA on the Linear4bit layers (merge/unmerge work too)
     state = dequantized_state(model)                # the base as the forward computes it (a merged bf16 export)
 
-Formats (`FORMATS`), each a 16-entry table indexed by the 4-bit code, times the group's scale:
-- "nf4": the QLoRA paper's NormalFloat table (Dettmers et al. 2023, arXiv:2305.14314; the values as torchao's
-  `NF4Tensor` writes them, 4 decimals), scale = the group's absmax, code = the nearest table entry (the first on a
-  tie). Codes and scales equal torchao's `to_nf4` to the bit (tests/models/test_quant4.py).
-- "int4": symmetric int4, scale = absmax / 7.5 (at least the dtype's eps), q = clamp(round(w / scale), -8, 7),
-  code = q + 8: torchao's `choose_qparams_affine`/`quantize_affine` with MappingType.SYMMETRIC, and the scheme QAT
-  trains for (models/qat.py), so a QAT int4 model quantizes to the values its training saw.
-Groups run along the input dimension (`group_size` columns of a row share a scale; default 64); scales are kept in
-fp32 (exact for any source dtype): 0.5 + 4/64 = 0.5625 bytes per weight, no double quantization of the scales (the
-paper's brings that to ~0.52). The output head stays as loaded (as in QLoRA); embeddings and norms too.
-
-In the forward, codes are unpacked with a shift and a mask, looked up in the table (a 16-entry gather), scaled and
-cast to the compute dtype: plain torch ops, one graph on XLA with no CPU fallback, and the same on CPU/CUDA. The
-matmul is an autograd function that keeps only the packed codes for the backward and dequantizes again there, so
-the eager step never holds a layer's dequantized weight past its matmul (a plain `F.linear` would save it: the
-whole base in 16 bits at the start of the backward). XLA sees both dequantizations in one graph and could merge
-them (CSE) and keep the weight alive; it does not: benchmarks/qlora_memory.py measured the compiled LoRA step of a
-Qwen2.5-shaped model on XLA:CPU 27.3 MiB smaller with NF4 than with a bf16 base, exactly what the stored base shrank,
-with and without gradient checkpointing.
-
-Why not torchao's `NF4Tensor` (torchao.dtypes.nf4tensor): it does run on XLA:CPU (`to_nf4` on an XLA tensor and
-`linear_nf4` forward + backward compiled one graph, no fallback, measured here with torch_xla 2.9), but it always
-double-quantizes its scales in blocks of 256 scales (`scaler_block_size`), so a weight must have a multiple of
-16,384 elements at group 64: the tiny Qwen2 (96 x 96) and many small layers are refused; it has no int4 table;
-and a tensor subclass as a frozen parameter also goes through peft, checkpoints, the meta-device planners
-(MemTracker under FakeTensorMode) and FSDP sharding, each a place for its dispatch table to fall short. Plain
-uint8/fp32 parameters go through all of them unchanged. torchao stays the reference the tests hold this to.
-
-Loading (`load_quantized_lm`) builds the model with its parameters on the meta device (buffers such as the rotary
-frequencies real), then reads the safetensors shards tensor by tensor with `safetensors.safe_open`, quantizing each
-linear weight as it arrives: the full-precision model never sits whole in host memory (one tensor at a time). A hub
-name is fetched into huggingface_hub's cache first (config, safetensors and the generation config only).
+Formats (`FORMATS`): "nf4" (QLoRA's NormalFloat table, codes and scales equal to torchao's `to_nf4`) and "int4"
+(symmetric, the scheme QAT trains for), with an fp32 scale per `group_size` input columns: 0.5625 bytes per weight
+at group 64. The output head, embeddings and norms stay as loaded. `load_quantized_lm` quantizes each linear weight
+as the safetensors shards stream in, so the full-precision model never sits whole in host memory. The formats,
+the forward and backward, and why not torchao's `NF4Tensor`: docs/guides/models.md.
 """
 
 from __future__ import annotations
