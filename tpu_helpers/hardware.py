@@ -1,24 +1,16 @@
 """Catalog of accelerators: memory, peak bf16 FLOP/s, bandwidth and price per chip.
 
-Used by the memory estimator, the widgets, and MFU / cost reports. Usage::
+The memory estimator, the widgets, and MFU / cost reports read it::
 
     from tpu_helpers.hardware import lookup, detect_tpu, detect_gpu, format_bytes
-
     spec = lookup("v5e")                       # names and aliases, case-insensitive
     spec = detect_tpu("TPU v5 lite")           # a torch_xla / PJRT device kind
     spec = detect_gpu(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory)
     print(spec.describe(), format_bytes(spec.hbm_bytes))
 
-Figures are per chip and dense bf16 (never the "with sparsity" numbers), from
-``shared/reference/hardware.md``. Memory is stored in bytes, converted from GiB or GB exactly as the
-vendor lists it (TPU v5e's "16 GB" is 16e9 bytes; v4's "32 GiB" is 32 * 2**30). Prices are on-demand USD
-per chip-hour seen in late 2024 to 2025 on secondary sources: they are estimates, they move, and callers
-should let users override them.
-
-Unknown hardware never fails detection: :func:`detect_tpu` / :func:`detect_gpu` return a spec with what
-is known (name, memory if given) and ``None`` for ``bf16_tflops`` / ``hbm_gbps`` (``hbm_bytes`` is 0
-when the memory is unknown too). Code computing MFU must check for ``None``. When the caller passes the
-measured memory, detection puts it in ``hbm_bytes`` in place of the catalog's label figure.
+Figures are per chip and dense bf16, memory in bytes exactly as the vendor lists it; prices are estimates that users
+may override. Unknown hardware never fails detection: ``bf16_tflops`` / ``hbm_gbps`` are then ``None``, which code
+computing MFU must check. Where the figures come from, and measured memory: docs/guides/devices.md.
 """
 
 from __future__ import annotations

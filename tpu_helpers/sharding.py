@@ -5,13 +5,8 @@
     mesh_shape("2x4", 8)             # (2, 4): 2-way data parallel x 4-way FSDP
     mesh_shape("fsdp", 8)            # (1, 8)
 
-SHARDING values (`TrainConfig.sharding`, the notebooks' SHARDING, `--sharding`):
-- "data": every chip holds the whole model, optimizer state and gradients; the batch is split (the default).
-- "fsdp": parameters, gradients and optimizer state are sharded over all chips and gathered one block at a time
-  (torch_xla's FSDPv2 over the SPMD mesh on TPUs; torch.distributed's FSDP2 `fully_shard` under torchrun).
-- "DxF", e.g. "2x4": a 2-D (data, fsdp) mesh: D groups of F chips; each group shards the model F ways, the batch
-  is split over all D x F chips. D x F must be the number of chips. (XLA only; torchrun takes "data" or "fsdp".)
-
+Values (`TrainConfig.sharding`, the notebooks' SHARDING, `--sharding`): "data" (the default), "fsdp", and "DxF" (D
+data-parallel groups of F chips, D x F the chip count; XLA only); what each holds: docs/guides/devices.md.
 Arithmetic only: a leaf that imports nothing, so the config, the memory plans and the tuning panel use it without
 torch. Wrapping a model for a sharding is the backend's (`Backend.prepare_model(model, sharding)`).
 """

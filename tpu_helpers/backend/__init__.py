@@ -5,17 +5,11 @@
     print(backend.status())             # e.g. "TPU v6e x1, 31.3 GiB HBM/chip, bf16"
     backend = backend_for(config)       # what a TrainConfig asks for (device, fallback, precision, spmd, cache)
 
-Device names:
-- "auto": a TPU if torch_xla is installed and TPU chips are attached, else a CUDA GPU, else the CPU (with a warning
-  where TPU chips are attached but torch_xla is not installed, naming a `torch_tpu` installed instead: see
-  `backend.torch_tpu`);
-- "tpu": a TPU through torch_xla, or an error that says what is missing (or, with fallback=True, a warning and
-  the next best device, the behaviour some TPU guides rely on);
-- "cuda", "cpu": those devices;
-- "xla": whatever PJRT device is configured (PJRT_DEVICE=CPU runs the TPU code path on the CPU: tests use it).
-
+Device names: "auto" (a TPU, else a CUDA GPU, else the CPU, with a warning where TPU chips are attached without
+torch_xla), "tpu" (through torch_xla, or an error saying what is missing; fallback=True warns and takes the next
+best), "cuda", "cpu", and "xla" (whatever PJRT device is configured: PJRT_DEVICE=CPU runs the TPU path on the CPU).
 Only `tpu_helpers.backend.xla` imports torch_xla, and only when an XLA device is asked for, so the package imports
-fine where torch_xla is absent.
+fine without it. Each name in full: docs/guides/devices.md.
 """
 
 from __future__ import annotations

@@ -5,15 +5,11 @@
     found.describe()                   # "TorchTPU 0.2.0 (Google's torch-tpu, github.com/google-pytorch/torch_tpu)"
     found.support()                    # what tpu_helpers does with it (today: nothing; TPUs run through torch_xla)
 
-tpu_helpers drives TPUs through torch_xla (backend/xla.py). TorchTPU registers its own device, `torch.device("tpu")`,
-and needs a torch newer than any torch_xla release, so the two live in different environments and nothing here
-runs on TorchTPU yet. Device selection and the doctor ask this module whether it is installed, so that a TPU host
-with TorchTPU but no torch_xla is told so instead of training on the CPU without a word. Every TorchTPU name and
-message of the package is in this module; docs/design/torchtpu.md says what a TorchTPU backend would change.
-
-The answer comes from distribution metadata and the import system's finders only, never from importing the
-module: importing Google's may take the TPU, and Sophgo's unrelated `torch_tpu` (PyTorch on Sophgo's chips) has
-the same import name and device string. Google's is told apart by the URLs in its metadata, Sophgo's by its name.
+TPUs run through torch_xla (backend/xla.py); TorchTPU needs a newer torch, so nothing here runs on it yet. Device
+selection and the doctor ask this module whether it is installed, so that a TPU host with TorchTPU but no torch_xla
+is told so. Every TorchTPU name and message of the package is here. The answer comes from distribution metadata,
+never an import (Google's may take the TPU; Sophgo's unrelated `torch_tpu` has the same import name):
+docs/design/torchtpu.md, which also says what a TorchTPU backend would change.
 """
 
 from __future__ import annotations

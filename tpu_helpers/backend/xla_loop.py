@@ -5,23 +5,11 @@ loop needs on a TPU: `Backend.compile_loop`, used by models/replay.py's `looped_
     loop = backend.compile_loop()                      # a DeviceLoop on XLA (one device), None elsewhere
     carry = loop(step, carry, steps=255, key=("decode", width))
 
-`step(carry) -> carry` takes and returns a list of tensors of the same shapes and dtypes, and reads nothing else
-that can change between calls: whatever else it reads on the device (a model's weights, a tensor made once outside)
-is baked into the kept program as it was at the trace. So a model's weights go in the carry (models/replay.py swaps
-them in with torch's reparametrization, tied weights tied), and `key` names every Python value the trace depends
-on. Tensors the step makes itself (a zero, an arange) are the same every call and may stay. The step is traced on
-placeholders that hold no data: it must not keep a tensor it made anywhere that outlives the trace (a module
-attribute, a dict), or a later sync would read a placeholder; models/replay.py restores the modules' tensor
-attributes after the trace (torchao's fake quantizers set theirs in every forward).
-
-How: `step` is traced once on placeholder tensors into an XLA computation (torch_xla's lowering context, as
-`torch_xla.experimental.scan` does), wrapped in a `While` whose counter and trip count are loop inputs (so calls
-with another `steps` reuse the program), and kept per (key, shapes); each call hands the program to
-`_xla_user_computation` with its tensors, a node in the lazy graph like any op, so the loop runs with what comes
-before and after it in one graph. A step that reads a value on the host, torch's RNG, one of the `outside` tensors
-(the caller's weights, read another way than through the carry) or more than `MAX_BAKED_BYTES` of tensors from
-outside its carry (weights the caller forgot to pass), or that changes a carry tensor's shape or dtype, is refused
-with `ReplayUnsupported` before anything ran (and not traced again for that key).
+`step(carry) -> carry` takes and returns a list of tensors of the same shapes and dtypes; whatever else it reads on
+the device is baked into the kept program as it was at the trace, so a model's weights go in the carry and `key`
+names every Python value the trace depends on. A step that reads a value on the host, torch's RNG, an `outside`
+tensor or too much from outside its carry is refused with `ReplayUnsupported` before anything runs. The contract in
+full and how the `While` is built: docs/design/device_loops.md.
 """
 
 from __future__ import annotations

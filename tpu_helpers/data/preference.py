@@ -4,20 +4,11 @@
     data, stats = build_preference_dataset(tokenizer, records, seq_len=48)
     data[0]  # {"input_ids": (2, 48), "attention_mask": (2, 48), "labels": (2, 48), "index": ()}: chosen, rejected
 
-A record is one of (the forms of TRL's and the hub's preference sets):
-- `prompt`, `chosen`, `rejected` as strings (the prompt one user turn, each answer one assistant turn);
-- `prompt` a list of chat messages, `chosen` / `rejected` lists of the messages that follow it;
-- `chosen` / `rejected` whole conversations sharing their first turns (ultrafeedback_binarized: the prompt is the
-  turns they share; a `prompt` string beside them is then the first user turn and ignored).
-Each pair is rendered with the tokenizer's chat template: the prompt with the generation prompt, then the whole
-conversation; labels are -100 on the prompt and padding, so only the answers' tokens (and the end of turn the
-template closes them with) count. Both rows are right-padded to SEQ_LEN (an answer longer than what is left is cut
-and counted); a batch of B pairs is 2B rows of one shape, so nothing recompiles on XLA.
-
-Bad records are errors naming the record's index: no chosen or rejected, chosen identical to rejected, a prompt
-that leaves no room for an answer in SEQ_LEN. `preference_records` makes the offline default: the package's
-generated instruction task (`data.sft`) with its right answer chosen and a wrong one rejected, and its held-out
-split ("test") for measuring preference accuracy.
+A record takes one of the forms of TRL's and the hub's preference sets (prompt, chosen and rejected strings; chat
+messages; or whole conversations sharing their first turns). Each pair goes through the tokenizer's chat template,
+only the answers' tokens are labelled, and both rows are right-padded to SEQ_LEN, so a batch of B pairs is 2B rows
+of one shape. Bad records are errors naming their index. `preference_records` makes the offline default from the
+generated instruction task (`data.sft`). The record forms and the rendering: docs/guides/data.md.
 """
 
 from __future__ import annotations

@@ -4,17 +4,11 @@
     data, stats = build_prompt_dataset(tokenizer, records, max_prompt_len=32)
     data[0]  # {"input_ids": (32,), "attention_mask": (32,), "index": ()}: left-padded, index into `records`
 
-A record holds a prompt (`prompt_field`: a string, or a chat as a list of {role, content}) and, for rewards that
-check answers, a reference answer (`answer_field`). Chat records (`messages`) work too: the prompt is the chat up
-to its last assistant turn and the answer that turn. Prompts go through the tokenizer's chat template with the
-generation prompt (a string prompt becomes one user turn, after `system_prompt` when given), and are left-padded to
-`max_prompt_len`, so every batch has one shape and generation appends to the right; a prompt longer than that is
-dropped and counted (cutting it would cut the question). The rows carry the record's index: the trainer reads it
-back with the sampled tokens in one transfer and hands the record's fields to the rewards.
-
-`sum_records` is the offline default task: adding two numbers, asked the way the generated instruction set
-(`data.sft`) asks it, so a model briefly fine-tuned on that set starts with some right answers for the rewards to
-sharpen.
+A record holds a prompt (a string or a chat) and, for rewards that check answers, a reference answer. Prompts go
+through the tokenizer's chat template with the generation prompt and are left-padded to `max_prompt_len`, so every
+batch has one shape and generation appends to the right; a longer prompt is dropped and counted. The rows carry the
+record's index, so the trainer hands the record's fields to the rewards. `sum_records` is the offline default task
+(adding two numbers). The record forms and the default task: docs/guides/data.md.
 """
 
 from __future__ import annotations

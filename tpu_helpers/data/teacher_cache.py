@@ -5,25 +5,11 @@
     data = cache.attach(rows)                      # each row + teacher_ids (S, k), teacher_logp (S, k), teacher_tail (S,)
     mine = cache.attach(rows, process_index=i, process_count=n)   # the rows of shards i, i + n, ... only
 
-`rows` are fixed-shape token rows (data/sft.py); `topk_fn(batch)` runs the teacher on a dict batch of exactly
-`batch_size` rows and returns CPU tensors `(ids (B, S, k) int, logp (B, S, k), tail (B, S))`: the k most likely
-next tokens at every position, their log-probabilities, and the log of the probability mass left over (`tail`,
--inf when k is the whole vocabulary). This module only knows files: the recipe wires the teacher's forward on the
-backend (algorithms/distill.py `TeacherTopK`, one compiled graph for every batch: the last partial batch is padded
-with copies of its last row, never a new shape). `identity` says what the cache is for (`cache_identity`): the
-teacher's name and weight hash, the tokenizer's fingerprint, seq_len, k, the temperature and the rows' fingerprint;
-a reader expecting another value gets an error naming each difference.
-
-On disk (a directory):
-    shard-00000.safetensors   rows [0, rows_per_shard): ids int32, logp (float32 by default), tail float32
-    manifest.json             format, identity, rows, rows_per_shard, shards (file, rows, bytes, sha256), complete
-
-Each shard is written to a temporary file, fsynced and renamed, then the manifest is rewritten (atomic_io) to list
-it, so a build killed at any point resumes: shards in the manifest whose size and sha256 still match are kept (not
-rewritten), a damaged one is rebuilt with a warning naming it, and leftover temporary files are removed. A reader
-verifies every shard against the manifest first and names the damaged one. Several processes or hosts read one
-cache: shard i belongs to process i mod n (`shards_for`); files are opened read-only and memory-mapped
-(safetensors), so a process reads only the rows it asks for.
+`topk_fn(batch)` runs the teacher on `batch_size` rows and returns the k most likely next tokens, their
+log-probabilities and the log of the mass left over; the recipe wires it (algorithms/distill.py `TeacherTopK`).
+`identity` (`cache_identity`) says what the cache is for, and a reader expecting another gets an error naming each
+difference. On disk: safetensors shards and a manifest with their sha256, each written atomically, so a killed build
+resumes and a damaged shard is named. The files, resuming and reading from several hosts: docs/guides/data.md.
 """
 
 from __future__ import annotations

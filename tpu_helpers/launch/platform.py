@@ -9,13 +9,8 @@ installing what the runtime lacks, Google Drive, Kaggle's paths, and the PJRT en
     out_dir, cache = platform.storage(config.out_dir, drive=True)   # Colab: checkpoints on Drive
     platform.setup_pjrt(config.device, compile_cache=cache)
 
-Kaggle (a TPU v5e-8 notebook, `platform.in_kaggle()`): this module is the one place that knows what differs there.
-`storage` puts a relative out_dir and the compile cache under /kaggle/working (the only directory kept as the
-notebook's output; /kaggle/input, where datasets are attached, is read-only), and `setup_pjrt` sets the
-accelerator variable the runtime needs (PJRT_DEVICE) from the chips it finds, as on any TPU host.
-
-Nothing here imports torch_xla (its version is read from the installed metadata), so these checks run before the
-XLA runtime starts and work where torch_xla is absent or broken.
+This module is the one place that knows what differs on Kaggle (docs/guides/devices.md). Nothing here imports
+torch_xla (its version is read from the installed metadata), so these checks run before the XLA runtime starts.
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """Pod slices: the same training command on every host, one host writing the results.
 
-On a pod slice (several TPU VM hosts, e.g. v5e-32 = 4 hosts x 8 chips) every host runs the same program. Under
-SPMD each host's process drives its own chips as part of one program over all of them: the backend reads the
-host index and count from torch_xla (`backend.rank`, `backend.world_size`), each host loads its share of every
-global batch, and host 0 alone writes checkpoints and `results.json` (the others wait at barriers). So the command
-is the single-host one, started on all workers at once:
-
     from tpu_helpers.launch.pods import pod_command
     print(pod_command(config, tpu="my-v5e-32", zone="us-west4-a"))
     # gcloud compute tpus tpu-vm ssh my-v5e-32 --zone=us-west4-a --worker=all --command='cd ~/tpu_helpers && ...'
 
-SHARDING on a pod: "data", or a "DxF" mesh with F at most the chips of one host (fsdp within each host, data
-across hosts; see `tpu_helpers.sharding.check_hosts` for why). Checkpoints of sharded models are written shard by
-shard by every host (torch.distributed.checkpoint over a gloo group of the hosts), so out_dir must be storage all
-hosts mount; an out_dir that is not shared is reported at the first save (naming the files other hosts wrote) or
-at the start of a resume (the hosts see different checkpoints). The v5e-8 notebook runs the same way on every
-host: `launch.multichip` plans its global batch over all the slice's chips (`runtime_env.slice_device_count`).
+Under SPMD each host's process drives its own chips as part of one program: each loads its share of every global
+batch and host 0 alone writes checkpoints and `results.json`, so the command is the single-host one, started on all
+workers at once. SHARDING on a pod: "data", or a "DxF" mesh with F at most one host's chips
+(`tpu_helpers.sharding.check_hosts`). Every host writes its shards of a checkpoint, so out_dir must be storage all
+hosts mount. How the hosts share the work, and an out_dir that is not shared: docs/guides/devices.md.
 """
 
 from __future__ import annotations

@@ -4,21 +4,11 @@
                         method="lora", precision="bf16")
     rep = memory_report(lambda b: grpo_estimate(config, b, ...), batch_size=8, hardware="v6e")
 
-Per chip, for B prompts x G samples = R rows of P prompt + N new tokens (L layers, h wide, V vocabulary):
-
-    policy       as for fine-tuning (`hf_plan.hf_finetune_estimate`): weights, the trainable parameters' gradients
-                 and AdamW state (LoRA: the adapters only); with `quantize_base` the base's linears in 4 bits
-    reference    none under LoRA (the same model with the adapter disabled); a frozen bf16 copy (2 bytes per
-                 parameter) under full fine-tuning with KL_BETA > 0
-    KV cache     2 x L x R x (P + N) x kv_heads x head_dim x 2 bytes (4 in fp32), held while generating
-    generation   the decode step's logits and their softmax and top-k, 3 x R x V x 4 bytes, and its attention
-                 scores; the prefill's, one layer's worth at a time
-    the step     the fine-tuning step's activations at R / GRAD_ACCUM rows of P + N tokens, with the logits of the
-                 N + 1 completion positions only (the trainer asks for no more: `logits_to_keep`), or of one chunk
-                 of them with the chunked loss (LOSS_CHUNK, `models.lm_head`)
-
-The peak is the larger of the generation (weights, optimizer state, cache) and the optimizer step's (the start and
-the end of its backward, as in `hf_plan`); the cache is freed before the step.
+Per chip, for B prompts x G samples: the policy as for fine-tuning (`hf_plan.hf_finetune_estimate`), a reference
+(none under LoRA, a frozen bf16 copy under full fine-tuning with KL_BETA > 0), the KV cache and the decode step's
+logits while generating, and the fine-tuning step's activations with the completion positions' logits only. The
+peak is the larger of the generation and the optimizer step; the cache is freed before the step. The formula term
+by term: docs/guides/memory.md.
 """
 
 from __future__ import annotations

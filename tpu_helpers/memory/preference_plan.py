@@ -3,19 +3,11 @@
     est = preference_estimate(config, pairs=8, seq_len=512, method="lora", precision="bf16", reference=True)
     rep = memory_report(lambda b: preference_estimate(config, b, 512, ...), batch_size=8, hardware="v6e")
 
-Per chip, for B pairs per step of SEQ_LEN tokens each (split into GRAD_ACCUM micro-batches):
-
-    the step       the fine-tuning step's (`hf_plan.hf_finetune_estimate`) at 2B / GRAD_ACCUM rows: chosen and
-                   rejected both go through the model
-    reference      DPO without PRECOMPUTE_REF: under LoRA the adapter-disabled model (no copy), under full
-                   fine-tuning a frozen bf16 copy (2 bytes per parameter); its forward runs without gradients
-                   before the policy's, so only its logits (fp32, and their log-softmax; one chunk of them under
-                   LOSS_CHUNK, as the step's) are at their peak then
-    precomputed    two float32 numbers per training pair (the reference's log-probabilities), no reference weights
-    ORPO           no reference at all
-
-The peak is the largest of the step's moments (the start and the end of the backward, as in `hf_plan`) and the
-reference's forward.
+Per chip, for B pairs per step: the fine-tuning step's (`hf_plan.hf_finetune_estimate`) at 2B / GRAD_ACCUM rows
+(chosen and rejected both go through the model), plus the reference: for DPO without PRECOMPUTE_REF the
+adapter-disabled model (LoRA) or a frozen bf16 copy (full), whose logits peak in its forward; precomputed, two
+float32 numbers per pair; none for ORPO. The peak is the largest of the step's moments and the reference's forward.
+The terms in full: docs/guides/memory.md.
 """
 
 from __future__ import annotations

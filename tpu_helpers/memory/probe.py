@@ -1,28 +1,15 @@
 """Find the largest per-chip batch that really runs on this device, in a few tries, without harming the run.
 
-Each try runs ``steps_per_try`` of the trainer's own training steps (`Trainer.train_step`, with its optimizer,
-clipping and zero_grad policy; the first step creates the optimizer state, the second is the steady state) at one
-batch size, each ending with the backend's sync, then reads the loss on the host: XLA compiles
-at the sync but runs the graph asynchronously, and an allocation failure surfaces only when something waits for it.
-Sizes: start from ``start`` (the estimate), grow by ``growth`` while it fits (shrink while it does not), then bisect
-between the last size that ran and the first that did not, stopping after ``max_tries``: the result is exact
-when the two are neighbours (``exact``), otherwise a lower bound ("at least N"). A start close to the real limit
-with a small ``growth`` (1.25) narrows it in a few tries; the default 2 finds it from far away. Out-of-memory is
-recognised by ``backend.is_out_of_memory`` (CUDA's ``torch.OutOfMemoryError``, TPU's ``RESOURCE_EXHAUSTED``
-``ValueError``, XLA:CPU's "Out of memory allocating"); anything else is re-raised. After every try the model's and
-optimizer's state dicts, the schedule and the gradients are restored from a host copy taken first (which also
-drops an XLA graph that failed), and memory is freed, so training can continue afterwards::
-
     from tpu_helpers.memory.probe import probe_batch_size
     from tpu_helpers.memory.traced import gpt_batch
     result = probe_batch_size(trainer, gpt_batch(256, vocab), start=est.max_batch_size)   # trainer.train_step
     print(result.summary())
 
-A trainer made for its step alone (`memory.traced.step_trainer`, no data) serves when there is no run yet.
-
-``memory_limit_bytes`` (CPU backend only) imposes a real limit through :class:`~tpu_helpers.memory.live.LiveBytes`,
-which raises ``torch.OutOfMemoryError`` past it: how the probe is exercised without a GPU. On XLA:CPU, limit the
-process's address space instead (``resource.setrlimit(RLIMIT_AS, ...)``): the XLA allocator then really fails.
+Each try runs ``steps_per_try`` of the trainer's own steps at one batch size and reads the loss on the host, where an
+allocation failure surfaces; sizes grow by ``growth`` from ``start``, then bisect, for at most ``max_tries``: exact
+when the two bounds are neighbours, otherwise a lower bound. Out-of-memory is ``backend.is_out_of_memory``, and the
+state is restored after every try, so training continues. With no run yet, a trainer made for its step alone
+(`memory.traced.step_trainer`) serves. The search and ``memory_limit_bytes`` in full: docs/guides/memory.md.
 """
 
 from __future__ import annotations

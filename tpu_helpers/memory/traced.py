@@ -1,19 +1,14 @@
 """Traced memory estimate: run the trainer's real training step of any ``nn.Module`` on fake tensors and count the
 bytes.
 
-The model is built on the meta device, turned into fake CPU tensors under ``FakeTensorMode`` (shapes and dtypes,
-no data, no memory), a `Trainer` is made around it with no data (its optimizer, clipping and zero_grad policy:
-`training.optimizers`), and two of its steps (`Trainer.train_step`: forward, backward, optimizer step, zero_grad;
-the first creates the optimizer state) run under torch's ``MemTracker``, which counts every live storage by
-category. The second step's peak is the estimate, so it works for models far too big for this machine::
-
     from tpu_helpers.memory.traced import traced_estimate, gpt_batch
     est = traced_estimate(lambda: GPT(cfg), gpt_batch(seq_len=256, vocab_size=cfg.vocab_size), batch_size=8)
     print(est.peak_bytes, est.breakdown)
 
-``batch_fn(batch_size)`` must build the batch with ordinary tensor factories (``torch.randint``, ``torch.randn``):
-it runs under the fake mode. The figure is what an eager run allocates (the CPU, or CUDA's
-``max_memory_allocated`` up to the allocator's 512-byte rounding); XLA's compiled graph differs (see compiled.py).
+Two steps of a `Trainer` around a model of fake tensors run under torch's ``MemTracker``; the second step's peak is
+the estimate, so it works for models far too big for this machine. ``batch_fn(batch_size)`` must build the batch
+with ordinary tensor factories (it runs under the fake mode). The figure is what an eager run allocates; XLA's
+compiled graph differs (see compiled.py). How the fake step is made: docs/guides/memory.md.
 """
 
 from __future__ import annotations

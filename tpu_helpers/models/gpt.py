@@ -3,19 +3,14 @@
 Usage::
 
     from tpu_helpers.models.gpt import GPT, gpt_config
-
     cfg = gpt_config("mini", vocab_size=tokenizer_vocab_size)
     model = GPT(cfg)
     logits, loss = model(idx, targets)          # idx, targets: (batch, seq) int64
     model.set_gradient_checkpointing(default_checkpoint_fn())   # optional, trades compute for memory
 
-The model is written to stay XLA-friendly: every shape depends only on the input's shape (never on its
-values), the loss needs no host read, and nothing here imports torch_xla. The backend layer passes
-``torch_xla.utils.checkpoint.checkpoint`` to :meth:`GPT.set_gradient_checkpointing` on TPUs, because
-``torch.utils.checkpoint`` saves nothing (or fails) on XLA devices.
-
-:func:`generate` and :func:`sample_text` are for looking at what the model has learned, not for the
-training loop.
+Every shape depends only on the input's shape and the loss needs no host read, so it stays XLA-friendly; nothing
+here imports torch_xla. :func:`generate` and :func:`sample_text` are for looking at what the model has learned.
+Why the backend passes its own checkpoint function on TPUs: docs/guides/models.md.
 """
 
 from __future__ import annotations

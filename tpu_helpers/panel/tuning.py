@@ -1,25 +1,15 @@
 """The batch-size tuning panel's logic, in plain Python (the ipywidgets view is ``tpu_helpers.panel.widgets``).
 
-:class:`TuningPanel` holds the choices (model, sequence length, per-chip batch, grad_accum or a global batch,
-precision, pure_bf16 weights, gradient checkpointing, optimizer, target hardware, slice size and SHARDING, assumed
-MFU, run length: the names `TrainConfig` uses) and,
-on every change, computes the analytic memory estimate per chip under that sharding against the target's HBM, a
-verdict (FITS / DOES NOT FIT, percent of HBM, the largest batch per chip), the sharding line (per-chip bytes under
-data parallel and fsdp, `tpu_helpers.memory.sharded`), a suggestion that keeps the global batch, warnings, and an
-*estimated* step time and cost. A bad value is refused with a message naming it; the last good figures stay,
-marked stale::
-
     panel = TuningPanel(preset="small", seq_len=1024, batch_size=36, hardware="v5e", chips=8)
     panel.verdict()["headline"]           # "DOES NOT FIT"
     panel.suggestion().text               # "largest batch 9/chip: use batch 9/chip x accumulation 4 for ..."
-    panel.apply_suggestion()
     panel.set(sharding="fsdp")            # parameters, gradients and optimizer state split over the 8 chips
-    panel.sharding_text()                 # "sharding='fsdp' (fsdp over 8 chips): ... per chip; training of ..."
-    panel.load_preset("TPU VM v5e-8")     # the v5e-8 notebook's configuration (a global batch of 64)
     panel.probe(backend)                  # the largest batch that really runs on this device (panel_probe.py)
 
-``panel.show_static()`` prints the figures and draws the chart (papermill runs); the controls are the view's,
-``tpu_helpers.panel.widgets.PanelView(panel, backend).show()``.
+On every change :class:`TuningPanel` recomputes the analytic memory estimate per chip against the target's HBM, a
+verdict, the sharding line, a suggestion that keeps the global batch, warnings and an *estimated* step time and
+cost; a bad value is refused by name, and the last good figures stay, marked stale. ``panel.show_static()`` prints
+them (papermill runs). The choices it holds and a longer session: docs/guides/panel.md.
 """
 
 from __future__ import annotations
