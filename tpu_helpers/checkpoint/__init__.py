@@ -12,7 +12,8 @@
 - `layout.py`: how each looks on disk (names, manifests with sha256, the save marker, verification, renames);
 - `sharded.py`: the torch.distributed.checkpoint directories of sharded models, read back in place or whole.
 
-The trainer's use of it (what a checkpoint holds, resuming) is `tpu_helpers.training.run_state`.
+The trainer's use of it: what a checkpoint holds is `tpu_helpers.training.checkpoint_contents`, resuming and
+saving `tpu_helpers.training.run_state`.
 """
 
 from tpu_helpers.checkpoint.layout import FORMAT, CheckpointCorrupt, CheckpointError, CheckpointInfo
