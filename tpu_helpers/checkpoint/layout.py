@@ -6,7 +6,8 @@
     .ckpt-00001200.saving  present only between the renames of a save: data without a manifest is then an
                            interrupted save (disposable), not data whose manifest was lost (to be kept)
 
-`CheckpointManager` (manager.py) decides what to write, keep and load; this module knows how each looks on disk.
+`CheckpointManager` decides what to write (manager.py), keep (retention.py) and load (directory.py); this module
+knows how each looks on disk.
 """
 
 from __future__ import annotations
@@ -78,52 +79,80 @@ def marker(directory: Path, step: int) -> Path:
 def verify(path: Path, *, deep: bool = True) -> CheckpointInfo:
     """Check checkpoint data `path` (a .pt file or a sharded .dcp directory) against its manifest; `deep=False`
     stops after reading the manifest (no size or hash)."""
+    step = _step_of(path)
+    missing = _missing(path, step)
+    if missing is not None:
+        return missing
+    try:
+        manifest, expected = _read_manifest(path)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return CheckpointInfo(path, step, False, f"unreadable manifest: {type(e).__name__}: {e}")
+    reason = _manifest_mismatch(manifest, step) or (_data_mismatch(path, expected) if deep else None)
+    if reason is not None:
+        return CheckpointInfo(path, step, False, reason)
+    meta = manifest.get("meta") if isinstance(manifest.get("meta"), dict) else None
+    return CheckpointInfo(path, step, True, None, meta=meta)
+
+
+def _step_of(path: Path) -> int:
+    """The step in a checkpoint's data name; ValueError for a name that is not a checkpoint's data."""
     m = CKPT_RE.match(path.name)
     if m is None or m.group(2) == "json":
         raise ValueError(f"{path} is not a checkpoint (expected a name like ckpt-00000012.pt or .dcp)")
-    step = int(m.group(1))
+    return int(m.group(1))
 
-    def bad(reason: str) -> CheckpointInfo:
-        return CheckpointInfo(path, step, False, reason)
 
-    manifest_path = path.with_suffix(".json")
+def _missing(path: Path, step: int) -> CheckpointInfo | None:
+    """The invalid CheckpointInfo of a checkpoint whose data or manifest is not there, else None."""
     if not path.exists():
-        return bad("data file missing (only the manifest exists)")
-    if not manifest_path.exists():
+        return CheckpointInfo(path, step, False, "data file missing (only the manifest exists)")
+    if not path.with_suffix(".json").exists():
         if marker(path.parent, step).exists():
             return CheckpointInfo(path, step, False, "no manifest: its save was interrupted", interrupted=True)
-        return bad("no manifest (it was not copied, or a sync dropped it); the data cannot be verified")
-    try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        if path.is_dir():
-            expected = {str(k): (int(v["bytes"]), str(v["sha256"])) for k, v in manifest["files"].items()}
-        else:
-            expected = {None: (int(manifest["bytes"]), str(manifest["sha256"]))}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        return bad(f"unreadable manifest: {type(e).__name__}: {e}")
+        return CheckpointInfo(path, step, False,
+                              "no manifest (it was not copied, or a sync dropped it); the data cannot be verified")
+    return None
+
+
+def _read_manifest(path: Path) -> tuple[dict, dict[str | None, tuple[int, str]]]:
+    """The manifest of checkpoint data `path` and the (size, sha256) it expects of each file: keyed by the file's
+    name in a .dcp directory, by None for a .pt. Raises what a damaged manifest raises (OSError, KeyError...)."""
+    manifest = json.loads(path.with_suffix(".json").read_text(encoding="utf-8"))
+    if path.is_dir():
+        expected = {str(k): (int(v["bytes"]), str(v["sha256"])) for k, v in manifest["files"].items()}
+    else:
+        expected = {None: (int(manifest["bytes"]), str(manifest["sha256"]))}
+    return manifest, expected
+
+
+def _manifest_mismatch(manifest: dict, step: int) -> str | None:
+    """Why a readable manifest does not describe checkpoint `step` of this format, or None."""
     if manifest.get("format") != FORMAT:
-        return bad(f"unsupported manifest format {manifest.get('format')!r}")
+        return f"unsupported manifest format {manifest.get('format')!r}"
     if manifest.get("step") != step:
-        return bad(f"manifest says step {manifest.get('step')!r} but the file name says {step}")
-    meta = manifest.get("meta") if isinstance(manifest.get("meta"), dict) else None
-    if not deep:
-        return CheckpointInfo(path, step, True, None, meta=meta)
+        return f"manifest says step {manifest.get('step')!r} but the file name says {step}"
+    return None
+
+
+def _data_mismatch(path: Path, expected: dict[str | None, tuple[int, str]]) -> str | None:
+    """Why the data at `path` does not match the sizes and hashes its manifest lists (the first file that does
+    not), or None."""
     for name, (expected_size, expected_sha) in expected.items():
         file = path if name is None else path / name
         where = "" if name is None else f"{name}: "
         try:  # a dying disk fails reads with EIO: that is damage to report, not a crash of the caller
             if not file.is_file():
-                return bad(f"{where}missing")
+                return f"{where}missing"
             size = file.stat().st_size
             if size < expected_size:
-                return bad(f"{where}truncated: {size} of {expected_size} bytes")
+                return f"{where}truncated: {size} of {expected_size} bytes"
             if size != expected_size:
-                return bad(f"{where}size mismatch: {size} bytes, manifest says {expected_size}")
+                return f"{where}size mismatch: {size} bytes, manifest says {expected_size}"
             if sha256_file(file) != expected_sha:
-                return bad(f"{where}checksum mismatch")
+                return f"{where}checksum mismatch"
         except OSError as e:
-            return bad(f"{where}unreadable: {e}")
-    return CheckpointInfo(path, step, True, None, meta=meta)
+            return f"{where}unreadable: {e}"
+    return None
 
 
 def commit(data_temp: Path, data: Path, manifest: dict) -> None:

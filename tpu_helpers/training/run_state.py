@@ -1,4 +1,4 @@
-"""Saving and resuming a run's whole state, and refusing to mix two runs in one directory.
+"""A run's checkpoints over its life: resume or start, save, the best one, the run lock and the run report.
 
     state = RunState(config, backend, RunParts(model=wrapped, raw_model=model, optimizer=optimizer,
                                                progress_state=trainer.progress_state,
@@ -9,49 +9,28 @@
     state.report(start_step, seconds, step=..., history=..., tokens_per_step=...)   # the RunReport
     state.release_lock()      # when fit ends, however it ends
 
-A `RunState` is built from explicit parts rather than from the trainer: the config and backend, the `RunParts` it
-saves and restores (the model as trained and as made, the optimizer, and the progress as a pair of callables, so a
-variant's own progress such as GRPO's rollout travels with it), and the run's `outcome.RunOutcome`: a run that
-diverged saves nothing more, and non-finite weights found at a save are reported to it (never saved).
-
-A checkpoint holds the model (only its trainable weights with `save_trainable_only`, as LoRA fine-tuning does: the
-frozen base is identified by a fingerprint in run.json instead), the optimizer and the run's progress
-(`Trainer.progress_state`: step, data position in samples of the global order, every RNG stream, the history), so
-a resumed run continues the same run, on any number of chips or processes that keeps the global batch (per-chip
-batch x chips x accumulation). The learning-rate schedule is not stored: the trainer rebuilds it from its config
-at the resume step. Checkpoints live in `<out_dir>/checkpoints/` and are written by
-`tpu_helpers.checkpoint.CheckpointManager` (atomic, checksummed). `<out_dir>/checkpoints/run.json` records what
-identifies the run (model, data by resolved path and content fingerprint, batch, seed); resuming with a different
-identity is an error rather than a silent mix of two runs. What each setting does on resume: `resume_policy`.
-
-The best checkpoint: each checkpoint's manifest records the validation metrics of its step (when it is an
-evaluation step), and the manager keeps the best by `TrainConfig.best_metric` whatever `keep_last` says. `best()`
-names it; it is also recorded in run.json (`"best"`, rewritten when it changes) and in the run report, and
-`checkpoint_weights(step)` reads a checkpoint's model weights for an export.
-
-One run per out_dir: `resume_or_start` takes the directory's run lock (`run_lock.RunLock`) and `release_lock`
-(called when `fit` ends, however it ends) gives it back. Checkpoints that cannot be verified (a `.pt` without its
-manifest) are never overwritten or pruned silently: the run refuses to start until told, and `resume="force_new"`
-moves every checkpoint into a dated `set-aside-*` folder (nothing is deleted) and starts over.
+What a checkpoint holds is `checkpoint_contents`; the files `tpu_helpers.checkpoint` (in `<out_dir>/checkpoints/`).
+`run.json` there records the run's identity (model, data by content fingerprint, global batch, seed): resuming
+with another is refused, and so is starting over on checkpoints that cannot be verified, unless `resume="force_new"`
+sets them aside. A diverged run saves nothing more (its `outcome.RunOutcome` says so); the best checkpoint by
+`best_metric` is kept by the manager and recorded in run.json and the report. Per-setting resume rules: `resume_policy`.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from tpu_helpers.backend import Backend
 from tpu_helpers.backend.base import first_line
-from tpu_helpers.backend.units import model_class_name, trainable_names
-from tpu_helpers.checkpoint import CheckpointManager, sharded
+from tpu_helpers.backend.units import model_class_name
+from tpu_helpers.checkpoint import CheckpointManager
 from tpu_helpers.checkpoint.manager import agreed
 from tpu_helpers.config import ConfigError, TrainConfig
 from tpu_helpers.data.text import data_identity
 from tpu_helpers.training import finite
+from tpu_helpers.training.checkpoint_contents import CheckpointContents, RunParts
 from tpu_helpers.training.history import History, RunReport
 from tpu_helpers.training.outcome import RunOutcome
 from tpu_helpers.training.resume_policy import (
@@ -72,20 +51,7 @@ def _say(message: str) -> None:
     print(f"[tpu_helpers] {message}", file=sys.stderr, flush=True)
 
 
-@dataclass(frozen=True)
-class RunParts:
-    """What a checkpoint saves and restores, as the trainer holds it."""
-
-    model: torch.nn.Module  # as trained: what the backend made of it (wrapped in DDP, sharded...)
-    raw_model: torch.nn.Module  # as made: its class and size identify the run
-    optimizer: torch.optim.Optimizer
-    # The rest of the run's progress (`Trainer.progress_state`): a dict holding at least "step", "epoch" and
-    # "history" (`History.to_dict()`), read when a checkpoint is written; and its inverse, called on resume.
-    progress_state: Callable[[], dict]
-    load_progress_state: Callable[[dict], None]
-
-
-class RunState:
+class RunState(CheckpointContents):
     """A run's checkpoints: resume or start (`resume_or_start`), `save`, the best one, the run lock."""
 
     def __init__(self, config: TrainConfig, backend: Backend, parts: RunParts, *, outcome: RunOutcome,
@@ -229,54 +195,6 @@ class RunState:
     def release_lock(self) -> None:
         self.lock.release()
 
-    def _small_state(self) -> dict:
-        """Everything but the model and optimizer: the run's progress and the config it ran with."""
-        return self.backend.to_cpu({**self.parts.progress_state(), "config": self.config.to_dict()})
-
-    def _unwrapped(self):
-        return getattr(self.parts.model, "module", self.parts.model)  # unwrap DDP
-
-    def sharded_writer(self) -> str | None:
-        """The sharded checkpoint kind this run saves ("xla-spmd", "fsdp2"), or None: saved whole in one file."""
-        return self.backend.sharded_writer(self._unwrapped())
-
-    def state_dict(self, small: dict | None = None) -> dict:
-        """The whole checkpoint: `small` (`_small_state()`, taken now when not given), the model and optimizer."""
-        b, model = self.backend, self._unwrapped()
-        model_sd, optimizer_sd = b.state_dicts(model, self.parts.optimizer)  # whole, under any sharding
-        return {**(small if small is not None else self._small_state()),
-                **b.to_cpu({"model": self._model_state(model, model_sd), "optimizer": optimizer_sd})}
-
-    def load_state(self, state: dict) -> None:
-        b, optimizer, model = self.backend, self.parts.optimizer, self._unwrapped()
-        handle = state.get("sharded")
-        if handle is not None and handle.writer == self.sharded_writer():
-            # Same kind of sharded run (any chip count): DCP reads each device's part in place.
-            template = b.sharded_tensors(model, optimizer)
-            template["model"] = self._model_state(model, template["model"])
-            handle.load_into(template, b.dcp_planner(save=False))
-            b.load_sharded_tensors(model, optimizer, template, strict=not self.save_trainable_only)
-        else:
-            if handle is not None:  # saved sharded, resumed unsharded (or by another writer): whole, on the CPU
-                state = {**state, **handle.read_whole()}
-            if self.save_trainable_only:  # LoRA: only the adapters were saved
-                _load_trainable(model, state["model"])
-                optimizer.load_state_dict(state["optimizer"])
-            else:
-                b.load_state_dicts(model, optimizer, state["model"], state["optimizer"])
-        b.after_load(self.parts.model, optimizer)
-        self.parts.load_progress_state(state)
-
-    def _model_state(self, model, state: dict) -> dict:
-        """The model's state dict `state`; with `save_trainable_only` (LoRA) only the trainable weights.
-
-        `state` has the plain names (FSDPv2's state-dict hooks drop its "_orig_module." level) while the wrapped
-        model's parameters carry that level: compare plain with plain, or under fsdp no adapter weight is kept."""
-        if self.save_trainable_only:
-            names = trainable_names(model)
-            state = {k: v for k, v in state.items() if k in names}
-        return state
-
     # ---- the best checkpoint ---------------------------------------------------------------------------------
     def best(self) -> dict | None:
         """{"step", "path", "metric", "value"} of the best checkpoint by `best_metric`, or None."""
@@ -300,13 +218,6 @@ class RunState:
         if best != self._recorded_best:
             self._recorded_best = best
             self.manager.write_run_info(self._run_info())
-
-    def checkpoint_weights(self, step: int) -> dict:
-        """The model weights checkpoint `step` holds, whole on the CPU (the trainable ones under LoRA), under the
-        plain model's names: what an export of that step writes. Reads no optimizer state from a sharded one."""
-        state = self.manager.load(step, mmap=True)  # a .pt's optimizer state stays on disk
-        handle = state.get("sharded")
-        return handle.read_whole(parts=("model",))["model"] if handle is not None else state["model"]
 
     def save(self) -> Path | None:
         """Save a checkpoint of the run's step unless the run diverged (then the good checkpoints stay as they are):
@@ -338,21 +249,6 @@ class RunState:
         self.last_path = saved
         self._record_best()
         return self.last_path
-
-    def _save_sharded(self, writer: str, step: int, small: dict, meta: dict) -> Path | list[str]:
-        """A sharded checkpoint: each process writes its devices' shards (no gather onto one host)."""
-        b, model = self.backend, self._unwrapped()
-        tensors = b.sharded_tensors(model, self.parts.optimizer)
-        tensors["model"] = self._model_state(model, tensors["model"])  # LoRA: the adapters only
-        planner = sharded.finite_checking(type(b.dcp_planner(save=True)))()
-
-        def write(directory: Path) -> list[str]:
-            bad = sharded.write(directory, tensors, planner)
-            return [name.removeprefix("model.") for name in bad if not name.startswith("optimizer.")] or bad
-
-        size = sum(p.numel() * p.element_size() for p in model.parameters()) * 3  # weights + AdamW moments
-        return self.manager.save_sharded(step, small, write, writer=writer, size=size, gather=b.gather_objects,
-                                         meta=meta)
 
     def report(self, start_step: int, seconds: float, *, step: int, history: History,
                tokens_per_step: int) -> RunReport:
@@ -390,16 +286,3 @@ def _metrics_at(history: dict, step: int) -> dict:
     the manifest."""
     record = next((e for e in reversed(history.get("eval", [])) if e["step"] == step), None)
     return {k: v for k, v in (record or {}).items() if k != "step"}
-
-
-def _load_trainable(model, state: dict) -> None:
-    trainable = trainable_names(model)
-    if set(state) != trainable:
-        missing, unexpected = sorted(trainable - set(state)), sorted(set(state) - trainable)
-        raise ConfigError(f"the checkpoint's trainable weights do not match the model's (missing {missing[:5]}, "
-                          f"unexpected {unexpected[:5]}); was it written with other LoRA settings?")
-    # strict=False: the frozen base is not in it. A key that matched no parameter (say, a wrapper level the
-    # load hooks did not add back) would leave that adapter silently untrained: refuse it.
-    unexpected = model.load_state_dict(state, strict=False).unexpected_keys
-    if unexpected:
-        raise ConfigError(f"the checkpoint's trainable weights {sorted(unexpected)[:5]} match no parameter of the model")
