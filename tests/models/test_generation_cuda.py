@@ -33,7 +33,8 @@ def _rows(seed: int, lengths=(12, 7, 3, 10), width: int = 12, vocab: int = VOCAB
 
 
 def _gen(model, p, **kw):
-    kw = {"max_new_tokens": 6, "eos_token_id": None, "pad_token_id": 0, **kw}
+    # The eager loop unless a test passes `loop` (the default is the device's: test_generation_default.py).
+    kw = {"max_new_tokens": 6, "eos_token_id": None, "pad_token_id": 0, "replay": False, "loop": False, **kw}
     out = generate_ids(model, p.ids.cuda(), p.mask.cuda(), **kw)
     return generation.Generated(out.ids.cpu(), out.logprobs.cpu(), out.mask.cpu())
 
