@@ -66,6 +66,19 @@ def test_the_graph_loop_gives_each_familys_tokens(cuda):
         generation.release_caches(model)
 
 
+def test_a_plain_call_loops_as_the_backends_call_does():
+    """No `replay`, `loop` or `sync`: the device's hooks (`generation_hooks`) capture one graph, as the backend's
+    call does, with the eager loop's tokens."""
+    p = _rows(0)
+    model = random_model(FAMILIES["llama3"].config(VOCAB, pad=0), seed=1).cuda()
+    want = _gen(model, p, max_new_tokens=9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = generate_ids(model, p.ids.cuda(), p.mask.cuda(), max_new_tokens=9, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(out.ids.cpu(), want.ids) and _loop_of(model).captures == 1
+    generation.release_caches(model)
+
+
 def test_a_lora_model_sampling_with_eos_follows_the_weights_and_the_adapter(tiny_lm_dir, cuda):
     """GRPO's rollouts: sampling, EOS, the cache bucketed; other prompts, streams and lengths replay the same graph;
     an in-place update of the adapter and the adapter switched off answer as the eager loop does."""

@@ -91,8 +91,8 @@ def generation_hooks(device: torch.device | str, weights: Iterable[torch.Tensor]
     Nothing is started, made or changed: no backend object is built (that would set a precision, a mesh, the
     current CUDA device or a process group), and an XLA device means its runtime already runs."""
     device = torch.device(device)
-    if device.type == "xla":
-        return xla_module().generation_hooks(device, weights)
+    if device.type == "xla":  # once imported, not checked again: every generation call asks
+        return (sys.modules.get("tpu_helpers.backend.xla") or xla_module()).generation_hooks(device, weights)
     if device.type == "cuda":
         from tpu_helpers.backend.cuda import generation_hooks as cuda_hooks
 
