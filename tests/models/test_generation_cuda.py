@@ -33,7 +33,8 @@ def _rows(seed: int, lengths=(12, 7, 3, 10), width: int = 12, vocab: int = VOCAB
 
 
 def _gen(model, p, **kw):
-    kw = {"max_new_tokens": 6, "eos_token_id": None, "pad_token_id": 0, **kw}
+    # The eager loop unless a test passes `loop` (the default is the device's: test_generation_default.py).
+    kw = {"max_new_tokens": 6, "eos_token_id": None, "pad_token_id": 0, "replay": False, "loop": False, **kw}
     out = generate_ids(model, p.ids.cuda(), p.mask.cuda(), **kw)
     return generation.Generated(out.ids.cpu(), out.logprobs.cpu(), out.mask.cpu())
 
@@ -63,6 +64,19 @@ def test_the_graph_loop_gives_each_familys_tokens(cuda):
         assert torch.equal(looped.ids, eager.ids), (family, looped.ids, eager.ids)
         assert _loop_of(model).captures == 1, family
         generation.release_caches(model)
+
+
+def test_a_plain_call_loops_as_the_backends_call_does():
+    """No `replay`, `loop` or `sync`: the device's hooks (`generation_hooks`) capture one graph, as the backend's
+    call does, with the eager loop's tokens."""
+    p = _rows(0)
+    model = random_model(FAMILIES["llama3"].config(VOCAB, pad=0), seed=1).cuda()
+    want = _gen(model, p, max_new_tokens=9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = generate_ids(model, p.ids.cuda(), p.mask.cuda(), max_new_tokens=9, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(out.ids.cpu(), want.ids) and _loop_of(model).captures == 1
+    generation.release_caches(model)
 
 
 def test_a_lora_model_sampling_with_eos_follows_the_weights_and_the_adapter(tiny_lm_dir, cuda):

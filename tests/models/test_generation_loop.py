@@ -27,7 +27,8 @@ def _rows(seed: int, lengths=(12, 7, 3, 10), width: int = 12, vocab: int = VOCAB
 
 
 def _gen(model, p, device, **kw):
-    kw = {"max_new_tokens": 6, "eos_token_id": None, "pad_token_id": 0, **kw}
+    # The lazily traced loop unless a test passes `replay` or `loop` (test_generation_default.py checks the default).
+    kw = {"max_new_tokens": 6, "eos_token_id": None, "pad_token_id": 0, "replay": False, "loop": False, **kw}
     out = generate_ids(model, p.ids.to(device), p.mask.to(device), **kw)
     return generation.Generated(out.ids.cpu(), out.logprobs.cpu(), out.mask.cpu())
 

@@ -32,7 +32,8 @@ def _captures() -> int:
 
 
 def _gen(model, p, device, **kw):
-    kw = {"max_new_tokens": 6, "eos_token_id": None, "pad_token_id": 0, **kw}
+    # The lazily traced loop unless a test passes `replay` (test_generation_default.py checks the default).
+    kw = {"max_new_tokens": 6, "eos_token_id": None, "pad_token_id": 0, "replay": False, "loop": False, **kw}
     out = generate_ids(model, p.ids.to(device), p.mask.to(device), **kw)
     return generation.Generated(out.ids.cpu(), out.logprobs.cpu(), out.mask.cpu())
 

@@ -20,19 +20,20 @@ import importlib.metadata
 import os
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from packaging.version import Version
 
 from tpu_helpers.backend import runtime_env, torch_tpu, tpu_host
-from tpu_helpers.backend.base import Backend, BackendUnavailable, warn_fallback
+from tpu_helpers.backend.base import Backend, BackendUnavailable, GenerationHooks, warn_fallback
 from tpu_helpers.choices import DEVICES
 
 __all__ = ["DEFAULT_COMPILE_CACHE", "DEVICES", "NEWEST_TORCH_XLA", "NEWEST_TORCH_XLA_LIBTPU", "Backend",
-           "BackendUnavailable", "active_compile_cache", "backend_for", "get_backend", "pair_version",
-           "resolve_compile_cache", "started_xla_backend", "tpu_chip_count", "xla_module"]
+           "BackendUnavailable", "GenerationHooks", "active_compile_cache", "backend_for", "generation_hooks",
+           "get_backend", "pair_version", "resolve_compile_cache", "started_xla_backend", "tpu_chip_count",
+           "xla_module"]
 
 _XLA_BACKEND = None  # the XLA runtime is per process: build its backend once and hand the same one out
 
@@ -73,6 +74,24 @@ def active_compile_cache() -> str | None:
 def started_xla_backend() -> Backend | None:
     """The XLA backend this process already runs, or None; never starts one (the doctor reads HBM through it)."""
     return _XLA_BACKEND
+
+
+def generation_hooks(device: torch.device | str, weights: Iterable[torch.Tensor] = ()) -> GenerationHooks | None:
+    """The sync, step replay and decode loop of the backend that owns `device` (where a model's tensors are), for
+    `models.generation.generate_ids`; None on the CPU and any device no backend here runs, where generation's
+    Python loop is the compute itself. `weights`: the model's parameters (read only under an XLA SPMD mesh, to tell
+    whether they are split over the chips).
+
+    Nothing is started, made or changed: no backend object is built (that would set a precision, a mesh, the
+    current CUDA device or a process group), and an XLA device means its runtime already runs."""
+    device = torch.device(device)
+    if device.type == "xla":  # once imported, not checked again: every generation call asks
+        return (sys.modules.get("tpu_helpers.backend.xla") or xla_module()).generation_hooks(device, weights)
+    if device.type == "cuda":
+        from tpu_helpers.backend.cuda import generation_hooks as cuda_hooks
+
+        return cuda_hooks(device)
+    return None
 
 
 def tpu_chip_count() -> int:

@@ -20,6 +20,7 @@ import os
 import random
 import warnings
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -45,6 +46,25 @@ def first_line(err: BaseException) -> str:
     """An error's first line, for a message that names it (its type's name when it says nothing)."""
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
+
+
+@dataclass(frozen=True)
+class GenerationHooks:
+    """What generation asks of the backend that owns a model's device (`tpu_helpers.backend.generation_hooks`):
+    the backend's `sync`, `compile_step` and `compile_loop`, as a backend object gives them."""
+
+    sync: Callable[[], None]
+    compile_step: Callable[[Callable], Callable]
+    compile_loop: Callable[[], Callable | None]
+
+
+def as_is(fn: Callable, **_: Any) -> Callable:
+    """`fn` itself: the step replay of a backend that captures nothing (its Python is the compute, or launches it)."""
+    return fn
+
+
+def no_sync() -> None:
+    """The sync of an eager backend: its ops have run already."""
 
 
 def tree_map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
-from tpu_helpers.backend.base import Backend, BackendUnavailable
+from tpu_helpers.backend.base import Backend, BackendUnavailable, GenerationHooks, as_is, no_sync
 from tpu_helpers.hardware import detect_gpu, format_bytes
 
 
@@ -33,13 +36,7 @@ class CudaBackend(Backend):
         torch.backends.cudnn.allow_tf32 = True
 
     def compile_loop(self):
-        # One GPU per process: a sharded model's forward (FSDP2) all-gathers its weights through collectives that
-        # a graph replayed on one process cannot take part in.
-        if self.world_size > 1:
-            return None
-        from tpu_helpers.backend.cuda_loop import GraphLoop
-
-        return GraphLoop(self.device)
+        return graph_loop(self.device, self.world_size)
 
     def _dist_backend(self) -> str:
         return "nccl"
@@ -85,3 +82,22 @@ class CudaBackend(Backend):
     def status(self) -> str:
         world = f" x{self.world_size}" if self.world_size > 1 else " x1"
         return f"{self.hardware.name}{world}, {format_bytes(self.hardware.hbm_bytes)} HBM/GPU, {self.precision}"
+
+
+def graph_loop(device: torch.device, world_size: int) -> Callable | None:
+    """The decode loop of one CUDA GPU (a `GraphLoop`), or None where the process is one of several: a sharded
+    model's forward (FSDP2) all-gathers its weights through collectives that a graph replayed on one process cannot
+    take part in."""
+    if world_size > 1:
+        return None
+    from tpu_helpers.backend.cuda_loop import GraphLoop
+
+    return GraphLoop(device)
+
+
+def generation_hooks(device: torch.device) -> GenerationHooks:
+    """`CudaBackend`'s sync, step replay and decode loop for a model on `device`, without a backend object (whose
+    construction sets the current device, TF32 and maybe a process group): the world size is the process group's,
+    as the backend reads it."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return GenerationHooks(no_sync, as_is, functools.partial(graph_loop, device, world))

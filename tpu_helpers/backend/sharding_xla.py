@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -42,6 +42,13 @@ def sharding_spec(tensor: torch.Tensor) -> str:
     """XLA's sharding annotation of a device tensor, e.g. "{devices=[8,1]0,1,2,3,4,5,6,7}" for a batch split 8
     ways on its first axis; "" when it carries none (a single-device or replicated tensor)."""
     return torch_xla._XLAC._get_xla_sharding_spec(tensor)
+
+
+def weights_split(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether any of `tensors` is split over devices (FSDPv2's parameters are tiled; a data mesh's carry no
+    annotation, or a replicated one)."""
+    whole = (None, int(xs.ShardingType.REPLICATED))
+    return any(torch_xla._XLAC._get_xla_sharding_type(t) not in whole for t in tensors)
 
 
 def replicated_copy(tensor: torch.Tensor, mesh: xs.Mesh) -> torch.Tensor:

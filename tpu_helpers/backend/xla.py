@@ -33,8 +33,15 @@ import torch_xla.runtime as xr
 import torch_xla.utils.checkpoint as xla_checkpoint
 
 from tpu_helpers.backend import runtime_env
-from tpu_helpers.backend.base import Backend, ReplayUnsupported, first_line, tree_map_tensors
-from tpu_helpers.backend.sharding_xla import SpmdSharding, replicated_copy
+from tpu_helpers.backend.base import (
+    Backend,
+    GenerationHooks,
+    ReplayUnsupported,
+    as_is,
+    first_line,
+    tree_map_tensors,
+)
+from tpu_helpers.backend.sharding_xla import SpmdSharding, replicated_copy, weights_split
 from tpu_helpers.hardware import detect_tpu, format_bytes, lookup
 
 # The most of sharded tensors a `to_cpu` gathers in a graph before reading (all of them at once on every chip):
@@ -230,15 +237,7 @@ class XlaBackend(SpmdSharding, Backend):
                     t.copy_(v)
 
     def compile_loop(self) -> Callable | None:
-        # A data mesh (replicated weights) loops: the same tokens as the CPU on every family. Over an fsdp axis the
-        # partitioner gathers every sharded weight whole before the While (each weight all-gathered in the program's
-        # entry), so the loop would hold the model whole on each chip, what fsdp is there to avoid: that decode stays
-        # stepped (tests/models/test_generation_loop.py checks both).
-        if self.mesh is not None and self.mesh_shape[1] > 1:
-            return None
-        from tpu_helpers.backend.xla_loop import DeviceLoop
-
-        return DeviceLoop(self.device)
+        return decode_loop(self.device, split=self.mesh is not None and self.mesh_shape[1] > 1)
 
     def _hosts_group(self) -> bool:
         """Under SPMD on a pod slice (several hosts): a gloo group over the hosts, found by torch_xla's xla://
@@ -368,6 +367,31 @@ class XlaBackend(SpmdSharding, Backend):
         hbm = mem["bytes_limit"] if mem and mem.get("bytes_limit") else self.hardware.hbm_bytes
         layout = " (SPMD)" if self.mesh is not None else ""
         return f"{self.hardware.name} x{self.num_replicas}{layout}, {format_bytes(hbm)} HBM/chip, {self.precision}"
+
+
+def decode_loop(device: torch.device, *, split: bool) -> Callable | None:
+    """The device loop for `device` (a `DeviceLoop`), or None where the weights are `split` over the chips. A data
+    mesh (replicated weights) loops: the same tokens as the CPU on every family. Over an fsdp axis the partitioner
+    gathers every sharded weight whole before the While (a 2-layer Llama on 8 devices: each weight all-gathered in
+    the program's entry), so the loop would hold the model whole on each chip, what fsdp is there to avoid: that
+    decode stays stepped (tests/models/test_generation_loop.py checks both)."""
+    if split:
+        return None
+    from tpu_helpers.backend.xla_loop import DeviceLoop
+
+    return DeviceLoop(device)
+
+
+def generation_hooks(device: torch.device, weights: Iterable[torch.Tensor]) -> GenerationHooks:
+    """`XlaBackend`'s sync, step replay and decode loop for a model on `device` whose parameters are `weights`, read
+    from the running XLA runtime rather than from a backend object: none may exist yet (a model moved to
+    `torch_xla.device()` by hand), and a precision view of the backend may hold another mesh than the process's
+    backend. Without SPMD they are what every `XlaBackend` gives; under SPMD nothing is captured (as
+    `XlaBackend.compile_step` over a mesh) and the decode loops unless the weights themselves are split over the
+    chips (`decode_loop`)."""
+    if not xr.is_spmd():
+        return GenerationHooks(torch_xla.sync, _compiled, functools.partial(decode_loop, device, split=False))
+    return GenerationHooks(torch_xla.sync, as_is, functools.partial(decode_loop, device, split=weights_split(weights)))
 
 
 @functools.cache

@@ -232,7 +232,7 @@ def host_bound(timing: dict) -> str | None:
             "not per FLOP (a deep narrow model is the worst case): give each trace more work, a larger batch_size or "
             "seq_len (the same trace, more device time), or replay_steps=True (REPLAY_STEPS in the notebooks: "
             "each step traced once and replayed); generation replays its prompt pass and loops its decode steps on "
-            "the device (generate_ids(replay=backend.compile_step, loop=backend.compile_loop)).")
+            "the device unless replay=False or loop=False is passed to generate_ids.")
 
 
 

@@ -3,44 +3,14 @@
     prompt = left_pad(token_lists, width=64, pad=tokenizer.pad_token_id)              # (B, 64) ids and mask
     out = generate_ids(model, prompt.ids.to(dev), prompt.mask.to(dev), max_new_tokens=128,
                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                       sampling=Sampling(temperature=0.8, top_p=0.95), seed=key, sync=backend.sync)
+                       sampling=Sampling(temperature=0.8, top_p=0.95), seed=key)
     out.ids, out.logprobs, out.mask                                                     # (B, 128) each
 
-What stays fixed, so that XLA compiles two graphs whatever the prompts, the number of new tokens or the step:
-- shapes: prompts left-padded to one width P, a cache of P + N slots per sequence, outputs of N columns; a row
-  that produced EOS keeps running on padding with its mask at 0 (stop by masking, never by shrinking);
-- the position is device data: the decode step's slot, its column in the outputs and the sampling counter are
-  tensors advanced on the device, never Python ints baked into the graph (`sync` cuts each step, so every decode
-  step is the same graph: the first call compiles prefill and decode, later calls and longer outputs compile
-  nothing);
-- the attention mask is built here (additive, (B, 1, q, P + N)) and handed to the model as a 4D mask, which
-  transformers uses as given: its own mask code would read the padding mask on the host (SDPA's is_causal
-  check) and size masks from Python ints.
-
-The cache is transformers' own `StaticLayer` (the layer of `StaticCache`): per layer, keys and values of shape
-(batch, kv_heads, P + N, head_dim), i.e. (batch, layers, P + N, kv_heads, head_dim) for the model, preallocated at
-the prefill and written in place with `index_copy_` at a position that is a device tensor (`cumulative_length`).
-That runs with one decode graph on XLA. `StaticCache` itself is not used as a whole: for sliding-window layers
-(Gemma 2/3, Qwen2 with use_sliding_window, Mistral) it builds `StaticSlidingWindowLayer`, a rolling buffer driven by a
-Python int (`cumulative_length_int`) that takes another code path once the window is full (a new graph) and whose
-slots do not line up with a left-padded batch. Here every layer gets a full-length `StaticLayer` and a sliding
-window is a mask (the same attention, more cache memory for those layers): per layer type where the config lists
-`layer_types`, on every layer where it only sets `sliding_window` (Mistral), none where `use_sliding_window` is
-False.
-
-What this serves: decoder-only models whose every layer attends through a key/value cache, to everything before it
-or within a sliding window (Llama 3, Qwen2/2.5, Qwen3, Gemma 2/3, Mistral, Phi-3: tests/models/test_families.py
-checks each against transformers' own `generate`). Anything else, an encoder-decoder, a recurrent state (Mamba,
-RWKV), Llama 4's chunked attention, LFM2's convolutions, is a ConfigError naming its model_type
-(`check_generation_support`), not a failure deep in transformers or, worse, other tokens than transformers gives.
-
-Sampling (temperature, top-k, top-p; `Sampling`, `pick`) lives in `models/sampling.py`: an exponential race keyed by a counter-based
-hash of (seed, step, row, token id) on the device, so a stream is a function of the `seed` tensor.
-
-On XLA, pass `replay=backend.compile_step, loop=backend.compile_loop`: the prompt pass is captured once per shape
-(dynamo) and replayed, and the decode steps run as one While op on the device, built once per shape, so a call
-costs the host the same whatever the number of tokens (see `generate_ids` and models/replay.py). On one CUDA GPU
-the same arguments replay the decode step as a CUDA graph, one launch per token.
+On XLA and CUDA the backend that owns the model's device syncs, replays the prompt pass and runs the decode steps as
+one device loop (`tpu_helpers.backend.generation_hooks`); `sync=`, `replay=` and `loop=` override it, False turns
+one off. Decoder-only models whose layers all attend through a key/value cache are served (`SERVED`); anything
+else is a ConfigError (`check_generation_support`). How the shapes stay fixed, the cache and the masks:
+docs/guides/generation.md.
 """
 
 from __future__ import annotations
@@ -52,6 +22,8 @@ from typing import Any
 
 import torch
 
+from tpu_helpers.backend import generation_hooks
+from tpu_helpers.backend.base import no_sync
 from tpu_helpers.config import ConfigError
 from tpu_helpers.models.replay import (  # noqa: F401
     kept_cache,
@@ -101,7 +73,8 @@ def _num_layers(model: torch.nn.Module) -> int:
 
 
 def make_cache(model: torch.nn.Module, length: int) -> Any:
-    """A transformers `Cache` of full-length `StaticLayer`s (see the module docstring), allocated on first write."""
+    """A transformers `Cache` of full-length `StaticLayer`s, allocated on first write: a sliding window is a mask
+    here, never a rolling buffer (docs/guides/generation.md says why)."""
     from transformers.cache_utils import Cache
 
     layer = _static_layer()
@@ -144,7 +117,8 @@ def _sliding_window(model: torch.nn.Module) -> int | None:
 
 
 # What the cache and the masks here serve: every layer attends over a key/value cache, to everything before it or
-# to the last `sliding_window` positions (models/generation.py's docstring); a few families of each kind.
+# to the last `sliding_window` positions (docs/guides/generation.md); a few families of each kind, each checked
+# against transformers' own `generate` (tests/models/test_families.py).
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 SERVED = "llama, qwen2, qwen3, gemma2, gemma3_text, mistral, phi3"
 
@@ -165,9 +139,9 @@ def unserved_reason(model: torch.nn.Module) -> str | None:
 def check_generation_support(model: torch.nn.Module) -> None:
     """A ConfigError naming the model's class and model_type when the cached generation cannot serve it: an
     encoder-decoder, a recurrent state (Mamba, RWKV), layers that are not full or sliding-window attention
-    (Llama 4's chunked attention, LFM2's convolutions). Such models used to fail deep
-    inside transformers (the StaticLayer cache here has no convolution state) or, worse, answer with other tokens
-    than transformers does (a chunked or recurrent layer run as plain causal attention)."""
+    (Llama 4's chunked attention, LFM2's convolutions). Run anyway, such a model fails deep inside transformers
+    (the StaticLayer cache here has no convolution state) or, worse, answers with other tokens than transformers
+    does (a chunked or recurrent layer run as plain causal attention)."""
     why = unserved_reason(model)
     if why is not None:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -286,6 +260,26 @@ def _prefill(model: torch.nn.Module, cache: Any, tensors: tuple, room: int, widt
     return _record(logits, st, fixed, sampling, pad), fixed
 
 
+def _hooks(model: torch.nn.Module, device: torch.device, sync: Any, replay: Any, loop: Any) -> tuple:
+    """`sync` (never None), `replay` and `loop` (None for none): each as given, False for none, None for the one the
+    backend owning `device` gives (`generation_hooks`; asked only where one is left to None)."""
+    for name, value in (("sync", sync), ("replay", replay), ("loop", loop)):
+        if not (value is None or value is False or callable(value)):
+            raise ConfigError(f"{name}={value!r} must be a callable (the backend's {_HOOK_NAMES[name]}), None (the "
+                              "one of the backend that owns the model's device) or False (none)")
+    hooks = generation_hooks(device, model.parameters()) if any(v is None for v in (sync, replay, loop)) else None
+
+    def chosen(value: Any, name: str) -> Any:
+        if value is None:
+            return getattr(hooks, _HOOK_NAMES[name]) if hooks is not None else None
+        return None if value is False else value
+
+    return chosen(sync, "sync") or no_sync, chosen(replay, "replay"), chosen(loop, "loop")
+
+
+_HOOK_NAMES = {"sync": "sync", "replay": "compile_step", "loop": "compile_loop"}
+
+
 def _autocast(device: torch.device) -> torch.dtype | None:
     """The autocast dtype in force on `device` (the cache's keys take it), None without autocast."""
     return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
@@ -294,36 +288,35 @@ def _autocast(device: torch.device) -> torch.dtype | None:
 @torch.no_grad()
 def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
                  max_new_tokens: int, eos_token_id: int | Sequence[int] | None, pad_token_id: int,
-                 sampling: Sampling = GREEDY, seed: int | torch.Tensor = 0, sync: Callable[[], None] | None = None,
-                 cache_len: int | None = None, mask_dtype: torch.dtype | None = None,
-                 replay: Callable[[Callable], Callable] | None = None,
-                 loop: Callable | None = None) -> Generated:
+                 sampling: Sampling = GREEDY, seed: int | torch.Tensor = 0,
+                 sync: Callable[[], None] | bool | None = None, cache_len: int | None = None,
+                 mask_dtype: torch.dtype | None = None, replay: Callable[[Callable], Callable] | bool | None = None,
+                 loop: Callable | bool | None = None) -> Generated:
     """Complete left-padded prompts (`input_ids`, `attention_mask`: (B, P) on the model's device) by
-    `max_new_tokens` tokens with a KV cache (see the module docstring).
+    `max_new_tokens` tokens with a KV cache (docs/guides/generation.md).
 
     `seed`: an int, or an int64 device tensor (e.g. [run seed, step]) so that a new stream per call compiles
-    nothing new. `sync` cuts the graph after the prefill and after each decode step (the backend's sync on XLA).
-    `cache_len` (default P + max_new_tokens) sets the cache's slots and the outputs' width, cache_len - P: a
-    larger one lets calls with other `max_new_tokens` reuse the same two graphs (the columns past
+    nothing new. `cache_len` (default P + max_new_tokens) sets the cache's slots and the outputs' width, cache_len - P:
+    a larger one lets calls with other `max_new_tokens` reuse the same two graphs (the columns past
     `max_new_tokens` stay padding with mask 0).
 
-    `replay` (`backend.compile_step` on XLA): the prompt pass and the decode step are captured once per shape and
-    sampling and replayed, instead of re-running the model's Python for every token (on XLA:CPU, a 30-layer model's
-    decode step traced in ~40 ms of host time; replayed, in about 1 ms). `loop` (`backend.compile_loop` on XLA):
-    the decode steps run as one device loop, built once per shape (and whatever `max_new_tokens` in the same
-    cache), the host's work per call the same for 8 tokens or 512; where a model's step cannot be looped, it is
-    replayed (or traced) step by step, with one warning. On one CUDA GPU `loop` replays the decode step as a CUDA
-    graph captured once per shape (one launch per token instead of ~1,000 kernels launched from Python; `replay`
-    changes nothing there). The same ops, so the same tokens. The cache of each shape is
-    then kept with the model between calls (`release_caches`), so later calls capture nothing; weights updated in
-    place between calls (a training step) are read afresh by each call."""
+    `sync`, `replay` and `loop` default (None) to those of the backend that owns the device
+    (`tpu_helpers.backend.generation_hooks`: a backend's `sync`, `compile_step` and `compile_loop`); a callable
+    given wins, False turns one off (the CPU has none). `sync` cuts the graph after the prefill and after each
+    stepped decode step (XLA). `replay` captures the prompt pass and the decode step once per shape and sampling
+    and replays them instead of re-running the model's Python (XLA; eager backends capture nothing). `loop` runs the
+    decode steps as one device program built once per shape, so the host's work per call is the same for 8 tokens
+    or 512: a `While` op on XLA, a CUDA graph replayed once per token on one GPU; a step that cannot be looped is
+    replayed (or traced) step by step, with one warning. The same ops, so the same tokens. With `replay` or `loop`
+    the cache of each shape is kept with the model between calls (`release_caches`), so later calls capture
+    nothing; weights updated in place between calls (a training step) are read afresh by each call."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
     check_generation_support(model)
     if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
                          "must be the same (batch, width)")
-    sync = sync or (lambda: None)
+    sync, replay, loop = _hooks(model, input_ids.device, sync, replay, loop)
     device = input_ids.device
     batch, width = input_ids.shape
     total = width + max_new_tokens if cache_len is None else cache_len
@@ -367,8 +360,8 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
 @torch.no_grad()
 def generate_ids_uncached(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
                           max_new_tokens: int, sync: Callable[[], None] | None = None) -> torch.Tensor:
-    """The reference greedy loop without a cache (what `hf.generate` ran before the cache): every token runs the
-    whole (B, P + N) buffer through the model again. Fixed shapes too (one graph on XLA), but each token costs the
+    """The reference greedy loop without a cache: every token runs the whole (B, P + N) buffer through the model
+    again. Fixed shapes too (one graph on XLA), but each token costs the
     whole prefix; kept for tests (the cached output must equal it) and benchmarks/generation.py."""
     device = input_ids.device
     batch, width = input_ids.shape

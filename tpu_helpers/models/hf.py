@@ -151,12 +151,11 @@ def generate(model: torch.nn.Module, tokenizer: Any, prompts: list, *, device: A
              max_new_tokens: int = 8, prompt_len: int | None = None, batch_size: int = 16,
              replay: Any = None, loop: Any = None) -> list[str]:
     """Greedy answers for chat prompts (lists of messages) or strings, in fixed-shape batches, with a KV cache
-    (`models.generation`): on XLA the first call compiles a prefill and a decode graph, and later calls with up to
-    `CACHE_BUCKET` slots of prompt plus new tokens (rounded up) compile nothing.
+    (`models.generation`): on XLA the first call compiles the prompt pass and the decode loop, and later calls with up
+    to `CACHE_BUCKET` slots of prompt plus new tokens (rounded up) compile nothing.
 
-    `sync` is called after the prefill and each new token (the backend's sync on XLA: the same graph every time);
-    `replay=backend.compile_step` replays the decode step instead of tracing it per token, `loop=backend.compile_loop`
-    runs the decode steps as one device loop (`generate_ids`).
+    `sync`, `replay` and `loop` go to `generate_ids`: left out, the backend that owns `device` gives them (on XLA the
+    prompt pass replayed and the decode steps run as one device loop); False turns one off.
     """
     from tpu_helpers.models.generation import generate_ids, left_pad
 

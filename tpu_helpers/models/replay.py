@@ -1,31 +1,14 @@
-"""Generation without per-token tracing on XLA: the prompt pass and the decode step replayed, and the decode steps
-run as one device loop (models/generation.py's `generate_ids(..., replay=backend.compile_step,
-loop=backend.compile_loop)` uses what is here).
-
-Why: on XLA every decode step was traced in Python into a lazy graph, hashed and looked up, about 40 ms of host time
-per token for a 30-layer model on XLA:CPU whatever the chip. Three steps down from there:
-- `replayed_steps`: the decode step captured once per shape (dynamo) and replayed, ~1-2 ms of host per token;
-- `replayed_prefill`: the prompt pass too (~45 ms of tracing per call for 30 layers, otherwise);
-- `looped_steps`: all of a call's decode steps as one While op on the device (backend/xla_loop.py), built once per
-  shape and called again with each call's tensors, so the host's work per call (~20 ms for 30 layers on XLA:CPU)
-  does not grow with the number of tokens; where the loop cannot be built, the replayed steps. On one CUDA GPU the
-  same runner replays the decode step as a CUDA graph, one launch per token (backend/cuda_loop.py: ~27 ms of
-  host per token for 30 layers on an H100 before, 0.16 after).
-What makes a replay or a kept loop hold call after call (no capture, no build, no compile after the first call of
-a shape):
-- the steps read nothing but their arguments (models/generation.py's `_prefill` and `_decode`), and the Python
-  values among them (the prompt width, the sampling settings, the pad id) are the same for every call of a shape;
-  the loop gets the model's weights and buffers in its carry (read afresh each call) and is keyed by autocast and
-  peft's adapter switches besides the shapes;
-- the key/value cache of each shape is kept with the model (`kept_cache`) and reset in place, so its layers and
-  tensors are the objects the capture's guards checked; the first call allocates it by tracing the prompt pass
-  once without running it; `release_caches(model)` frees the caches and the loop's programs;
-- what a capture reads is device data before it runs (a sync of the inputs, one of the cache's reset): dynamo's
-  bridge syncs pending inputs in one graph at the capture and in another at a replay;
-- transformers' `enable_input_require_grads` hook (gradient checkpointing under LoRA) is lifted around the steps:
-  its `requires_grad_` is a graph break and means nothing without grad;
-- a pass that cannot be captured whole (`ReplayUnsupported`) runs lazily instead, and a step that cannot be looped
-  (a host read, torch's RNG) steps one by one, each with one warning per model.
+"""Generation without per-token tracing on XLA, used by models/generation.py's `generate_ids` with the hooks of the
+device's backend (`replay=backend.compile_step, loop=backend.compile_loop`, its default on XLA and CUDA):
+- `replayed_prefill`: the prompt pass captured once per shape (dynamo) and replayed;
+- `replayed_steps`: the decode step captured once per shape and replayed, token by token;
+- `looped_steps`: all of a call's decode steps as one device loop (a While op on XLA, backend/xla_loop.py; a CUDA
+  graph replayed per token on one GPU, backend/cuda_loop.py), so the host's work per call does not grow with the
+  number of tokens; where the loop cannot be built, the replayed steps.
+The key/value cache of each shape is kept with the model (`kept_cache`) and reset in place, so a capture's guards
+find the same objects call after call; `release_caches(model)` frees the caches and the loop's programs. A pass that
+cannot be captured whole runs lazily instead, and a step that cannot be looped steps one by one, each with one
+warning per model. What keeps a replay valid from call to call: docs/guides/generation.md.
 """
 
 from __future__ import annotations
