@@ -10,12 +10,13 @@ vocabulary, eager attention as `models.hf.load_causal_lm` loads it), or `--model
 offline real model smollm2-135m; `--random-init`: its config and tokenizer with random weights, the same speed where
 the weights cannot travel; a random model's greedy tokens are no less deterministic); a batch of 8 random prompts of 8 to 32 tokens,
 left-padded to 32. For each number of new tokens and each side:
-- `cached`: `models.generation.generate_ids` with the cache slots bucketed as `hf.generate` does (`cache_bucket`);
+- `cached`: `models.generation.generate_ids` with the cache slots bucketed as `hf.generate` does (`cache_bucket`),
+  nothing captured nor looped (`replay=False, loop=False`: the lazily traced path);
 - `uncached`: `models.generation.generate_ids_uncached`, the loop `hf.generate` ran before the cache (every token
   runs the whole (B, P + N) buffer through the model again);
-- `replay`: `cached` with `replay=backend.compile_step`: on XLA the prompt pass and the decode step captured once
+- `replay`: `cached` with `replay=backend.compile_step` (still `loop=False`): on XLA the prompt pass and the decode step captured once
   (dynamo, openxla) and replayed, no per-token tracing; on the CPU the same as `cached`;
-- `loop`: `replay` with `loop=backend.compile_loop`: on XLA the decode steps run as one While op, built once and
+- `loop`: `replay` with `loop=backend.compile_loop` (what a plain `generate_ids` call gets): on XLA the decode steps run as one While op, built once and
   called again, so a call costs the host the same whatever the number of tokens; on the CPU the same as `cached`;
 - `hf`: `model.generate(do_sample=False, min_new_tokens=N)` with transformers' default (dynamic) cache; on XLA every
   token has a new shape, so it compiles about one graph per token (`--hf-xla-tokens` limits which lengths it runs;
@@ -130,11 +131,12 @@ def child(args) -> None:
 
     def cached(n):
         return generate_ids(model, ids, mask, max_new_tokens=n, eos_token_id=None, pad_token_id=tok.pad_token_id,
-                            sync=backend.sync, cache_len=cache_bucket(args.prompt + n)).ids
+                            sync=backend.sync, cache_len=cache_bucket(args.prompt + n), replay=False, loop=False).ids
 
     def replay(n):
         return generate_ids(model, ids, mask, max_new_tokens=n, eos_token_id=None, pad_token_id=tok.pad_token_id,
-                            sync=backend.sync, cache_len=cache_bucket(args.prompt + n), replay=backend.compile_step).ids
+                            sync=backend.sync, cache_len=cache_bucket(args.prompt + n), replay=backend.compile_step,
+                            loop=False).ids
 
     def loop(n):
         return generate_ids(model, ids, mask, max_new_tokens=n, eos_token_id=None, pad_token_id=tok.pad_token_id,
