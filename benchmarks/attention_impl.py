@@ -20,7 +20,7 @@ from pathlib import Path
 from tpu_helpers.memory.compiled import compiled_estimate
 
 ROOT = Path(__file__).resolve().parents[1]
-M = "tpu_helpers.memory.example_models"
+M = "tests.example_models"
 
 
 # --smoke: SDPA alone (eager goes through the same code with another name), one round of a 30-step job at batch

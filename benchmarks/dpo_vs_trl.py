@@ -48,7 +48,7 @@ SMOKE_JOB = dict(batch_size=2, warmup_steps=1)  # --smoke (CI): every part, toy-
 
 
 def run_package(args) -> dict:
-    from tpu_helpers.callbacks import Callback
+    from tpu_helpers.core.callbacks import Callback
     from tpu_helpers.recipes.preference import Preference, PreferenceConfig
 
     stamps: list[float] = []

@@ -20,16 +20,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from tpu_helpers.memory.compiled import compiled_estimate
-from tpu_helpers.memory.example_models import TINY_LM_SEQ, TINY_LM_VOCAB, lm_batch
 from tpu_helpers.memory.hf_plan import hf_finetune_estimate
 from tpu_helpers.memory.traced import traced_estimate
 
-M = "tpu_helpers.memory.example_models"
+# The example models are test fixtures (tests/example_models.py): the checkout's root on the path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.example_models import TINY_LM_SEQ, TINY_LM_VOCAB, lm_batch  # noqa: E402
+
+M = "tests.example_models"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 QWEN_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                 num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True)

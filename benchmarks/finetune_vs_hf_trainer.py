@@ -44,7 +44,7 @@ def _probe(window: dict, step: int, args, metrics) -> None:
 def run_package(args) -> dict:
     from functools import cached_property
 
-    from tpu_helpers.callbacks import Callback
+    from tpu_helpers.core.callbacks import Callback
     from tpu_helpers.recipes.finetune import Finetune, FinetuneConfig
 
     window: dict = {}

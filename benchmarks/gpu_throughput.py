@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from tpu_helpers.hardware import detect_gpu
+from tpu_helpers.core.hardware import detect_gpu
 from tpu_helpers.models.gpt import GPT, flops_per_token, gpt_config
 
 

@@ -22,8 +22,8 @@ from tpu_helpers.backend import backend_for, runtime_env
 # XLA:CPU unless the caller chose (before anything starts the XLA runtime).
 os.environ.update({**runtime_env.xla_cpu_env(devices=1), **runtime_env.runtime_vars()})
 
-from tpu_helpers.callbacks import Callback  # noqa: E402
 from tpu_helpers.config import TrainConfig  # noqa: E402
+from tpu_helpers.core.callbacks import Callback  # noqa: E402
 from tpu_helpers.data import build_datasets  # noqa: E402
 from tpu_helpers.models.gpt import GPT, gpt_config  # noqa: E402
 from tpu_helpers.training.trainer import Trainer  # noqa: E402

@@ -81,7 +81,7 @@ def start_model(args) -> str:
 
 def run_package(args) -> dict:
     from tpu_helpers.algorithms import grpo
-    from tpu_helpers.callbacks import Callback
+    from tpu_helpers.core.callbacks import Callback
     from tpu_helpers.recipes.grpo import GRPO, GRPOConfig
 
     stamps: list[tuple[float, float]] = []

@@ -96,8 +96,8 @@ def _run_package(device: str, steps: int, clock: _Clock) -> list[float]:
     import torch
 
     from tpu_helpers.backend import get_backend
-    from tpu_helpers.callbacks import Callback
     from tpu_helpers.config import TrainConfig
+    from tpu_helpers.core.callbacks import Callback
     from tpu_helpers.training.trainer import Trainer
 
     model, loader = _setup(device)

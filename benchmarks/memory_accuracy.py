@@ -18,12 +18,14 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from tpu_helpers.backend import get_backend
-from tpu_helpers.hardware import format_bytes
+from tpu_helpers.core.hardware import format_bytes
 from tpu_helpers.memory import (
     LiveBytes,
     analytic_estimate,
@@ -32,8 +34,11 @@ from tpu_helpers.memory import (
     step_trainer,
     traced_estimate,
 )
-from tpu_helpers.memory.example_models import SmallCNN, cnn_batch
 from tpu_helpers.models.gpt import GPT, gpt_config
+
+# The example models are test fixtures (tests/example_models.py): the checkout's root on the path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.example_models import SmallCNN, cnn_batch  # noqa: E402
 
 
 def _trainer(model, device: str, **kw):
@@ -101,8 +106,8 @@ def main() -> None:
     ce = torch.nn.functional.cross_entropy  # the trainer's loss_fn(output, targets)
     real = measure_cpu(SmallCNN, cnn_batch(cnn_b), loss_fn=ce)
     traced = traced_estimate(SmallCNN, cnn_batch, cnn_b, loss_fn=ce).peak_bytes
-    compiled = None if args.no_xla else compiled_estimate("tpu_helpers.memory.example_models:SmallCNN", cnn_b,
-                                                          batch_fn="tpu_helpers.memory.example_models:cnn_batch",
+    compiled = None if args.no_xla else compiled_estimate("tests.example_models:SmallCNN", cnn_b,
+                                                          batch_fn="tests.example_models:cnn_batch",
                                                           loss_fn="torch.nn.functional:cross_entropy").peak_bytes
     rows.append((f"SmallCNN b={cnn_b} (32x32 RGB)", real, traced, None, compiled, 0.0))
 

@@ -6,7 +6,7 @@ the step time of each.
     PYTHONPATH=. python benchmarks/sharding.py --widths 64 --seq-len 32 --batch 1 --time-width 64 --time-steps 4 \
         --layers 1                                                     # CI's toy run (figures say nothing)
 
-1. By the memory plan (`tpu_helpers.memory.sharded`, analytic GPT estimate, bf16, AdamW, 8 sequences of 1024 per
+1. By the memory plan (`tpu_helpers.memory.per_chip`, analytic GPT estimate, bf16, AdamW, 8 sequences of 1024 per
    chip with gradient checkpointing): the largest GPT that trains per v5e chip under `data` and under `fsdp` x8.
 2. On 8 XLA:CPU devices (CPU_NUM_DEVICES=8, SPMD), a ladder of GPTs (6 layers, widths 128..768, fp32, AdamW, a few
    steps each) trained under `data` and under `fsdp`: the compiled step's memory per device (XLA's memory-usage
@@ -54,10 +54,10 @@ import tempfile
 from pathlib import Path
 
 from tpu_helpers.backend import runtime_env
-from tpu_helpers.hardware import format_bytes
+from tpu_helpers.core.hardware import format_bytes
 from tpu_helpers.memory.analytic import analytic_estimate, block_params, param_counts
 from tpu_helpers.memory.compiled import parse_memory_reports
-from tpu_helpers.memory.sharded import gpt_sharding_plan, shard_estimate
+from tpu_helpers.memory.per_chip import gpt_sharding_plan, shard_estimate
 from tpu_helpers.models.gpt import GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +69,7 @@ import torch
 from tpu_helpers.backend import get_backend
 from tpu_helpers.config import TrainConfig
 from tpu_helpers.models.gpt import GPT, GPTConfig
-from tpu_helpers.callbacks import Callback
+from tpu_helpers.core.callbacks import Callback
 from tpu_helpers.training.trainer import Trainer
 
 args = json.loads(sys.argv[1])

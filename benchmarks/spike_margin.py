@@ -1,4 +1,4 @@
-"""How far the loss-spike rule (training/divergence.py) stays from firing on healthy runs, and where diverging runs are.
+"""How far the loss-spike rule (training/guard/divergence.py) stays from firing on healthy runs, and where diverging runs are.
 
     PYTHONPATH=. python benchmarks/spike_margin.py            # every run below, on the CPU (a few minutes)
     PYTHONPATH=. python benchmarks/spike_margin.py --runs healthy-log1,lr50
@@ -23,7 +23,7 @@ import time
 import torch
 
 from tpu_helpers.config import TrainConfig
-from tpu_helpers.training.divergence import SpikeRule
+from tpu_helpers.training.guard.divergence import SpikeRule
 from tpu_helpers.training.history import History
 
 GPT_RUNS = {

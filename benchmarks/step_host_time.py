@@ -164,8 +164,8 @@ def _package(device: str, steps: int, progress: bool, replay: bool = False, real
 
     from tpu_helpers.algorithms.sft import CausalLMTrainer
     from tpu_helpers.backend import get_backend
-    from tpu_helpers.callbacks import Callback
     from tpu_helpers.config import TrainConfig
+    from tpu_helpers.core.callbacks import Callback
     from tpu_helpers.training.trainer import Trainer
 
     if real:

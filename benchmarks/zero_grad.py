@@ -33,8 +33,8 @@ def child(set_to_none: bool, steps: int) -> dict:
     import torch
 
     from tpu_helpers.backend import get_backend
-    from tpu_helpers.callbacks import Callback
     from tpu_helpers.config import TrainConfig
+    from tpu_helpers.core.callbacks import Callback
     from tpu_helpers.data import build_datasets
     from tpu_helpers.training.trainer import Trainer
 

@@ -74,7 +74,7 @@ DEV = Lock("requirements-dev.lock", ("pyproject.toml", "requirements-dev.txt"), 
            ("hf", "notebooks", "dev", "qat", "tracking", "smollm2"))
 STACKS = {
     "colab": Stack("3.13", Lock("stacks/colab.lock", ("stacks/colab.txt",), "3.13"),
-                   Lock("stacks/colab-adds.lock", ("tpu_helpers/launch/requirements-colab.txt",), "3.13",
+                   Lock("stacks/colab-adds.lock", ("tpu_helpers/platform/requirements-colab.txt",), "3.13",
                         constraints=("stacks/colab.lock",)),
                    "Colab's TPU runtime as shipped (no peft, no tpu_helpers)"),
     "kaggle": Stack("3.12", Lock("stacks/kaggle.lock", ("stacks/kaggle.txt",), "3.12"),

@@ -38,8 +38,8 @@ from collections.abc import Iterable  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from tpu_helpers.backend import BackendUnavailable, get_backend  # noqa: E402
-from tpu_helpers.callbacks import Callback  # noqa: E402
 from tpu_helpers.config import TrainConfig  # noqa: E402
+from tpu_helpers.core.callbacks import Callback  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"

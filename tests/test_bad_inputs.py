@@ -14,9 +14,9 @@ import torch
 from torch.utils.data import TensorDataset
 
 from tpu_helpers.backend import BackendUnavailable, get_backend
-from tpu_helpers.callbacks import Callback
 from tpu_helpers.checkpoint import CheckpointManager
 from tpu_helpers.config import ConfigError, TrainConfig, config_from_parameters
+from tpu_helpers.core.callbacks import Callback
 from tpu_helpers.data import build_datasets, load_text, make_loader
 from tpu_helpers.data.tokenizer import get_tokenizer
 from tpu_helpers.models.gpt import GPTConfig, gpt_config

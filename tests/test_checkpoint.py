@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tpu_helpers.atomic_io import atomic_write_bytes, atomic_write_text
 from tpu_helpers.checkpoint import CheckpointCorrupt, CheckpointError, CheckpointManager
+from tpu_helpers.core.atomic_io import atomic_write_bytes, atomic_write_text
 
 
 def _state(seed: int) -> dict:

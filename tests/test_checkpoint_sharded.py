@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from tpu_helpers.checkpoint import CheckpointManager, ShardedCheckpoint, sharded
+from tpu_helpers.checkpoint import CheckpointManager, ShardedCheckpoint, dcp
 
 
 def _model_and_optimizer(seed: int = 0):
@@ -29,9 +29,9 @@ def _model_and_optimizer(seed: int = 0):
 
 def _save(mgr: CheckpointManager, step: int, model, opt):
     tensors = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-    planner = sharded.finite_checking(DefaultSavePlanner)()
+    planner = dcp.finite_checking(DefaultSavePlanner)()
     return mgr.save_sharded(step, {"step": step, "rng": torch.get_rng_state()},
-                            lambda d: sharded.write(d, tensors, planner), writer="test", size=1 << 10)
+                            lambda d: dcp.write(d, tensors, planner), writer="test", size=1 << 10)
 
 
 def test_a_sharded_save_round_trips_whole_with_its_manifest(tmp_path: Path) -> None:
@@ -41,7 +41,7 @@ def test_a_sharded_save_round_trips_whole_with_its_manifest(tmp_path: Path) -> N
     assert path == tmp_path / "ckpt-00000007.dcp" and path.is_dir()
     manifest = json.loads((tmp_path / "ckpt-00000007.json").read_text())
     assert manifest["writer"] == "test" and set(manifest["files"]) == {p.name for p in path.iterdir()}
-    assert sharded.STATE_FILE in manifest["files"] and ".metadata" in manifest["files"]
+    assert dcp.STATE_FILE in manifest["files"] and ".metadata" in manifest["files"]
     assert not list(tmp_path.glob(".ckpt-*")), "no temp directory or save marker left behind"
 
     step, state = mgr.load_latest()
@@ -129,7 +129,7 @@ def test_files_written_elsewhere_are_an_error_not_a_checkpoint_with_holes(tmp_pa
     mgr = CheckpointManager(tmp_path)
 
     def write_on_another_disk(directory: Path) -> list[str]:
-        bad = sharded.write(directory, {"model": model.state_dict(), "optimizer": opt.state_dict()},
+        bad = dcp.write(directory, {"model": model.state_dict(), "optimizer": opt.state_dict()},
                             DefaultSavePlanner())
         next(directory.glob("*.distcp")).unlink()  # what host 0 sees when host 1 wrote to its own disk
         return bad

@@ -1,4 +1,4 @@
-"""Tests for tpu_helpers.hardware: catalog figures, name lookup, device detection, byte formatting."""
+"""Tests for tpu_helpers.core.hardware: catalog figures, name lookup, device detection, byte formatting."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tpu_helpers.hardware import (
+from tpu_helpers.core.hardware import (
     CATALOG,
     GB,
     GiB,

@@ -1,11 +1,11 @@
 """What users install and what CI installs: the extras, the locked dev set, the stack profiles.
 
-- pyproject.toml's extras are the ones the package names in its errors (tpu_helpers.extras), and the ranges that
+- pyproject.toml's extras are the ones the package names in its errors (tpu_helpers.core.extras), and the ranges that
   requirements-colab.txt (what a notebook's setup cell installs) gives are pyproject's;
 - requirements-dev.lock is complete and is what this venv holds: every pin installed at its version, `pip check`
   clean but for the dependencies of the data packages (stacks/dev-data.txt, installed --no-deps), and every range of
   its inputs met by a pin;
-- the stack profiles the doctor knows (tpu_helpers.launch.stacks) are the pins stacks/*.txt give the stack venvs.
+- the stack profiles the doctor knows (tpu_helpers.platform.stacks) are the pins stacks/*.txt give the stack venvs.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import tomllib
 from packaging.requirements import Requirement
 
 from tests.support import ROOT
-from tpu_helpers import extras
-from tpu_helpers.launch import platform, stacks
+from tpu_helpers import platform
+from tpu_helpers.core import extras
+from tpu_helpers.platform import stacks
 
 
 def _stack_venv_module():

@@ -38,7 +38,6 @@ CONCURRENT = "owned by the concurrent refactor; fixed at merge"
 ALLOWED: dict[tuple[str, str], str] = {
     ("tests/algorithms/test_grpo.py", "training/grpo.py"): CONCURRENT,
     ("tpu_helpers/recipes/grpo.py", "training.grpo.GRPOTrainer"): CONCURRENT,
-    ("tpu_helpers/training/cadence.py", "training.trainer.warmup_cosine"): CONCURRENT,
     ("tpu_helpers/training/trainer.py", "training.causal_lm.CausalLMTrainer"): CONCURRENT,
 }
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+import tpu_helpers
+
 PACKAGE = Path(__file__).resolve().parents[1] / "tpu_helpers"
 ROOT = PACKAGE.parent
 
@@ -112,18 +114,8 @@ def test_torchtpu_is_known_in_one_backend_module_and_never_imported():
 
 # The layer order of the package's parts (tpu_helpers/__init__.py says what each is for). A part may import only
 # parts of lower layers, at module level or inside a function; parts of one layer do not import each other.
-LAYERS = (
-    ("atomic_io", "hardware", "choices", "sharding", "callbacks", "extras"),
-    ("config",),
-    ("backend",),
-    ("targets", "diagnostics", "data", "checkpoint"),
-    ("models",),
-    ("training",),
-    ("algorithms", "memory"),
-    ("recipes", "panel"),
-    ("launch",),
-    ("__main__", "train", "__init__"),  # entry points: `python -m tpu_helpers`, the CLI shim, the lazy names
-)
+# The entry points sit above the package's layers: `python -m tpu_helpers`, the CLI shim, the lazy names.
+LAYERS = (*tpu_helpers.LAYERS, ("__main__", "train", "__init__"))
 LAYER_OF = {part: i for i, parts in enumerate(LAYERS) for part in parts}
 
 
@@ -279,8 +271,8 @@ def test_callers_read_only_what_the_backend_interface_declares_and_never_branch_
     assert not branching, f"ask the backend for the capability instead of branching on is_xla: {branching}"
 
 
-@pytest.mark.parametrize("module", ["tpu_helpers.hardware", "tpu_helpers.config", "tpu_helpers.choices",
-                                    "tpu_helpers.sharding", "tpu_helpers.callbacks", "tpu_helpers.atomic_io"])
+@pytest.mark.parametrize("module", ["tpu_helpers.core.hardware", "tpu_helpers.config", "tpu_helpers.core.choices",
+                                    "tpu_helpers.core.sharding", "tpu_helpers.core.callbacks", "tpu_helpers.core.atomic_io"])
 def test_light_modules_import_without_torch_xla_or_the_trainer(module):
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "light_import.py"), module],
                           capture_output=True, text=True,
@@ -301,7 +293,7 @@ def test_the_lazy_package_still_has_its_names():
 
 
 def test_preset_names_match_the_presets():
-    from tpu_helpers.choices import PRESET_NAMES
+    from tpu_helpers.core.choices import PRESET_NAMES
     from tpu_helpers.models.gpt import PRESETS
 
     assert tuple(PRESETS) == PRESET_NAMES

@@ -7,30 +7,24 @@
     job = th.train_gpt(config, backend=backend)
     print(job.report)
 
-Parts by role, in their layer order: each part imports only parts listed before it, at module level or inside a
-function (tests/test_structure.py checks every import), so any part can be read, tested or replaced with only the
-parts below it in mind:
+The package's parts, in the layer order `LAYERS` below: a part imports only parts of lower layers, at module level
+or inside a function (tests/test_structure.py checks every import), so any part can be read, tested or replaced
+with only the parts below it in mind:
 
-    1. atomic_io, hardware, choices, sharding, callbacks,  leaves: files never half-written, the accelerator catalog,
-       extras                                              the allowed values, the SHARDING value and its mesh, the
-                                                           hooks a run calls (no torch at import but `callbacks`' types),
-                                                           the pip extras and the error that names a missing one
-    2. config                                              TrainConfig and notebook parameters
-    3. backend                                             devices and the runtime: the only owner of torch_xla and
-                                                           of the PJRT/XLA environment; placing a model for a SHARDING
-    4. targets, diagnostics, data, checkpoint              platform presets; the XLA detector, safe ops, debug logs;
-                                                           corpus, tokenizers, loaders, SFT rows; crash-safe files
-    5. models                                              the GPT, Hugging Face loading and generation, LoRA
-    6. training                                            the loop and what a run needs around it
-    7. algorithms, memory                                  SFT, distillation, GRPO and rewards, DPO and ORPO (each
-                                                           on the loop, its settings one checked object); estimates and
-                                                           the probe (of the trainer's step)
-    8. recipes, panel                                      whole jobs: GPT pretraining, the Hugging Face job and its
-                                                           siblings fine-tuning, GRPO and preference tuning
-                                                           (DPO, ORPO), the XLA demo; the batch-size tuning panel
-    9. launch                                              papermill runs, CLI, platform setup, multichip, doctor
+    1. core                                   the torch-free leaves: atomic files, the accelerator catalog, the
+                                              allowed values, SHARDING, the callback hooks, the pip extras
+    2. config                                 TrainConfig and notebook parameters
+    3. backend                                devices and the runtime: the only owner of torch_xla and of the PJRT/XLA
+                                              environment; placing a model for a SHARDING
+    4. platform, diagnostics, data,           Colab, Kaggle, TPU VM: setup, presets, tested stacks; the XLA detector;
+       checkpoint                             corpus, tokenizers, loaders, rows; crash-safe checkpoints
+    5. models                                 the GPT, Hugging Face loading, generation, LoRA, QAT, the 4-bit base
+    6. training                               the loop and what a run needs around it
+    7. algorithms, memory                     SFT, distillation, GRPO, DPO and ORPO on the loop; memory plans, the probe
+    8. recipes, panel, demos                  whole jobs; the batch-size panel; the XLA debugging notebook's loops
+    9. launch                                 papermill runs, the CLI, multichip, pods, doctor
 
-The names below load their module on first use (PEP 562), so `import tpu_helpers.hardware` or
+The names below load their module on first use (PEP 562), so `import tpu_helpers.core.hardware` or
 `import tpu_helpers.config` stays light: neither starts torch_xla nor builds the trainer.
 """
 
@@ -41,11 +35,24 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+# The layer order of the parts (see the module docstring); tests/test_structure.py holds every import to it.
+LAYERS = (
+    ("core",),
+    ("config",),
+    ("backend",),
+    ("platform", "diagnostics", "data", "checkpoint"),
+    ("models",),
+    ("training",),
+    ("algorithms", "memory"),
+    ("recipes", "panel", "demos"),
+    ("launch",),
+)
+
 # public name -> the module that defines it
 _EXPORTS = {
-    "CATALOG": "tpu_helpers.hardware", "HardwareSpec": "tpu_helpers.hardware", "format_bytes": "tpu_helpers.hardware",
-    "lookup": "tpu_helpers.hardware",
-    "DEVICES": "tpu_helpers.choices", "OPTIMIZERS": "tpu_helpers.choices", "PRECISIONS": "tpu_helpers.choices",
+    "CATALOG": "tpu_helpers.core.hardware", "HardwareSpec": "tpu_helpers.core.hardware", "format_bytes": "tpu_helpers.core.hardware",
+    "lookup": "tpu_helpers.core.hardware",
+    "DEVICES": "tpu_helpers.core.choices", "OPTIMIZERS": "tpu_helpers.core.choices", "PRECISIONS": "tpu_helpers.core.choices",
     "Backend": "tpu_helpers.backend", "BackendUnavailable": "tpu_helpers.backend", "get_backend": "tpu_helpers.backend",
     "backend_for": "tpu_helpers.backend",
     "CheckpointManager": "tpu_helpers.checkpoint",
@@ -60,7 +67,7 @@ _EXPORTS = {
     "Finetune": "tpu_helpers.recipes.finetune", "FinetuneConfig": "tpu_helpers.recipes.finetune",
     "GRPO": "tpu_helpers.recipes.grpo", "GRPOConfig": "tpu_helpers.recipes.grpo",
     "Preference": "tpu_helpers.recipes.preference", "PreferenceConfig": "tpu_helpers.recipes.preference",
-    "Callback": "tpu_helpers.callbacks",
+    "Callback": "tpu_helpers.core.callbacks",
     "Trainer": "tpu_helpers.training.trainer", "fit": "tpu_helpers.training.trainer",
 }
 
@@ -82,12 +89,12 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs; never executed
     from tpu_helpers.backend import Backend, BackendUnavailable, backend_for, get_backend  # noqa: F401
-    from tpu_helpers.callbacks import Callback  # noqa: F401
     from tpu_helpers.checkpoint import CheckpointManager  # noqa: F401
-    from tpu_helpers.choices import DEVICES, OPTIMIZERS, PRECISIONS  # noqa: F401
     from tpu_helpers.config import ConfigError, TrainConfig, config_from_parameters  # noqa: F401
+    from tpu_helpers.core.callbacks import Callback  # noqa: F401
+    from tpu_helpers.core.choices import DEVICES, OPTIMIZERS, PRECISIONS  # noqa: F401
+    from tpu_helpers.core.hardware import CATALOG, HardwareSpec, format_bytes, lookup  # noqa: F401
     from tpu_helpers.data import build_datasets, load_text, make_loader  # noqa: F401
-    from tpu_helpers.hardware import CATALOG, HardwareSpec, format_bytes, lookup  # noqa: F401
     from tpu_helpers.models.gpt import GPT, PRESETS, GPTConfig, gpt_config, sample_text  # noqa: F401
     from tpu_helpers.recipes.finetune import Finetune, FinetuneConfig  # noqa: F401
     from tpu_helpers.recipes.grpo import GRPO, GRPOConfig  # noqa: F401

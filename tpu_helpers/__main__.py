@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         return doctor_main()
 
     from tpu_helpers.launch.runner import RunError, parse_params, run_notebook, summary_table
-    from tpu_helpers.targets import TARGETS
+    from tpu_helpers.platform.targets import TARGETS
 
     if args.command == "targets":
         for name, target in TARGETS.items():

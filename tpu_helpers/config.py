@@ -26,7 +26,7 @@ import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-from tpu_helpers.choices import (
+from tpu_helpers.core.choices import (
     DEVICES,
     ON_DIVERGENCE,
     ON_NONFINITE,
@@ -40,7 +40,7 @@ from tpu_helpers.choices import (
     check_choice,
     check_trackers,
 )
-from tpu_helpers.sharding import ShardingError, check_sharding
+from tpu_helpers.core.sharding import ShardingError, check_sharding
 
 __all__ = ["ConfigError", "TrainConfig", "config_from_parameters", "notebook_parameters"]
 
@@ -94,7 +94,7 @@ class TrainConfig:
     keep_last: int = 3
     resume: bool | str = True  # True: continue from out_dir's newest good checkpoint | False | "force_new"
     on_nonfinite: str = "stop"  # a nan/inf training loss at a log step: stop (raise, keep the good checkpoints) | warn
-    on_divergence: str = "stop"  # a finite loss spike (training/divergence.py): stop (raise) | warn (once) | off
+    on_divergence: str = "stop"  # a finite loss spike (training/guard/divergence.py): stop (raise) | warn (once) | off
     divergence_factor: float = 3.0  # a spike: a loss above this x its reference (best validation, recent training)
     best_metric: str | None = "val_loss"  # the checkpoint kept whatever keep_last says ("max:NAME" when higher is
     # better, NAME from an eval callback's trainer.eval_metrics); None keeps only the newest keep_last
@@ -261,7 +261,7 @@ def _check_types(cfg: Any) -> None:
 
 # ---- notebook parameters ----------------------------------------------------------------------------------------
 _UPPER = re.compile(r"^[A-Z][A-Z0-9_]*$")
-# The setup cell's parameters, which every notebook that opens on Colab or Kaggle has (launch.platform.setup_notebook):
+# The setup cell's parameters, which every notebook that opens on Colab or Kaggle has (platform.setup_notebook):
 # known to every notebook without being declared, stored in config.extra like any notebook-only parameter.
 SETUP_PARAMETERS: dict[str, type] = {"INSTALL": bool, "REPO_URL": str}
 

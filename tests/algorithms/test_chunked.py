@@ -205,7 +205,7 @@ def test_a_strict_xla_sft_run_with_the_chunked_loss_compiles_nothing_after_warm_
 def test_the_traced_step_and_the_plan_drop_the_same_logits_with_the_chunked_loss(one_thread):
     from transformers import Qwen2Config
 
-    from tpu_helpers.memory import example_models as ex
+    from tests import example_models as ex
     from tpu_helpers.memory.hf_plan import hf_finetune_estimate
     from tpu_helpers.memory.traced import traced_estimate
 

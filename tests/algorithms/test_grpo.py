@@ -254,7 +254,7 @@ def test_saved_results_hold_the_reward_length_kl_figure_drawn_from_the_runs_hist
 def test_the_reward_rises_and_a_surrogate_loss_near_zero_is_no_divergence(tmp_path):
     """Full GRPO of the tiny model for a reward its untrained answers already vary on, strict on XLA:CPU: the mean
     reward rises (on the CPU 0.62 -> 0.92 over the first and last 5 steps). The surrogate loss is centred near 0 and
-    changes sign, so the spike rule (training/divergence.py) does not watch it (nan/inf still stop): under it this
+    changes sign, so the spike rule (training/guard/divergence.py) does not watch it (nan/inf still stop): under it this
     run's loss went 0.002 -> 0.009 by step 7 and the run stopped there with TrainingDiverged."""
     from tests.support import XLA_BACKEND
 

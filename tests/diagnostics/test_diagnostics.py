@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from tests.support import XLA_BACKEND, script_result, tiny_config
+from tpu_helpers.demos.xla_loops import run_loop
 from tpu_helpers.diagnostics import XlaPerformanceError, XlaPerformanceWarning, xla_safe_kl_div
 from tpu_helpers.diagnostics.xla_debug import enable_xla_debug
-from tpu_helpers.recipes.xla_demo import run_loop
 from tpu_helpers.training.step_timing import StepTimer
 
 xla = pytest.mark.skipif(XLA_BACKEND is None, reason="torch_xla is not installed")

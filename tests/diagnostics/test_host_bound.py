@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.support import XLA_BACKEND, tiny_config
+from tpu_helpers.demos.xla_loops import _logits_loss
 from tpu_helpers.diagnostics.detector import host_bound
-from tpu_helpers.recipes.xla_demo import _logits_loss
 from tpu_helpers.training import step_timing
 from tpu_helpers.training.step_timing import StepTimer, format_timing
 from tpu_helpers.training.trainer import Trainer

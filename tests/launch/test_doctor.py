@@ -190,7 +190,7 @@ def test_a_colab_runtime_that_moved_on_is_named_with_what_differs(tmp_path):
 def test_a_colab_gpu_runtime_without_torch_xla_is_held_to_the_latest_stack(tmp_path):
     """Colab's CPU/GPU runtimes ship a newer torch than its TPU runtime and no torch_xla: the tested stack for them
     is `latest` (the newest torch without torch_xla, stacks/latest.txt), not the TPU runtime's."""
-    from tpu_helpers.launch import stacks
+    from tpu_helpers.platform import stacks
 
     latest = stacks.PROFILES["latest"]
     assert latest.torch not in stacks.TESTED_PAIRS  # no torch_xla of that version is tested

@@ -9,9 +9,9 @@ import pytest
 from packaging.requirements import Requirement
 
 from tests.support import XLA_BACKEND, script_result
+from tpu_helpers import platform
 from tpu_helpers.backend import tpu_host
-from tpu_helpers.launch import platform
-from tpu_helpers.launch.platform import PlatformError, TorchXlaPair
+from tpu_helpers.platform import PlatformError, TorchXlaPair
 
 
 class RecordingInstaller:

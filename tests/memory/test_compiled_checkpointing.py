@@ -6,7 +6,7 @@ import pytest
 
 pytestmark = pytest.mark.xla
 
-MODELS = "tpu_helpers.memory.example_models"
+MODELS = "tests.example_models"
 
 
 @pytest.mark.slow

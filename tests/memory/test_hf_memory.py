@@ -1,7 +1,7 @@
 """The traced estimate of Hugging Face models: LoRA (frozen base) and checkpointing through the model's own hook.
 Dict batches with labels: the trainer's step takes the model's own loss."""
 
-from tpu_helpers.memory.example_models import TINY_LM_VOCAB, lm_batch, tiny_causal_lm_lora
+from tests.example_models import TINY_LM_VOCAB, lm_batch, tiny_causal_lm_lora
 from tpu_helpers.memory.traced import traced_estimate
 
 

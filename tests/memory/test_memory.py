@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.example_models import SmallCNN, cnn_batch
 from tests.support import script_result
 from tpu_helpers.backend import get_backend
 from tpu_helpers.memory import (
@@ -23,7 +24,6 @@ from tpu_helpers.memory import (
     step_trainer,
     traced_estimate,
 )
-from tpu_helpers.memory.example_models import SmallCNN, cnn_batch
 from tpu_helpers.models.gpt import GPT, GPTConfig, gpt_config
 
 TINY = gpt_config("tiny")

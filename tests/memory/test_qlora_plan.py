@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tpu_helpers.memory import qlora_table
-from tpu_helpers.memory.example_models import (
+from tests.example_models import (
     TINY_LM_VOCAB,
     lm_batch,
     tiny_causal_lm_lora,
     tiny_causal_lm_qlora,
 )
+from tpu_helpers.memory import qlora_table
 from tpu_helpers.memory.hf_plan import hf_finetune_estimate, lora_parameter_count, meta_model
 from tpu_helpers.memory.traced import traced_estimate
 from tpu_helpers.models.hf_tiny import TINY_ARCH
@@ -79,8 +79,8 @@ def test_the_compiled_estimate_counts_the_4bit_base():
     stored = sum(p.numel() * p.element_size() for p in model.parameters())
     packed = sum(p.numel() for n, p in model.named_parameters() if p.dtype == torch.uint8)
     assert packed == _linear_weights(model.config) // 2
-    est = compiled_estimate("tpu_helpers.memory.example_models:tiny_causal_lm_qlora", 2,
-                            batch_fn="tpu_helpers.memory.example_models:tiny_lm_batch")
+    est = compiled_estimate("tests.example_models:tiny_causal_lm_qlora", 2,
+                            batch_fn="tests.example_models:tiny_lm_batch")
     assert est.breakdown["params"] == stored
     assert re.search(r"compilations: [1-3]$", "\n".join(est.notes), re.MULTILINE), est.notes
     print(f"compiled QLoRA step of the tiny model: {est.peak_bytes / 2**20:.2f} MiB ({est.notes})")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tpu_helpers.memory import analytic_estimate
-from tpu_helpers.memory.sharded import gpt_sharding_plan, shard_estimate, sharding_plan
+from tpu_helpers.memory.per_chip import gpt_sharding_plan, shard_estimate, sharding_plan
 
 XL = dict(vocab_size=50304, block_size=1024, n_layer=48, n_head=25, n_embd=1600)  # GPT-2 XL size, 1.6B
 

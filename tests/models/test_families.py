@@ -17,8 +17,8 @@ import transformers
 
 from tests.models.families import ATTENTION, FAMILIES, FINE_TUNED, WINDOW, build_family
 from tests.support import XLA_BACKEND
-from tpu_helpers.callbacks import Callback
 from tpu_helpers.config import ConfigError
+from tpu_helpers.core.callbacks import Callback
 from tpu_helpers.data.sft import instruction_records, prompts_and_answers
 from tpu_helpers.models import generation, hf, lora
 from tpu_helpers.models.generation import generate_ids, left_pad

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from tpu_helpers.extras import MissingExtra
+from tpu_helpers.core.extras import MissingExtra
 from tpu_helpers.models import generation, hf, smollm2
 from tpu_helpers.models.generation import generate_ids
 

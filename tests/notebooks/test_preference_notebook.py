@@ -11,8 +11,8 @@ import torch
 
 from tpu_helpers.config import config_from_parameters
 from tpu_helpers.launch.runner import declared_parameters, run_notebook
+from tpu_helpers.platform.targets import TARGETS
 from tpu_helpers.recipes.preference import PreferenceConfig, curves_figure
-from tpu_helpers.targets import TARGETS
 from tpu_helpers.training.results import render_png
 
 pytestmark = pytest.mark.notebooks

@@ -10,7 +10,7 @@ import nbformat
 import pytest
 
 from tests.support import NOTEBOOKS
-from tpu_helpers.launch import platform
+from tpu_helpers import platform
 
 BOOTSTRAP = [
     "import importlib.util, os, subprocess, sys",
@@ -24,7 +24,7 @@ BOOTSTRAP = [
     'first), wheel or sdist")',
     '    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", src], check=True)',
     "    importlib.invalidate_caches()",
-    "from tpu_helpers.launch import platform",
+    "from tpu_helpers import platform",
 ]
 
 
@@ -56,7 +56,7 @@ def _bootstrap(monkeypatch, repo_url: str) -> list[list[str]]:
     nb = nbformat.read(NOTEBOOKS["finetune_llm"], as_version=4)
     source = next(c.source for c in nb.cells if "platform.setup_notebook(" in c.source)
     lines = source.splitlines()
-    bootstrap = "\n".join(lines[1:lines.index("from tpu_helpers.launch import platform") + 1])
+    bootstrap = "\n".join(lines[1:lines.index("from tpu_helpers import platform") + 1])
     calls, real = [], importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tpu_helpers" else real(name, *a))
     monkeypatch.setattr(subprocess, "run", lambda argv, **kw: calls.append(argv) or subprocess.CompletedProcess(argv, 0))

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from tpu_helpers.hardware import format_bytes, lookup
+from tpu_helpers.core.hardware import format_bytes, lookup
 from tpu_helpers.memory import analytic_estimate, largest_fitting_batch
 from tpu_helpers.memory.analytic import block_params, param_counts, resolve_config
-from tpu_helpers.memory.sharded import sharding_plan
+from tpu_helpers.memory.per_chip import sharding_plan
 from tpu_helpers.panel.options import keep_sharding, sharding_options
 from tpu_helpers.panel.tuning import TuningPanel
 
@@ -70,7 +70,7 @@ def test_fsdp_makes_a_model_too_big_for_one_chip_fit_and_the_line_says_so():
 
 
 def xl_plan_estimate(cfg, b):
-    from tpu_helpers.memory.sharded import shard_estimate
+    from tpu_helpers.memory.per_chip import shard_estimate
 
     return shard_estimate(analytic_estimate(cfg, b, 1024, precision="bf16", attention="math"), 8,
                           block_params=block_params(cfg))

@@ -12,7 +12,7 @@ import torch
 
 from tests.support import NOTEBOOKS
 from tpu_helpers.backend import get_backend
-from tpu_helpers.hardware import lookup
+from tpu_helpers.core.hardware import lookup
 from tpu_helpers.memory import analytic_estimate, largest_fitting_batch
 from tpu_helpers.memory.probe import probe_batch_size
 from tpu_helpers.memory.traced import gpt_batch, step_trainer
@@ -26,7 +26,7 @@ from tpu_helpers.panel.options import (
     slice_sizes,
 )
 from tpu_helpers.panel.tuning import TuningPanel
-from tpu_helpers.targets import TARGETS
+from tpu_helpers.platform.targets import TARGETS
 
 
 def test_panel_recomputes_on_every_change():
@@ -140,7 +140,7 @@ def test_wording_one_chip_hours_prices_and_precision_warnings():
 
 def test_the_panel_speaks_the_trainers_vocabulary():
     # One list of precisions (choices.PRECISIONS) and of optimizers, and the trainer's own setting names.
-    from tpu_helpers.choices import OPTIMIZERS, PRECISIONS
+    from tpu_helpers.core.choices import OPTIMIZERS, PRECISIONS
 
     panel = TuningPanel(preset="mini", seq_len=256, batch_size=8, hardware="v5e", chips=1, precision="auto")
     auto = panel.result()["peak_bytes"]

@@ -40,8 +40,8 @@ def train(cache: str, out: str) -> None:
 
 def notebook_sequence(cache: str) -> None:
     os.environ.pop("TPU_HELPERS_XLA_CACHE", None)
+    from tpu_helpers import platform
     from tpu_helpers.backend import active_compile_cache, get_backend, resolve_compile_cache, xla_module
-    from tpu_helpers.launch import platform
 
     platform.setup_pjrt("xla", compile_cache=cache)  # colab_tpu / tpuvm_v5e8: the cache goes to setup_pjrt first
     # ... then get_backend(...) with its default compile_cache_dir="default". On a TPU that resolves here:
@@ -55,8 +55,8 @@ def notebook_sequence(cache: str) -> None:
 
 def setup_pjrt(cache: str) -> None:
     os.environ.pop("PJRT_DEVICE", None)
+    from tpu_helpers import platform
     from tpu_helpers.backend import active_compile_cache
-    from tpu_helpers.launch import platform
 
     env = platform.setup_pjrt("xla", compile_cache=cache)
     print_result({"device": env["PJRT_DEVICE"], "cache": active_compile_cache()})

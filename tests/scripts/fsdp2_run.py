@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from tpu_helpers.atomic_io import atomic_write_text
 from tpu_helpers.config import TrainConfig
+from tpu_helpers.core.atomic_io import atomic_write_text
 from tpu_helpers.data import build_datasets
 from tpu_helpers.models.gpt import GPT, gpt_config
 from tpu_helpers.training.trainer import Trainer

@@ -11,7 +11,7 @@ import json
 import os
 
 import tpu_helpers
-from tpu_helpers.launch import platform
+from tpu_helpers import platform
 from tpu_helpers.memory.compiled import child_env
 
 print(json.dumps({"package": tpu_helpers.__file__, "requirements": str(platform.colab_requirements()),

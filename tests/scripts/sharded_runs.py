@@ -18,8 +18,8 @@ import torch
 
 from tests.support import StopAt, print_result, script_args
 from tpu_helpers.backend import get_backend
-from tpu_helpers.callbacks import Callback
 from tpu_helpers.config import TrainConfig
+from tpu_helpers.core.callbacks import Callback
 from tpu_helpers.data import build_datasets
 from tpu_helpers.models.gpt import GPT, gpt_config
 from tpu_helpers.models.lora import adapter_state_dict

@@ -19,8 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.support import print_result, script_args  # noqa: E402
-from tpu_helpers.callbacks import Callback  # noqa: E402
 from tpu_helpers.config import TrainConfig  # noqa: E402
+from tpu_helpers.core.callbacks import Callback  # noqa: E402
 from tpu_helpers.recipes.pretrain import Pretrain  # noqa: E402
 
 

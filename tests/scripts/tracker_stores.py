@@ -24,7 +24,7 @@ def main() -> None:
         print_result({run: [{k: v for k, v in row.items() if k != "timestamp"} for row in rows]
                       for run, rows in logs.items()})
     elif args["read"] == "wandb_login":
-        from tpu_helpers.training.trackers import check_ready
+        from tpu_helpers.training.tracking.clients import check_ready
 
         try:
             check_ready(["wandb"])

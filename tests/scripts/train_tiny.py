@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from tpu_helpers.callbacks import Callback
 from tpu_helpers.config import TrainConfig
+from tpu_helpers.core.callbacks import Callback
 from tpu_helpers.data import build_datasets
 from tpu_helpers.models.gpt import GPT, gpt_config
 from tpu_helpers.training.trainer import Trainer

@@ -29,7 +29,7 @@ def _versions(venv) -> dict[str, str]:
 
 def test_requirements_colab_adds_only_what_the_runtime_lacks():
     colab = stack("colab")
-    code = ("from tpu_helpers.launch import platform; import json; "
+    code = ("from tpu_helpers import platform; import json; "
             "print(json.dumps(platform.missing_requirements(platform.colab_requirements())))")
     missing = json.loads(colab.run(["-c", code]).stdout.strip().splitlines()[-1])
     # Every range in the list contains what Colab ships; only the absent peft remains (papermill is there for tests).

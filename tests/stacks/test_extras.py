@@ -53,7 +53,7 @@ def test_core_install_imports_trains_and_names_the_extra_fine_tuning_needs(tmp_p
                    check=False)
     assert err.returncode == 1
     last = err.stderr.strip().splitlines()[-1]
-    assert last.startswith("tpu_helpers.extras.MissingExtra: fine-tuning (tpu_helpers.recipes.finetune) needs the "
+    assert last.startswith("tpu_helpers.core.extras.MissingExtra: fine-tuning (tpu_helpers.recipes.finetune) needs the "
                            "'hf' extra"), last
     assert "not installed here: transformers, peft, tokenizers, safetensors" in last
     assert 'pip install "tpu_helpers[hf]"' in last, last

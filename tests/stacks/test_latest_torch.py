@@ -40,7 +40,7 @@ ALL_VERSIONS = ("import importlib.metadata as m, json; "
 
 
 def test_the_venv_is_the_newest_torch_without_torch_xla(latest_venv: StackVenv):
-    from tpu_helpers.launch import stacks
+    from tpu_helpers.platform import stacks
 
     profile = stacks.PROFILES["latest"]
     got = latest_venv.versions("torch", "torch_xla", "transformers", "peft", "torch-tpu")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.stacks.venvs import StackVenv
-from tpu_helpers.launch import stacks
+from tpu_helpers.platform import stacks
 
 pytestmark = [pytest.mark.stacks, pytest.mark.slow]
 

@@ -16,9 +16,9 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from tests.support import tiny_config
-from tpu_helpers.callbacks import Callback
-from tpu_helpers.checkpoint import CheckpointManager, sharded
+from tpu_helpers.checkpoint import CheckpointManager, dcp
 from tpu_helpers.config import ConfigError, TrainConfig
+from tpu_helpers.core.callbacks import Callback
 from tpu_helpers.models.gpt import GPT, gpt_config
 from tpu_helpers.training.trainer import Trainer
 
@@ -32,7 +32,7 @@ def _save_all(mgr: CheckpointManager, values: dict[int, float | None], sharded_f
         meta = {"epoch": 0, "metrics": {} if value is None else {"val_loss": value, "acc": -value}}
         if sharded_form:
             def write(directory: Path, tensors: dict = state["model"]) -> list[str]:
-                return sharded.write(directory, {"model": tensors}, sharded.finite_checking(DefaultSavePlanner)())
+                return dcp.write(directory, {"model": tensors}, dcp.finite_checking(DefaultSavePlanner)())
 
             mgr.save_sharded(step, {"step": step}, write, writer="test", size=1 << 10, meta=meta)
         else:
@@ -47,7 +47,7 @@ def test_pruning_keeps_the_best_whatever_keep_last_says(tmp_path: Path, form: st
     best = mgr.best()
     assert best.step == 3 and best.metric("val_loss") == 1.0 and best.path.suffix == f".{form}"
     if form == "dcp":  # an export reads the model's tensors alone
-        whole = sharded.ShardedCheckpoint(best.path, "test").read_whole(parts=("model",))
+        whole = dcp.ShardedCheckpoint(best.path, "test").read_whole(parts=("model",))
         assert set(whole) == {"model"} and torch.equal(whole["model"]["w"], torch.full((4,), 3.0))
     # Higher is better for a metric that is not a loss (the Hugging Face rule), or with "max:".
     for spec in ("acc", "max:acc"):

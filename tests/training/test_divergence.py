@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from tests.support import XLA_BACKEND, StopAt, tiny_config
-from tpu_helpers.callbacks import Callback
 from tpu_helpers.checkpoint import CheckpointManager
 from tpu_helpers.config import ConfigError, TrainConfig
+from tpu_helpers.core.callbacks import Callback
 from tpu_helpers.models.gpt import GPT, gpt_config
-from tpu_helpers.training.divergence import SpikeRule
-from tpu_helpers.training.finite import DivergenceWarning, TrainingDiverged
+from tpu_helpers.training.guard.divergence import SpikeRule
+from tpu_helpers.training.guard.finite import DivergenceWarning, TrainingDiverged
 from tpu_helpers.training.history import History
 from tpu_helpers.training.trainer import Trainer
 
@@ -70,7 +70,7 @@ def test_warn_mode_trains_on_but_never_saves_non_finite_weights(tiny_data, tmp_p
     assert [(i.step, i.valid) for i in infos] == [(2, True)]
 
 
-# ---- a blow-up that stays finite (training/divergence.py) -----------------------------------------------------------
+# ---- a blow-up that stays finite (training/guard/divergence.py) -----------------------------------------------------------
 LR50 = ["--preset", "tiny", "--seq_len", "32", "--batch_size", "8", "--steps", "30", "--save_every", "10",
         "--eval_every", "10", "--lr", "50"]
 

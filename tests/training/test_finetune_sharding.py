@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tests.support import script_result
-from tpu_helpers.callbacks import Callback
 from tpu_helpers.config import ConfigError, TrainConfig, config_from_parameters
+from tpu_helpers.core.callbacks import Callback
 from tpu_helpers.recipes.finetune import Finetune, FinetuneConfig
 
 

@@ -1,4 +1,4 @@
-"""The run's outcome (training/outcome.py): the policy of each kind of divergence, and who stopped the run."""
+"""The run's outcome (training/guard/outcome.py): the policy of each kind of divergence, and who stopped the run."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import warnings
 import pytest
 
 from tpu_helpers.config import TrainConfig
-from tpu_helpers.training.finite import DivergenceWarning
-from tpu_helpers.training.outcome import RunOutcome
+from tpu_helpers.training.guard.finite import DivergenceWarning
+from tpu_helpers.training.guard.outcome import RunOutcome
 from tpu_helpers.training.signals import stop_on_signals
 
 

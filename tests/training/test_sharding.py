@@ -15,7 +15,7 @@ from tests.support import XLA_BACKEND, script_result
 from tpu_helpers.backend import get_backend, runtime_env
 from tpu_helpers.backend.units import block_classes
 from tpu_helpers.config import ConfigError, TrainConfig
-from tpu_helpers.sharding import ShardingError, check_sharding, is_sharded, mesh_shape
+from tpu_helpers.core.sharding import ShardingError, check_sharding, is_sharded, mesh_shape
 
 
 def _train(args: dict, devices: int) -> list[dict]:
@@ -205,7 +205,7 @@ def test_fsdp_on_a_single_chip_keeps_the_models_own_gradient_checkpointing():
     # checkpoints it: the model must do it itself, or the memory saving silently disappears.
     from types import SimpleNamespace
 
-    from tpu_helpers.backend.sharding_xla import SpmdSharding
+    from tpu_helpers.backend.xla_fsdp import SpmdSharding
 
     on = SpmdSharding.checkpoints_blocks  # the XLA backend's answer, for a given device count
     assert not on(SimpleNamespace(device_count=1), "fsdp")

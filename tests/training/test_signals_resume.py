@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from tests.support import XLA_BACKEND, StopAt, tiny_config
-from tpu_helpers.callbacks import Callback
 from tpu_helpers.checkpoint import CheckpointManager
+from tpu_helpers.core.callbacks import Callback
 from tpu_helpers.models.gpt import GPT, gpt_config
 from tpu_helpers.training.signals import is_signal_stop, stop_on_signals
 from tpu_helpers.training.trainer import Trainer

@@ -1,4 +1,4 @@
-"""Experiment tracking (training/tracking.py, trackers.py): what the trackers hold, read back with each tracker's own
+"""Experiment tracking (training/tracking/__init__.py, trackers.py): what the trackers hold, read back with each tracker's own
 reader, equals the run's results.json; tracking adds no compilation or host transfer; a killed and resumed run
 continues the same tracked run without a step twice; bad tracker settings fail before training. No network: W&B
 runs offline, trackio in a local store."""
@@ -20,12 +20,12 @@ from tests.support import (
     tensorboard_texts,
     tiny_config,
 )
-from tpu_helpers.callbacks import Callback
-from tpu_helpers.choices import ConfigError
 from tpu_helpers.config import TrainConfig, config_from_parameters
+from tpu_helpers.core.callbacks import Callback
+from tpu_helpers.core.choices import ConfigError
 from tpu_helpers.recipes.pretrain import Pretrain
-from tpu_helpers.training.trackers import Tracker, wandb_history
 from tpu_helpers.training.tracking import TrackingWarning
+from tpu_helpers.training.tracking.clients import Tracker, wandb_history
 
 
 def offline_env(tmp_path: Path) -> dict[str, str]:

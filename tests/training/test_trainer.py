@@ -123,7 +123,7 @@ def test_every_hook_the_loop_calls_is_a_callback_hook():
     import inspect
     import re
 
-    from tpu_helpers.callbacks import HOOKS
+    from tpu_helpers.core.callbacks import HOOKS
     from tpu_helpers.training import trainer as trainer_module
 
     called = set(re.findall(r"\bcb\.(on_\w+)\(", inspect.getsource(trainer_module)))

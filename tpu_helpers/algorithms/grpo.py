@@ -54,8 +54,8 @@ import torch
 
 from tpu_helpers.algorithms import grpo_loss
 from tpu_helpers.algorithms.rewards import Reward, score
-from tpu_helpers.choices import check_choice
 from tpu_helpers.config import ConfigError
+from tpu_helpers.core.choices import check_choice
 from tpu_helpers.data.rl import prompt_and_answer
 from tpu_helpers.models import lm_head, lora
 from tpu_helpers.models.generation import Sampling, generate_ids

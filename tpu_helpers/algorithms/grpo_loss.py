@@ -50,7 +50,7 @@ from collections.abc import Callable
 
 import torch
 
-from tpu_helpers.choices import GRPO_IMPORTANCE, GRPO_LOSS_TYPES, GRPO_SCALE_REWARDS, check_choice
+from tpu_helpers.core.choices import GRPO_IMPORTANCE, GRPO_LOSS_TYPES, GRPO_SCALE_REWARDS, check_choice
 
 LOSS_TYPES = GRPO_LOSS_TYPES
 IMPORTANCE_LEVELS = GRPO_IMPORTANCE

@@ -67,7 +67,7 @@ class PreferenceTrainer(Trainer):
     """DPO or ORPO over pairs (see the module docstring)."""
 
     # DPO's and IPO's losses fall towards 0 as the pairs separate, where a window of a few harder pairs is several
-    # times the last one: the relative spike rule (training/divergence.py) would stop sound runs. nan/inf still stop.
+    # times the last one: the relative spike rule (training/guard/divergence.py) would stop sound runs. nan/inf still stop.
     watches_loss_spikes = False
     # config.replay_steps: the policy's forward (`batch_pair_logps`, and so its backward) is captured and replayed;
     # the reference's no-grad forward and the loss's few ops on the log-probabilities are traced as they are.

@@ -33,8 +33,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from tpu_helpers.choices import DPO_LOSS_TYPES, PREFERENCE_ALGORITHMS
 from tpu_helpers.config import ConfigError
+from tpu_helpers.core.choices import DPO_LOSS_TYPES, PREFERENCE_ALGORITHMS
 
 ALGORITHMS = PREFERENCE_ALGORITHMS
 LOSS_TYPES = DPO_LOSS_TYPES

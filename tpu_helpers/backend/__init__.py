@@ -28,7 +28,7 @@ from packaging.version import Version
 
 from tpu_helpers.backend import runtime_env, torch_tpu, tpu_host
 from tpu_helpers.backend.base import Backend, BackendUnavailable, GenerationHooks, warn_fallback
-from tpu_helpers.choices import DEVICES
+from tpu_helpers.core.choices import DEVICES
 
 __all__ = ["DEFAULT_COMPILE_CACHE", "DEVICES", "NEWEST_TORCH_XLA", "NEWEST_TORCH_XLA_LIBTPU", "Backend",
            "BackendUnavailable", "GenerationHooks", "active_compile_cache", "backend_for", "generation_hooks",

@@ -1,7 +1,7 @@
 """The backend interface and its CPU implementation.
 
 A `Backend` gives a training loop everything that differs between TPU, GPU and CPU: the device, rank and world
-size, mixed precision, placing the model for a SHARDING (`prepare_model`, from `sharding_torch`), the optimizer
+size, mixed precision, placing the model for a SHARDING (`prepare_model`, from `torch_distributed`), the optimizer
 step (with gradient all-reduce and clipping), the per-step sync, loader settings and wrapping, gradient
 checkpointing, memory figures, run counters and the hardware description. The loop in
 `tpu_helpers.training.trainer` only talks to this interface, so the same code runs everywhere: code outside
@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
-from tpu_helpers.backend.sharding_torch import TorchSharding
-from tpu_helpers.choices import PRECISIONS
-from tpu_helpers.hardware import HardwareSpec, lookup
+from tpu_helpers.backend.torch_distributed import TorchSharding
+from tpu_helpers.core.choices import PRECISIONS
+from tpu_helpers.core.hardware import HardwareSpec, lookup
 
 
 class BackendUnavailable(RuntimeError):
@@ -178,7 +178,7 @@ class Backend(TorchSharding):
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
         return torch.autocast(self.autocast_device_type, dtype=dtype)
 
-    # ---- data, step (the model's placement: sharding_torch.TorchSharding.prepare_model) ------------------------
+    # ---- data, step (the model's placement: torch_distributed.TorchSharding.prepare_model) ------------------------
     def to_device(self, batch: Any) -> Any:
         return tree_map_tensors(lambda t: t.to(self.device, non_blocking=True), batch)
 
@@ -290,7 +290,7 @@ class Backend(TorchSharding):
 
     def save(self, obj: Any, path: str | os.PathLike) -> None:
         """Write `obj` once (main process only), tensors moved to the CPU first, atomically; all ranks wait."""
-        from tpu_helpers.atomic_io import atomic_write_bytes
+        from tpu_helpers.core.atomic_io import atomic_write_bytes
 
         cpu_obj = self.to_cpu(obj)  # every rank takes part: on XLA this is a collective-free device read
         if self.is_main:

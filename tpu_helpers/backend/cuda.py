@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from tpu_helpers.backend.base import Backend, BackendUnavailable, GenerationHooks, as_is, no_sync
-from tpu_helpers.hardware import detect_gpu, format_bytes
+from tpu_helpers.core.hardware import detect_gpu, format_bytes
 
 
 class CudaBackend(Backend):

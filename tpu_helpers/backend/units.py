@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tpu_helpers.sharding import ShardingError
+from tpu_helpers.core.sharding import ShardingError
 
 # The level FSDPv2 (torch_xla's SPMD FSDP, and XLA FSDP) adds to module names; state dicts leave it out.
 WRAPPER_LEVEL = "_orig_module."

@@ -1,6 +1,6 @@
 """XLA backend: TPUs through torch_xla (and XLA:CPU, which runs the same code path without a TPU).
 
-This is the only module in the package that imports torch_xla (with its helpers xla_loop.py and sharding_xla.py). A
+This is the only module in the package that imports torch_xla (with its helpers xla_loop.py and xla_fsdp.py). A
 new torch_xla API changes these files and nothing else; its successor TorchTPU would get a twin of each, in the
 backend layer only (docs/design/torchtpu.md).
 
@@ -41,8 +41,8 @@ from tpu_helpers.backend.base import (
     first_line,
     tree_map_tensors,
 )
-from tpu_helpers.backend.sharding_xla import SpmdSharding, replicated_copy, weights_split
-from tpu_helpers.hardware import detect_tpu, format_bytes, lookup
+from tpu_helpers.backend.xla_fsdp import SpmdSharding, replicated_copy, weights_split
+from tpu_helpers.core.hardware import detect_tpu, format_bytes, lookup
 
 # The most of sharded tensors a `to_cpu` gathers in a graph before reading (all of them at once on every chip):
 # a step's outputs (a rollout's tokens) fit many times over; a checkpoint's weights do not.
@@ -165,7 +165,7 @@ class XlaBackend(SpmdSharding, Backend):
             return "bf16" if self.on_tpu else "fp32"
         return super()._resolve_precision(precision)
 
-    # ---- model, data, step (prepare_model, the model's placement for a SHARDING: sharding_xla) --------------------
+    # ---- model, data, step (prepare_model, the model's placement for a SHARDING: xla_fsdp) --------------------
     def move_model(self, model: torch.nn.Module) -> torch.nn.Module:
         # Parameters stay replicated under SPMD (pure data parallel); the compiler inserts the all-reduce.
         # Module.to() gives every module slot of a shared (tied) parameter its own new Parameter when moving to XLA
@@ -281,7 +281,7 @@ class XlaBackend(SpmdSharding, Backend):
 
     def to_cpu(self, obj: Any) -> Any:
         # One batched device-to-host transfer for the whole state instead of one per tensor. Over a mesh each sharded
-        # tensor is first gathered in a graph (sharding_xla.replicated_copy: read as it is, it compiles every time),
+        # tensor is first gathered in a graph (xla_fsdp.replicated_copy: read as it is, it compiles every time),
         # up to READ_GATHER_BYTES a read: a whole checkpoint's sharded weights gathered so in one graph would be the
         # whole model on every chip at once; past the budget torch_xla's own read gathers one tensor at a time.
         if self.mesh is not None:

@@ -16,9 +16,9 @@ The trainer's use of it: what a checkpoint holds is `tpu_helpers.training.checkp
 saving `tpu_helpers.training.run_state`.
 """
 
+from tpu_helpers.checkpoint.dcp import ShardedCheckpoint
 from tpu_helpers.checkpoint.layout import FORMAT, CheckpointCorrupt, CheckpointError, CheckpointInfo
 from tpu_helpers.checkpoint.manager import CheckpointManager
-from tpu_helpers.checkpoint.sharded import ShardedCheckpoint
 
 __all__ = ["FORMAT", "CheckpointCorrupt", "CheckpointError", "CheckpointInfo", "CheckpointManager",
            "ShardedCheckpoint"]

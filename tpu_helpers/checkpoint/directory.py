@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from tpu_helpers.checkpoint import layout, sharded
+from tpu_helpers.checkpoint import dcp, layout
 from tpu_helpers.checkpoint.layout import CheckpointCorrupt, CheckpointInfo
-from tpu_helpers.choices import best_metric_order
+from tpu_helpers.core.choices import best_metric_order
 
 __all__ = ["CheckpointDirectory"]
 
@@ -52,7 +52,7 @@ class CheckpointDirectory:
     def path_for(self, step: int) -> Path:
         """The data of checkpoint `step`: its sharded directory when there is one, else its .pt file."""
         path = self.directory / f"ckpt-{step:08d}.pt"
-        folder = path.with_suffix(sharded.SUFFIX)
+        folder = path.with_suffix(dcp.SUFFIX)
         return folder if folder.is_dir() else path
 
     def _steps(self) -> set[int]:
@@ -111,7 +111,7 @@ class CheckpointDirectory:
 
     def _torch_load(self, path: Path, map_location: Any, mmap: bool = False) -> dict:
         if path.is_dir():  # sharded: the small state now, the tensors when the trainer asks (state["sharded"])
-            return sharded.read_state(path)
+            return dcp.read_state(path)
         # weights_only=False: optimizer and RNG states are arbitrary objects; these are our own trusted files.
         return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from tpu_helpers.atomic_io import fsync_dir, sha256_file, write_temp
+from tpu_helpers.core.atomic_io import fsync_dir, sha256_file, write_temp
 
 FORMAT = 1
 CKPT_RE = re.compile(r"^ckpt-(\d{8,})\.(pt|json|dcp)$")

@@ -9,7 +9,7 @@ and size) renamed into place last: a checkpoint counts only when its manifest ex
     mgr.save(step, {"model": model.state_dict(), "optim": opt.state_dict()}, meta={"metrics": {"val_loss": 0.31}})
 
 This module writes (`save`, `save_sharded` for DCP directories, run.json); reading is `directory.py`, what is kept
-`retention.py`, the files on disk `layout.py`, the temp file, fsync and rename `tpu_helpers.atomic_io`. The trainer
+`retention.py`, the files on disk `layout.py`, the temp file, fsync and rename `tpu_helpers.core.atomic_io`. The trainer
 moves tensors to the CPU first: no torch_xla here.
 """
 
@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from tpu_helpers.atomic_io import DISK_FULL, atomic_write_text, write_temp
-from tpu_helpers.checkpoint import layout, sharded
+from tpu_helpers.checkpoint import dcp, layout
 from tpu_helpers.checkpoint.directory import _stamps
 from tpu_helpers.checkpoint.layout import CheckpointCorrupt, CheckpointError, CheckpointInfo
 from tpu_helpers.checkpoint.retention import CheckpointRetention
+from tpu_helpers.core.atomic_io import DISK_FULL, atomic_write_text, write_temp
 
 __all__ = ["CheckpointCorrupt", "CheckpointError", "CheckpointInfo", "CheckpointManager"]
 
@@ -79,7 +79,7 @@ class CheckpointManager(CheckpointRetention):
                      meta: dict | None = None) -> Path | list[str]:
         """Write checkpoint `step` of a sharded model as a DCP directory (every process of the run calls this).
 
-        `write(directory)` writes the tensors there (`sharded.write`: the model's and optimizer's sharded state
+        `write(directory)` writes the tensors there (`dcp.write`: the model's and optimizer's sharded state
         dicts through DCP) and returns the names of tensors holding nan/inf, agreed by all processes; `state`
         (step, RNG, history...: small) is pickled by the main process. Everything goes into a hidden temp
         directory, is hashed into the manifest and renamed into place, so an interrupted save leaves the earlier
@@ -89,8 +89,8 @@ class CheckpointManager(CheckpointRetention):
         so a save that fails on one host fails on all of them instead of leaving the others waiting.
         """
         _check_step(step)
-        path = self.directory / f"ckpt-{step:08d}{sharded.SUFFIX}"
-        temp = self.directory / f".ckpt-{step:08d}{sharded.SUFFIX}.tmp"
+        path = self.directory / f"ckpt-{step:08d}{dcp.SUFFIX}"
+        temp = self.directory / f".ckpt-{step:08d}{dcp.SUFFIX}.tmp"
         started = time.time()
         meta_json = json.loads(json.dumps(meta or {}))  # fail before writing gigabytes, not after
 
@@ -103,7 +103,7 @@ class CheckpointManager(CheckpointRetention):
 
         def finish() -> None:
             if self.is_main and not bad:
-                files = sharded.finish(temp, state, writer)
+                files = dcp.finish(temp, state, writer)
                 layout.commit(temp, path, {"format": layout.FORMAT, "step": step, "kind": "dcp", "writer": writer,
                                            "files": files, "bytes": sum(f["bytes"] for f in files.values()),
                                            "created": _now(), "meta": meta_json})

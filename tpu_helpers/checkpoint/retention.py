@@ -19,9 +19,9 @@ import shutil
 from datetime import datetime, timezone
 from pathlib import Path
 
-from tpu_helpers.atomic_io import fsync_dir
 from tpu_helpers.checkpoint import layout
 from tpu_helpers.checkpoint.directory import CheckpointDirectory
+from tpu_helpers.core.atomic_io import fsync_dir
 
 __all__ = ["CheckpointRetention"]
 

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from tpu_helpers.atomic_io import atomic_write_bytes, atomic_write_text, sha256_file
 from tpu_helpers.config import ConfigError
+from tpu_helpers.core.atomic_io import atomic_write_bytes, atomic_write_text, sha256_file
 from tpu_helpers.data.loaders import fixed_batches
 
 FORMAT = 1

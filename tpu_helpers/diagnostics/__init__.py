@@ -5,8 +5,8 @@
 Modules: `detector` (the recompilation / host-read / CPU-fallback detector the trainer adds on XLA), `safe_ops`
 (XLA-friendly replacements such as `xla_safe_kl_div`), `xla_debug` (run a command under torch_xla's debug output and
 summarise each compilation). They watch and fix a run from below the trainer (the detector implements the hooks of
-`tpu_helpers.callbacks`), so the trainer uses them without diagnostics importing it; the debugging notebook's bad
-loop, which drives a whole run, is a recipe (`tpu_helpers.recipes.xla_demo`).
+`tpu_helpers.core.callbacks`), so the trainer uses them without diagnostics importing it; the debugging notebook's bad
+loop, which drives a whole run, is a recipe (`tpu_helpers.demos.xla_loops`).
 """
 
 from tpu_helpers.diagnostics.detector import (

@@ -4,7 +4,7 @@
     report = trainer.fit()          # warns once per problem, e.g. "step 7: recompiled: the input shapes changed..."
     print(report)                   # the problems are listed in the report (report.xla["problems"])
 
-`XlaDetector` is a `Trainer` callback (`tpu_helpers.callbacks`) that the trainer adds by itself on a backend that
+`XlaDetector` is a `Trainer` callback (`tpu_helpers.core.callbacks`) that the trainer adds by itself on a backend that
 compiles graphs, i.e. XLA (`xla_checks="off"` drops it,
 `"strict"` raises `XlaPerformanceError` at the first problem, for tests and CI). It reads only torch_xla's host-side
 counters (never a device tensor), after each step's sync, and tells apart:
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from tpu_helpers.callbacks import Callback
+from tpu_helpers.core.callbacks import Callback
 
 CAUSES = {
     "shape_change": "the input shapes changed ({detail}); every new shape compiles a new graph. Pad or bucket "

@@ -76,9 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from tpu_helpers.backend import BackendUnavailable, backend_for
+    from tpu_helpers.core.sharding import ShardingError
     from tpu_helpers.recipes.pretrain import train_gpt
-    from tpu_helpers.sharding import ShardingError
-    from tpu_helpers.training.finite import TrainingDiverged
+    from tpu_helpers.training.guard.finite import TrainingDiverged
 
     try:  # a missing device or a TPU another process holds: one line that says what to do, not a traceback
         backend = backend_for(config)

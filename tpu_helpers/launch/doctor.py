@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from tpu_helpers import platform
 from tpu_helpers.backend import (
     NEWEST_TORCH_XLA,
     NEWEST_TORCH_XLA_LIBTPU,
@@ -28,8 +29,8 @@ from tpu_helpers.backend import (
     torch_tpu,
     tpu_host,
 )
-from tpu_helpers.extras import EXTRAS
-from tpu_helpers.launch import platform, stacks
+from tpu_helpers.core.extras import EXTRAS
+from tpu_helpers.platform import stacks
 
 OK, WARN, FAIL, INFO, SKIP = "ok", "warn", "FAIL", "info", "skip"
 PACKAGES = ("tpu_helpers", "torch", "torch_xla", "libtpu", "transformers", "peft", "datasets", "safetensors",
@@ -187,7 +188,7 @@ def _hbm(host: Host, chips: int) -> Check:
     if free_total is None:
         return Check("HBM free", SKIP, "this process has not started the TPU runtime (the doctor never starts one: "
                      "run it again after get_backend to see HBM)")
-    from tpu_helpers.hardware import format_bytes
+    from tpu_helpers.core.hardware import format_bytes
 
     free, total = free_total
     status = OK if free > 0.1 * total else WARN

@@ -21,10 +21,10 @@ from pathlib import Path
 
 from tpu_helpers.backend import backend_for, runtime_env, xla_module
 from tpu_helpers.config import ConfigError, TrainConfig
-from tpu_helpers.hardware import format_bytes
-from tpu_helpers.memory.sharded import gpt_sharding_plan
+from tpu_helpers.core.hardware import format_bytes
+from tpu_helpers.core.sharding import ShardingError, is_sharded, mesh_shape
+from tpu_helpers.memory.per_chip import gpt_sharding_plan
 from tpu_helpers.recipes.pretrain import Pretrain, train_gpt
-from tpu_helpers.sharding import ShardingError, is_sharded, mesh_shape
 
 MODES = ("spmd", "spawn")
 
@@ -100,7 +100,7 @@ def _check_sharding(sharding: str, mode: str, chips: int) -> None:
 
 def sharding_advice(plan: MultiChipPlan, hardware: str = "v5e") -> str:
     """What the planned run needs per chip of `hardware` under its SHARDING, and under the other choices
-    (the analytic estimate of the package GPT, `tpu_helpers.memory.sharded`)."""
+    (the analytic estimate of the package GPT, `tpu_helpers.memory.per_chip`)."""
     cfg = plan.config
     precision = "bf16" if cfg.precision == "auto" else cfg.precision
     memory = gpt_sharding_plan(cfg.preset, cfg.batch_size, cfg.seq_len, chips=plan.chips, hardware=hardware,

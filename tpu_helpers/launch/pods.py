@@ -7,7 +7,7 @@
 Under SPMD each host's process drives its own chips as part of one program: each loads its share of every global
 batch and host 0 alone writes checkpoints and `results.json`, so the command is the single-host one, started on all
 workers at once. SHARDING on a pod: "data", or a "DxF" mesh with F at most one host's chips
-(`tpu_helpers.sharding.check_hosts`). Every host writes its shards of a checkpoint, so out_dir must be storage all
+(`tpu_helpers.core.sharding.check_hosts`). Every host writes its shards of a checkpoint, so out_dir must be storage all
 hosts mount. How the hosts share the work, and an out_dir that is not shared: docs/guides/devices.md.
 """
 
@@ -47,7 +47,7 @@ def _shell_path(path: str) -> str:
 
 def pod_mesh(sharding: str, chips_per_host: int, hosts: int) -> tuple[int, int]:
     """The (data, fsdp) mesh `sharding` means on `hosts` x `chips_per_host` chips, checked for a pod."""
-    from tpu_helpers.sharding import ShardingError, check_hosts, mesh_shape
+    from tpu_helpers.core.sharding import ShardingError, check_hosts, mesh_shape
 
     devices = chips_per_host * hosts
     try:

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tpu_helpers.atomic_io import atomic_write_text
-from tpu_helpers.launch.platform import auto_target
-from tpu_helpers.targets import TARGETS
+from tpu_helpers.core.atomic_io import atomic_write_text
+from tpu_helpers.platform import auto_target
+from tpu_helpers.platform.targets import TARGETS
 from tpu_helpers.training.results import RUN_DIR_ENV
 
 

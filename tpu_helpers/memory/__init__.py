@@ -8,7 +8,7 @@
 
 The traced and compiled estimates and the probe all run one step, the trainer's own (`Trainer.train_step`, made
 for the step alone by :func:`step_trainer`), so they measure what training runs. Precisions and optimizers are
-`tpu_helpers.choices`' lists; ``pure_bf16=True`` stores weights, gradients and optimizer state in bf16 too.
+`tpu_helpers.core.choices`' lists; ``pure_bf16=True`` stores weights, gradients and optimizer state in bf16 too.
 
 ``benchmarks/memory_accuracy.py`` compares the estimates with real measurements.
 """

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tpu_helpers.choices import OPTIMIZERS, PRECISIONS, ConfigError, check_choice, check_positive
+from tpu_helpers.core.choices import OPTIMIZERS, PRECISIONS, ConfigError, check_choice, check_positive
 from tpu_helpers.memory.report import MemoryEstimate
 from tpu_helpers.models.gpt import PRESETS, GPTConfig, gpt_config
 

@@ -27,7 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from tpu_helpers.backend import runtime_env
-from tpu_helpers.choices import OPTIMIZERS, check_choice, check_positive
+from tpu_helpers.core.choices import OPTIMIZERS, check_choice, check_positive
 from tpu_helpers.memory.analytic import memory_layout, resolve_config
 from tpu_helpers.memory.report import MemoryEstimate
 

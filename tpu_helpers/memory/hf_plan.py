@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from tpu_helpers.backend.units import block_params
-from tpu_helpers.choices import FINETUNE_METHODS, QAT_SCHEMES, check_choice
 from tpu_helpers.config import ConfigError
+from tpu_helpers.core.choices import FINETUNE_METHODS, QAT_SCHEMES, check_choice
+from tpu_helpers.memory.per_chip import ShardingPlan, sharding_plan
 from tpu_helpers.memory.report import MemoryEstimate
-from tpu_helpers.memory.sharded import ShardingPlan, sharding_plan
 from tpu_helpers.models.lm_head import planned_chunk
 from tpu_helpers.models.qat import quantized_linears
 from tpu_helpers.models.quant4 import DEFAULT_GROUP_SIZE, FORMATS, bytes_per_weight
@@ -141,7 +141,7 @@ def hf_sharding_plan(config: Any, batch_size: int, seq_len: int, *, chips: int, 
                      method: str = "lora", precision: str = "bf16", safety_margin: float = 0.1,
                      **estimate_kwargs: Any) -> ShardingPlan:
     """Per-chip memory of one fine-tuning step under data parallel and FSDP over 2, 4, ... `chips`
-    (`tpu_helpers.memory.sharded`), from the config alone; `estimate_kwargs` go to `hf_finetune_estimate`."""
+    (`tpu_helpers.memory.per_chip`), from the config alone; `estimate_kwargs` go to `hf_finetune_estimate`."""
     model = meta_model(config)
     return sharding_plan(
         lambda b: hf_finetune_estimate(config, b, seq_len, method=method, precision=precision, model=model,

@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 
 from tpu_helpers.backend.base import tree_map_tensors
-from tpu_helpers.choices import check_positive
-from tpu_helpers.hardware import format_bytes
+from tpu_helpers.core.choices import check_positive
+from tpu_helpers.core.hardware import format_bytes
 from tpu_helpers.memory.live import LiveBytes
 from tpu_helpers.memory.traced import BatchFn
 from tpu_helpers.training.trainer import Trainer

@@ -2,7 +2,7 @@
 
 A :class:`MemoryEstimate` is what each estimator returns: the peak bytes of one training step per chip, split into
 parameters, gradients, optimizer state, activations and temporaries. :func:`memory_report` puts one against the
-chosen hardware's memory (``tpu_helpers.hardware`` catalog) with a safety margin and finds the largest per-chip batch
+chosen hardware's memory (``tpu_helpers.core.hardware`` catalog) with a safety margin and finds the largest per-chip batch
 that fits::
 
     from tpu_helpers.memory import memory_report, analytic_estimate
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from tpu_helpers.hardware import HardwareSpec, format_bytes, lookup
+from tpu_helpers.core.hardware import HardwareSpec, format_bytes, lookup
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
 MAX_BATCH = 1 << 20

@@ -21,8 +21,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tpu_helpers.backend import get_backend
-from tpu_helpers.choices import OPTIMIZERS, check_choice, check_positive
 from tpu_helpers.config import TrainConfig
+from tpu_helpers.core.choices import OPTIMIZERS, check_choice, check_positive
 from tpu_helpers.memory.analytic import memory_layout
 from tpu_helpers.memory.report import MemoryEstimate
 from tpu_helpers.training.trainer import LossFn, Trainer

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from tpu_helpers.config import ConfigError
+from tpu_helpers.core.extras import require_extra
 from tpu_helpers.data.loaders import fixed_batches
-from tpu_helpers.extras import require_extra
 from tpu_helpers.models.smollm2 import SMOLLM2, smollm2_dir
 
 TINY = "tiny"

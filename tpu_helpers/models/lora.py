@@ -25,7 +25,7 @@ import torch
 
 from tpu_helpers.backend.units import plain_name
 from tpu_helpers.config import ConfigError
-from tpu_helpers.extras import require_extra
+from tpu_helpers.core.extras import require_extra
 
 
 def linear_names(model: torch.nn.Module) -> list[str]:

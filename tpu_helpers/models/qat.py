@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from tpu_helpers.backend.units import plain_name
-from tpu_helpers.choices import QAT_SCHEMES, check_choice
 from tpu_helpers.config import ConfigError
+from tpu_helpers.core.choices import QAT_SCHEMES, check_choice
 
 BITS = {"int4": 4, "int8": 8}
 

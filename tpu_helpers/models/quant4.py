@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from tpu_helpers.backend.units import plain_name
-from tpu_helpers.choices import QUANTIZE_FORMATS
 from tpu_helpers.config import ConfigError
+from tpu_helpers.core.choices import QUANTIZE_FORMATS
 
 FORMATS = QUANTIZE_FORMATS
 DEFAULT_GROUP_SIZE = 64

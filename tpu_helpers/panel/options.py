@@ -5,7 +5,7 @@
 - :func:`sharding_options` / :func:`check_panel_sharding` / :func:`keep_sharding` -- the SHARDING values a slice
   takes ("data", "fsdp", DxF meshes; on a TPU pod fsdp stays within one host, as the trainer requires);
 - :data:`NOTEBOOK_PRESETS` / :func:`preset_settings` -- the configurations the real notebooks run, read from the
-  platform targets (``tpu_helpers.targets``) so the panel and the notebooks cannot drift apart;
+  platform targets (``tpu_helpers.platform.targets``) so the panel and the notebooks cannot drift apart;
 - :func:`chips_text`, :func:`duration_text`, :func:`cost_text`, :func:`precision_warning` -- wording.
 """
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tpu_helpers.hardware import HardwareSpec
-from tpu_helpers.sharding import ShardingError, check_hosts, check_sharding, mesh_shape
-from tpu_helpers.targets import TARGETS
+from tpu_helpers.core.hardware import HardwareSpec
+from tpu_helpers.core.sharding import ShardingError, check_hosts, check_sharding, mesh_shape
+from tpu_helpers.platform.targets import TARGETS
 
 # Smallest slice and the largest the panel lists, per TPU generation (chips, not cores: a v4-8 is 4 chips).
 _TPU_RANGE = {"TPU v5e": (1, 256), "TPU v6e": (1, 256), "TPU v4": (4, 4096), "TPU v5p": (4, 8192),
@@ -53,7 +53,7 @@ def nearest_slice(chips: int, spec: HardwareSpec) -> int:
 
 def max_fsdp(spec: HardwareSpec, chips: int) -> int:
     """The most chips one model copy may be sharded over: all of them, except on a TPU pod, where the trainer keeps
-    fsdp within one host (``tpu_helpers.sharding.check_hosts``)."""
+    fsdp within one host (``tpu_helpers.core.sharding.check_hosts``)."""
     if spec.kind == "tpu":
         return min(chips, max(1, spec.chips_per_host))
     return chips

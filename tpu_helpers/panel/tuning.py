@@ -18,8 +18,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from tpu_helpers.choices import OPTIMIZERS, PRECISIONS, check_choice
-from tpu_helpers.hardware import HardwareSpec, format_bytes
+from tpu_helpers.core.choices import OPTIMIZERS, PRECISIONS, check_choice
+from tpu_helpers.core.hardware import HardwareSpec, format_bytes
 from tpu_helpers.memory.analytic import (
     analytic_estimate,
     block_params,
@@ -28,8 +28,8 @@ from tpu_helpers.memory.analytic import (
     param_counts,
     resolve_config,
 )
+from tpu_helpers.memory.per_chip import ShardingPlan, shard_estimate, sharding_plan
 from tpu_helpers.memory.report import MemoryEstimate, MemoryReport, memory_report, resolve_hardware
-from tpu_helpers.memory.sharded import ShardingPlan, shard_estimate, sharding_plan
 from tpu_helpers.models.gpt import PRESETS, flops_per_token
 from tpu_helpers.panel.background import ProbeMixin
 from tpu_helpers.panel.figure import figure_png, memory_figure

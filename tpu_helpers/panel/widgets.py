@@ -21,8 +21,8 @@ import sys
 import threading
 from typing import Any
 
-from tpu_helpers.choices import OPTIMIZERS, PRECISIONS
-from tpu_helpers.hardware import CATALOG
+from tpu_helpers.core.choices import OPTIMIZERS, PRECISIONS
+from tpu_helpers.core.hardware import CATALOG
 from tpu_helpers.memory.report import resolve_hardware
 from tpu_helpers.models.gpt import PRESETS
 from tpu_helpers.panel.figure import figure_png

@@ -8,7 +8,7 @@
 Modules: `base` (what every recipe shares), `pretrain` (the quickstart and platform notebooks, `multichip`, the
 CLI), `hf_job` (what every Hugging Face recipe shares: model, tokenizer, LoRA, records, plan, samples, exports) and
 its siblings `finetune` (notebooks/finetune_llm.ipynb), `grpo` (notebooks/grpo_llm.ipynb) and `preference`
-(notebooks/preference_llm.ipynb), each config holding only its own fields; `xla_demo` (a deliberately bad loop next to the fixed one, for notebooks/xla_debugging.ipynb).
+(notebooks/preference_llm.ipynb), each config holding only its own fields; `xla_loops` (a deliberately bad loop next to the fixed one, for notebooks/xla_debugging.ipynb).
 Recipes sit above the trainer, the algorithms and the memory plans they combine, and below `launch`, which runs
 them.
 """

@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from tpu_helpers.backend import Backend, backend_for
-from tpu_helpers.callbacks import Callback
 from tpu_helpers.config import TrainConfig
+from tpu_helpers.core.callbacks import Callback
 from tpu_helpers.training.history import History, RunReport
 from tpu_helpers.training.results import write_results
-from tpu_helpers.training.trackers import check_ready
 from tpu_helpers.training.tracking import tracker_names
+from tpu_helpers.training.tracking.clients import check_ready
 from tpu_helpers.training.trainer import Trainer
 
 

@@ -42,8 +42,9 @@ from tpu_helpers.algorithms.distill import (
     open_teacher_cache,
 )
 from tpu_helpers.algorithms.sft import CausalLMTrainer
-from tpu_helpers.choices import FINETUNE_METHODS, QAT_SCHEMES, check_choice
 from tpu_helpers.config import ConfigError
+from tpu_helpers.core.choices import FINETUNE_METHODS, QAT_SCHEMES, check_choice
+from tpu_helpers.core.extras import require_extra
 from tpu_helpers.data.sft import (
     DEFAULT_DATASET,
     build_sft_datasets,
@@ -53,7 +54,6 @@ from tpu_helpers.data.sft import (
     record_form,
 )
 from tpu_helpers.data.teacher_cache import cache_identity
-from tpu_helpers.extras import require_extra
 from tpu_helpers.memory.hf_plan import hf_finetune_estimate
 from tpu_helpers.models import hf, lora, qat
 from tpu_helpers.recipes.hf_job import HFJob, HFJobConfig, JobData

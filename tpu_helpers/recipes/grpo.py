@@ -39,9 +39,9 @@ import torch
 from tpu_helpers.algorithms.grpo import GRPOSettings, GRPOTrainer, score_completions
 from tpu_helpers.algorithms.rewards import DEFAULT_FORMAT, resolve_rewards
 from tpu_helpers.config import ConfigError
+from tpu_helpers.core.extras import require_extra
 from tpu_helpers.data.loaders import fixed_batches
 from tpu_helpers.data.rl import SUMS, build_prompt_dataset, load_prompt_records
-from tpu_helpers.extras import require_extra
 from tpu_helpers.memory.grpo_plan import grpo_estimate
 from tpu_helpers.models import hf, lora
 from tpu_helpers.models.generation import check_generation_support, generate_ids

@@ -27,17 +27,17 @@ from typing import Any, ClassVar
 
 import torch
 
-from tpu_helpers.atomic_io import atomic_write_text
 from tpu_helpers.backend.units import block_params
-from tpu_helpers.choices import EXPORT_WEIGHTS, check_choice
 from tpu_helpers.config import ConfigError, TrainConfig
-from tpu_helpers.hardware import format_bytes
+from tpu_helpers.core.atomic_io import atomic_write_text
+from tpu_helpers.core.choices import EXPORT_WEIGHTS, check_choice
+from tpu_helpers.core.hardware import format_bytes
+from tpu_helpers.core.sharding import is_sharded, mesh_shape
 from tpu_helpers.memory.hf_plan import gathered_bytes_per_param, meta_model
+from tpu_helpers.memory.per_chip import shard_estimate, sharding_plan
 from tpu_helpers.memory.report import MemoryEstimate, memory_report
-from tpu_helpers.memory.sharded import shard_estimate, sharding_plan
 from tpu_helpers.models import hf, lm_head, lora, quant4
 from tpu_helpers.recipes.base import Recipe
-from tpu_helpers.sharding import is_sharded, mesh_shape
 
 
 @dataclass
@@ -177,7 +177,7 @@ class HFJob(Recipe):
                              self.config.batch_size, hardware or self.backend.hardware)
 
     def sharding_plan(self, hardware: Any = None, *, chips: int | None = None):
-        """Per-chip memory under data parallel and FSDP over 2, 4, ... chips (`tpu_helpers.memory.sharded`)."""
+        """Per-chip memory under data parallel and FSDP over 2, 4, ... chips (`tpu_helpers.memory.per_chip`)."""
         estimate, model, width = self._planned()
         return sharding_plan(estimate, self.config.batch_size, chips=chips or self.chips,
                              hardware=hardware or self.backend.hardware, block_params=block_params(model),

@@ -36,6 +36,7 @@ import torch
 
 from tpu_helpers.algorithms.preference import PreferenceTrainer
 from tpu_helpers.algorithms.preference_loss import PreferenceSettings
+from tpu_helpers.core.extras import require_extra
 from tpu_helpers.data.preference import (
     build_preference_dataset,
     load_preference_records,
@@ -43,7 +44,6 @@ from tpu_helpers.data.preference import (
     split_pair,
 )
 from tpu_helpers.data.sft import DEFAULT_DATASET, exact_match
-from tpu_helpers.extras import require_extra
 from tpu_helpers.memory.preference_plan import preference_estimate
 from tpu_helpers.models import hf
 from tpu_helpers.recipes.hf_job import HFJob, HFJobConfig, JobData

@@ -19,8 +19,8 @@ import torch
 
 from tpu_helpers.backend import Backend
 from tpu_helpers.config import ConfigError, TrainConfig
+from tpu_helpers.core.hardware import HardwareSpec
 from tpu_helpers.data import TokenBlocks, build_datasets
-from tpu_helpers.hardware import HardwareSpec
 from tpu_helpers.memory.analytic import analytic_estimate
 from tpu_helpers.memory.report import MemoryReport, memory_report
 from tpu_helpers.models.gpt import GPT, GPTConfig, gpt_config, sample_text

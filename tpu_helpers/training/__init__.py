@@ -11,7 +11,7 @@ does on resume), `finite` (nan/inf: stop, never save), `divergence` (a finite lo
 SIGTERM/SIGINT), `validation` (checks of Trainer arguments), `step_timing` (where a step's time goes, MFU),
 `history` (loss history and the run report), `results` (results.json and the figure of a run), `tracking`
 (the run's figures live in TensorBoard, W&B or trackio: `TrainConfig.trackers`) over `trackers` (one adapter each). The hooks a run
-calls are `tpu_helpers.callbacks` (below the trainer, so what watches a run need not import it); the ready-made
+calls are `tpu_helpers.core.callbacks` (below the trainer, so what watches a run need not import it); the ready-made
 jobs built on the trainer are `tpu_helpers.recipes`. The trainer's helpers take what they need (config, backend,
 model, optimizer, history, the run's `outcome`), never the trainer: no helper module here imports it.
 
@@ -25,7 +25,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "Callback": "tpu_helpers.callbacks",
+    "Callback": "tpu_helpers.core.callbacks",
     "Cadence": "tpu_helpers.training.cadence",
     "History": "tpu_helpers.training.history", "RunReport": "tpu_helpers.training.history",
     "Trainer": "tpu_helpers.training.trainer", "fit": "tpu_helpers.training.trainer",

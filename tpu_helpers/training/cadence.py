@@ -9,7 +9,7 @@
 a run always ends with a logged loss, a validation loss and a checkpoint. A trainer whose step reads the device on
 the host by design (GRPO reads the sampled tokens for its rewards in the first of every `read_every` steps) says so
 with `read_every`, which the XLA detector takes as a declared read rather than a stray one. (The learning-rate
-schedule is another thing: `training.trainer.warmup_cosine`.)
+schedule is another thing: `training.optimizers.warmup_cosine`.)
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import torch
 
 from tpu_helpers.backend import Backend
 from tpu_helpers.backend.units import trainable_names
-from tpu_helpers.checkpoint import CheckpointManager, sharded
+from tpu_helpers.checkpoint import CheckpointManager, dcp
 from tpu_helpers.config import ConfigError, TrainConfig
 
 __all__ = ["CheckpointContents", "RunParts"]
@@ -112,10 +112,10 @@ class CheckpointContents:
         b, model = self.backend, self._unwrapped()
         tensors = b.sharded_tensors(model, self.parts.optimizer)
         tensors["model"] = self._model_state(model, tensors["model"])  # LoRA: the adapters only
-        planner = sharded.finite_checking(type(b.dcp_planner(save=True)))()
+        planner = dcp.finite_checking(type(b.dcp_planner(save=True)))()
 
         def write(directory: Path) -> list[str]:
-            bad = sharded.write(directory, tensors, planner)
+            bad = dcp.write(directory, tensors, planner)
             return [name.removeprefix("model.") for name in bad if not name.startswith("optimizer.")] or bad
 
         size = sum(p.numel() * p.element_size() for p in model.parameters()) * 3  # weights + AdamW moments

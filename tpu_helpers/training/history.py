@@ -102,7 +102,7 @@ class RunReport:
         return dataclasses.asdict(self)
 
     def save(self, path: str | Path) -> Path:
-        from tpu_helpers.atomic_io import atomic_write_text
+        from tpu_helpers.core.atomic_io import atomic_write_text
 
         atomic_write_text(path, json.dumps(self.to_dict(), indent=2, default=str))
         return Path(path)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from tpu_helpers.choices import OPTIMIZERS, check_choice
+from tpu_helpers.core.choices import OPTIMIZERS, check_choice
 
 
 def make_optimizer(name: str, params: Iterable[torch.nn.Parameter], *, lr: float,

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tpu_helpers.atomic_io import atomic_write_bytes, atomic_write_text
+from tpu_helpers.core.atomic_io import atomic_write_bytes, atomic_write_text
 
 RUN_DIR_ENV = "TPU_HELPERS_RUN_DIR"  # set by `python -m tpu_helpers run`: results are copied there too
 

@@ -29,10 +29,11 @@ from tpu_helpers.checkpoint import CheckpointManager
 from tpu_helpers.checkpoint.manager import agreed
 from tpu_helpers.config import ConfigError, TrainConfig
 from tpu_helpers.data.text import data_identity
-from tpu_helpers.training import finite
+from tpu_helpers.training.arguments import check_out_dir
 from tpu_helpers.training.checkpoint_contents import CheckpointContents, RunParts
+from tpu_helpers.training.guard import finite
+from tpu_helpers.training.guard.outcome import RunOutcome
 from tpu_helpers.training.history import History, RunReport
-from tpu_helpers.training.outcome import RunOutcome
 from tpu_helpers.training.resume_policy import (
     IDENTITY_FIELDS,
     apply_changes,
@@ -40,7 +41,6 @@ from tpu_helpers.training.resume_policy import (
     mismatched_identity,
 )
 from tpu_helpers.training.run_lock import RunLock
-from tpu_helpers.training.validation import check_out_dir
 
 __all__ = ["IDENTITY_FIELDS", "RunParts", "RunState"]
 
@@ -139,7 +139,7 @@ class RunState(CheckpointContents):
         self._identity = identity
         self._recorded_best = self.best()
         if b.is_main:
-            # What the run's trackers logged to (training/tracking.py) stays with the run it belongs to.
+            # What the run's trackers logged to (training/tracking/__init__.py) stays with the run it belongs to.
             self.manager.write_run_info(self._run_info())
         loaded = self.manager.load_latest() if latest is not None and cfg.resume is True else None
         self._check_same_start(loaded[0] if loaded else None)

@@ -40,22 +40,23 @@ from tqdm.auto import tqdm
 
 from tpu_helpers.backend import Backend, backend_for
 from tpu_helpers.backend.base import ReplayUnsupported
-from tpu_helpers.callbacks import Callback, as_callback
 from tpu_helpers.config import ConfigError, TrainConfig
+from tpu_helpers.core.callbacks import Callback, as_callback
 from tpu_helpers.data import make_loader, release_workers
 from tpu_helpers.diagnostics import XlaDetector
-from tpu_helpers.training import divergence, finite, replayed_optimizer
+from tpu_helpers.training import replayed_optimizer
+from tpu_helpers.training.arguments import check_trainer_args
 from tpu_helpers.training.batches import batch_loss
 from tpu_helpers.training.cadence import Cadence
+from tpu_helpers.training.guard import divergence, finite
+from tpu_helpers.training.guard.outcome import RunOutcome
 from tpu_helpers.training.history import History, RunReport
 from tpu_helpers.training.optimizers import make_optimizer, make_scheduler
-from tpu_helpers.training.outcome import RunOutcome
 from tpu_helpers.training.recompute import set_gradient_checkpointing
 from tpu_helpers.training.run_state import RunParts, RunState
 from tpu_helpers.training.signals import resume_hint, stop_on_signals
 from tpu_helpers.training.step_timing import StepTimer, mfu_inputs
 from tpu_helpers.training.tracking import Tracking
-from tpu_helpers.training.validation import check_trainer_args
 
 # The one loss-function form: loss_fn(model_output, targets) -> scalar loss.
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -117,7 +118,7 @@ class Trainer:
                           stacklevel=2)
         # How the run ends: its stop reason (a signal, a callback, a divergence) and what diverged (outcome.py).
         self.outcome = RunOutcome(cfg)
-        # A finite loss spike (training/divergence.py), checked on the losses the loop reads anyway.
+        # A finite loss spike (training/guard/divergence.py), checked on the losses the loop reads anyway.
         self.spike_rule = (divergence.SpikeRule(cfg.divergence_factor)
                            if cfg.on_divergence != "off" and self.watches_loss_spikes else None)
         self.eval_metrics: dict[str, float] = {}  # what eval callbacks add to an evaluation (on_eval_end)

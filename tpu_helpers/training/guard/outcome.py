@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tpu_helpers.training import divergence
+from tpu_helpers.training.guard import divergence
 
 KINDS = ("nonfinite", "spike")
 

@@ -1,6 +1,6 @@
 """A deliberately bad XLA training loop and its fixed twin, for notebooks/xla_debugging.ipynb and the tests.
 
-    from tpu_helpers.recipes.xla_demo import compare_loops
+    from tpu_helpers.demos.xla_loops import compare_loops
     table = compare_loops(config)      # trains both, returns their figures and the detector's findings
 
 `BadLoopTrainer` switches on, one by one or together, the patterns that hurt most on a TPU:

@@ -1,6 +1,6 @@
 """The experiment trackers a run can log to, TensorBoard, Weights & Biases and trackio, behind one small interface.
 
-`training/tracking.py` drives them (which values, when, resume, failures); this module only talks to each package:
+`training/tracking/__init__.py` drives them (which values, when, resume, failures); this module only talks to each package:
 
     check_ready(["tensorboard", "wandb"])        # ConfigError now for a missing package or a W&B login
     tracker = open_tracker("wandb", run)         # run: a TrackedRun (id and name kept in run.json, out_dir, ...)
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tpu_helpers.choices import TRACKERS, ConfigError
+from tpu_helpers.core.choices import TRACKERS, ConfigError
 
 INSTALL_ALL = 'pip install "tpu_helpers[tracking]"'
 

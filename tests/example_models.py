@@ -1,7 +1,7 @@
 """Example models for the estimates, the benchmark and the tests: a small CNN (not a transformer) and the offline
 tiny Qwen2 of the fine-tuning path, with their batch factories.
 
-    from tpu_helpers.memory.example_models import SmallCNN, cnn_batch
+    from tests.example_models import SmallCNN, cnn_batch
     est = traced_estimate(SmallCNN, cnn_batch, batch_size=32, loss_fn=torch.nn.functional.cross_entropy)
     est = traced_estimate(tiny_causal_lm_lora, lm_batch(64, TINY_LM_VOCAB), 4)   # dict batches: the model's loss
     est = traced_estimate(tiny_causal_lm_qlora, lm_batch(64, TINY_LM_VOCAB), 4)  # a 4-bit base (QLoRA)

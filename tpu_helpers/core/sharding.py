@@ -1,6 +1,6 @@
 """The SHARDING value: what a user may write, and the (data, fsdp) mesh it means on a number of chips.
 
-    from tpu_helpers.sharding import check_sharding, mesh_shape
+    from tpu_helpers.core.sharding import check_sharding, mesh_shape
     check_sharding(" 2X4 ")          # "2x4"
     mesh_shape("2x4", 8)             # (2, 4): 2-way data parallel x 4-way FSDP
     mesh_shape("fsdp", 8)            # (1, 8)

@@ -38,11 +38,11 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tpu_helpers.callbacks import Callback
 from tpu_helpers.config import TrainConfig
+from tpu_helpers.core.callbacks import Callback
 from tpu_helpers.diagnostics.detector import detector_for
 from tpu_helpers.training.step_timing import mfu_inputs
-from tpu_helpers.training.trackers import TrackedRun, Tracker, check_ready, open_tracker
+from tpu_helpers.training.tracking.clients import TrackedRun, Tracker, check_ready, open_tracker
 
 if TYPE_CHECKING:
     from tpu_helpers.training.history import RunReport

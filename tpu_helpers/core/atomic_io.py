@@ -1,6 +1,6 @@
 """Files that are never half-written: write a temp file next to the target, fsync it, rename it over the target.
 
-    from tpu_helpers.atomic_io import atomic_write_text
+    from tpu_helpers.core.atomic_io import atomic_write_text
     atomic_write_text("runs/demo/results.json", text)   # readers see the old file or the new one, never a part
 
 Preemptible TPUs and Colab disconnects stop a process mid-write; checkpoints, results and run records all go

@@ -1,7 +1,7 @@
 """The package's optional parts and the pip extra that brings each, so a missing one is a clear error, not a bare
 ImportError deep inside a call.
 
-    from tpu_helpers.extras import require_extra
+    from tpu_helpers.core.extras import require_extra
     require_extra("hf", "fine-tuning (tpu_helpers.recipes.finetune)")   # raises MissingExtra naming the extra
 
 `pip install tpu_helpers` brings the core (torch, numpy, tqdm, matplotlib, packaging): the GPT recipes, the doctor, the

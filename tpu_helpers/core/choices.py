@@ -1,6 +1,6 @@
 """The values a user may type for the settings that name a choice, one list each, and the error for a bad one.
 
-    from tpu_helpers.choices import DEVICES, PRECISIONS, OPTIMIZERS, ConfigError, check_choice
+    from tpu_helpers.core.choices import DEVICES, PRECISIONS, OPTIMIZERS, ConfigError, check_choice
     check_choice("precision", "bf16", PRECISIONS)     # ConfigError naming the value and the allowed ones otherwise
 
 The one vocabulary of the package: `TrainConfig`, the memory estimates, the tuning panel, the fine-tuning recipe
@@ -37,7 +37,7 @@ PREFERENCE_ALGORITHMS = ("dpo", "orpo")
 DPO_LOSS_TYPES = ("sigmoid", "ipo")
 XLA_CHECKS = ("warn", "strict", "off")
 ON_NONFINITE = ("stop", "warn")
-# A loss that spikes but stays finite (training/divergence.py): stop the run | warn once and go on | do not check.
+# A loss that spikes but stays finite (training/guard/divergence.py): stop the run | warn once and go on | do not check.
 ON_DIVERGENCE = ("stop", "warn", "off")
 # Which weights the fine-tuning exports take: the best checkpoint's (by `best_metric`) or the last step's.
 EXPORT_WEIGHTS = ("best", "last")

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from statistics import median
 from typing import Any, NamedTuple
 
-from tpu_helpers.training import finite
+from tpu_helpers.training.guard import finite
 
 RECENT = 10  # training intervals the median is taken over
 MIN_RECORDS = 3  # training intervals logged before the rule compares

@@ -1,8 +1,8 @@
 """The backend's side of SHARDING under torch.distributed (torchrun on GPUs or CPU processes): placing the model
 (`prepare_model`: one device, DDP, or FSDP2's `fully_shard`), whole state dicts in the plain model's format, and
 the sharded checkpoints' state dicts and DCP planners. `Backend` (and so the CPU and CUDA backends) inherits
-`TorchSharding`; the XLA backend overrides it with `sharding_xla.SpmdSharding`. The SHARDING value itself is
-`tpu_helpers.sharding`; the files of a sharded checkpoint are `tpu_helpers.checkpoint.sharded`.
+`TorchSharding`; the XLA backend overrides it with `xla_fsdp.SpmdSharding`. The SHARDING value itself is
+`tpu_helpers.core.sharding`; the files of a sharded checkpoint are `tpu_helpers.checkpoint.dcp`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from tpu_helpers.backend.units import block_classes
-from tpu_helpers.sharding import ShardingError, check_sharding
+from tpu_helpers.core.sharding import ShardingError, check_sharding
 
 
 class TorchSharding:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from tpu_helpers.backend.sharding_torch import index_keyed
+from tpu_helpers.backend.torch_distributed import index_keyed
 
 STATE_FILE = "state.pt"
 SUFFIX = ".dcp"
@@ -144,7 +144,7 @@ def read_state(path: Path) -> dict:
 def finish(directory: Path, state: dict, writer: str) -> dict[str, dict]:
     """After DCP wrote the tensors into `directory`: add the small `state` (`STATE_FILE`, noting the `writer`),
     make every file durable, and return {file name: {"bytes", "sha256"}} for the manifest."""
-    from tpu_helpers.atomic_io import fsync_dir, sha256_file, write_temp
+    from tpu_helpers.core.atomic_io import fsync_dir, sha256_file, write_temp
 
     _check_complete(directory)
     tmp, _ = write_temp(directory / STATE_FILE, lambda w: torch.save({**state, "sharded_by": writer}, w))

@@ -2,7 +2,7 @@
 
 The memory estimator, the widgets, and MFU / cost reports read it::
 
-    from tpu_helpers.hardware import lookup, detect_tpu, detect_gpu, format_bytes
+    from tpu_helpers.core.hardware import lookup, detect_tpu, detect_gpu, format_bytes
     spec = lookup("v5e")                       # names and aliases, case-insensitive
     spec = detect_tpu("TPU v5 lite")           # a torch_xla / PJRT device kind
     spec = detect_gpu(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory)

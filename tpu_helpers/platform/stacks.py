@@ -1,6 +1,6 @@
 """The software stacks the package is tested on, for the doctor and the notebooks' setup cell.
 
-    from tpu_helpers.launch import stacks
+    from tpu_helpers.platform import stacks
     stacks.TESTED_PAIRS                          # ("2.8.0", "2.9.0"): the torch/torch_xla versions CI runs
     profile = stacks.profile_for("colab")        # what Colab's TPU runtime ships (the `colab` profile)
     profile.differences(version)                 # ["transformers 5.16.0 (tested: 5.15.0)", ...]

@@ -20,8 +20,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from tpu_helpers.backend import Backend
-from tpu_helpers.callbacks import HOOKS, Callback
 from tpu_helpers.config import ConfigError, TrainConfig
+from tpu_helpers.core.callbacks import HOOKS, Callback
 
 
 def _kind(value: Any) -> str:

@@ -4,7 +4,7 @@ Data parallel keeps the whole model, its gradients and optimizer state on every 
 ``1/n`` of each, plus, while a block runs, that block's gathered weights (and in the backward its full gradient
 before the reduce-scatter). Activations depend on the per-chip batch only, so they do not change::
 
-    from tpu_helpers.memory.sharded import sharding_plan
+    from tpu_helpers.memory.per_chip import sharding_plan
     from tpu_helpers.memory import analytic_estimate
     plan = sharding_plan(lambda b: analytic_estimate("xl", b, 1024, precision="bf16"), batch_size=1, chips=8,
                          hardware="v5e", block_params=12 * 1600**2, what="full fine-tuning")
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tpu_helpers.hardware import HardwareSpec, format_bytes
+from tpu_helpers.core.hardware import HardwareSpec, format_bytes
 from tpu_helpers.memory.report import Estimator, MemoryEstimate, resolve_hardware
 
 _SHARDED = ("params", "grads", "optimizer")

@@ -1,7 +1,12 @@
-"""What a notebook does before training on its platform: Colab/Kaggle detection, the torch/torch_xla pair,
-installing what the runtime lacks, Google Drive, Kaggle's paths, and the PJRT environment.
+"""What the package knows of each platform (Colab, Kaggle, a TPU VM, a GPU or CPU machine), in one place.
 
-    from tpu_helpers.launch import platform
+This module is what a notebook does before training on its platform: Colab/Kaggle detection, the torch/torch_xla
+pair, installing what the runtime lacks, Google Drive, Kaggle's paths, and the PJRT environment. Beside it:
+`targets` (a named preset of notebook parameters per platform) and `stacks` (the software stacks CI tests, which the
+doctor compares a machine with). The accelerators' figures are `tpu_helpers.core.hardware`; what the host's TPUs
+are is read by `tpu_helpers.backend.tpu_host` (the backend needs it before anything above it loads).
+
+    from tpu_helpers import platform
     print(platform.setup_notebook("finetune_llm", qat="int4", trackers="wandb"))   # a notebook's setup cell: the
                                                       # pair, and what it installed (peft, torchao, wandb if absent)
     print(platform.check_torch_xla())                 # the pair, and the fix when it is missing or mismatched
@@ -31,7 +36,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from tpu_helpers.choices import QAT_SCHEMES, check_choice, check_trackers
+from tpu_helpers.core.choices import QAT_SCHEMES, check_choice, check_trackers
 
 # A lone reinstall of either breaks the pair (torch_xla then fails at import with an undefined _XLAC symbol).
 PROTECTED = ("torch", "torch_xla", "torch-xla", "libtpu")
@@ -84,7 +89,7 @@ def platform_name() -> str:
 
 
 def auto_target() -> str:
-    """The platform target (`tpu_helpers.targets`) for this machine, found without starting an XLA runtime."""
+    """The platform target (`tpu_helpers.platform.targets`) for this machine, found without starting an XLA runtime."""
     from tpu_helpers.backend import tpu_chip_count
 
     chips = tpu_chip_count()
@@ -189,7 +194,7 @@ def missing_requirements_of(reqs: Sequence[Requirement], keep_newer: bool = Fals
 
 def colab_requirements() -> Path:
     """The requirements a Colab or Kaggle runtime may lack, shipped inside the package (so a wheel install has it)."""
-    return Path(str(resources.files("tpu_helpers.launch").joinpath("requirements-colab.txt")))
+    return Path(str(resources.files("tpu_helpers.platform").joinpath("requirements-colab.txt")))
 
 
 def _canonical(name: str) -> str:

@@ -3,7 +3,7 @@
     python -m tpu_helpers run notebooks/colab_tpu.ipynb --target colab-v6e-1
     python -m tpu_helpers targets          # lists them
 
-`launch.platform.auto_target()` picks one for this machine. The batch runner (`launch.runner`)
+`platform.auto_target()` picks one for this machine. The batch runner (`launch.runner`)
 applies them, and the tuning panel (`panel.options`) reads the notebooks' configurations from them, so the two
 cannot drift apart: hence this module sits below both, needing only `backend.runtime_env`.
 """

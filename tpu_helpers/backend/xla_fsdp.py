@@ -33,9 +33,9 @@ from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
 from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
 
-from tpu_helpers.backend.sharding_torch import refuse_unexpected
+from tpu_helpers.backend.torch_distributed import refuse_unexpected
 from tpu_helpers.backend.units import WRAPPER_LEVEL, block_classes
-from tpu_helpers.sharding import ShardingError, check_hosts, check_sharding, is_sharded, mesh_shape
+from tpu_helpers.core.sharding import ShardingError, check_hosts, check_sharding, is_sharded, mesh_shape
 
 
 def sharding_spec(tensor: torch.Tensor) -> str:
