@@ -25,7 +25,7 @@ XDIST := -n $(WORKERS) --dist loadfile
 FAST := not slow and not notebooks and not browser and not xla
 STACKS ?= colab kaggle core latest
 
-.PHONY: setup browser run test test-fast test-real test-stacks lock lint clean-runs print-venv
+.PHONY: setup browser run test test-fast test-real test-stacks lock lint clean-runs print-venv docs
 
 setup: $(STAMP)
 
@@ -85,6 +85,12 @@ test-stacks: setup browser
 # LOCK_ARGS=--keep keeps current pins where the inputs allow). Commit the locks with a green make test and test-stacks.
 lock:
 	$(PYTHON) stacks/stack_venv.py lock $(LOCK_ARGS)
+
+# The documentation site (mkdocs.yml, docs/): a small venv of its own from stacks/docs.lock (mkdocs-material and
+# mkdocstrings; no torch, the API reference is read from the source statically), built on first use; --strict makes a
+# broken link, a missing page or an unresolved reference fail. The site lands in site/ (open site/index.html).
+docs:
+	venv=$$($(PYTHON) stacks/stack_venv.py build docs) && NO_MKDOCS_2_WARNING=1 $$venv/bin/mkdocs build --strict --site-dir site
 
 lint: setup
 	$(PY) -m ruff check tpu_helpers tests benchmarks stacks

@@ -3,6 +3,7 @@
     python3 stacks/stack_venv.py lock              # re-resolve every lock file at the newest versions allowed
     python3 stacks/stack_venv.py build colab       # the colab stack's venv (cached; prints its path)
     python3 stacks/stack_venv.py paths colab kaggle core latest   # NAME=VENV,... for the stack tests (builds missing)
+    python3 stacks/stack_venv.py lock docs         # re-resolve one stack's locks only
 
 Lock files (plain pip requirements files: exact pins of the whole closure, nothing else, so `pip install --no-deps
 -r LOCK` then `pip check` rebuilds the set): `requirements-dev.lock` (the dev/CI venv of `make test`: the ranges of
@@ -16,7 +17,9 @@ pyproject.toml's extras and requirements-dev.txt, Python 3.11) and one per stack
   Python 3.11; its wheelhouse holds the `hf` and `notebooks` extras, so the tests install `.[hf,notebooks]` offline;
 - `latest`: the newest torch the registry serves, pinned (stacks/latest.txt), without torch_xla, and the newest
   transformers, peft, torchao and the rest, Python 3.12: Colab's CPU/GPU runtimes, where the package's GPU/CPU
-  fallback runs on a newer torch than any TPU stack. Its venv holds pytest: the package's CPU tests run in it.
+  fallback runs on a newer torch than any TPU stack. Its venv holds pytest: the package's CPU tests run in it;
+- `docs`: the documentation site's tools (stacks/docs.txt: mkdocs-material, mkdocstrings), Python 3.11, for `make
+  docs`; no torch and not the package (the API reference is read from the source statically).
 
 The resolver is uv (`uv pip compile`): it resolves for a named Python version and platform without that interpreter
 or a venv, so one command rewrites every lock in seconds, and its output is a pip requirements file, so every
@@ -86,6 +89,8 @@ STACKS = {
                   "torch and the core dependencies only (pip install tpu_helpers)"),
     "latest": Stack("3.12", Lock("stacks/latest.lock", ("stacks/latest.txt",), "3.12"), also=(),
                     about="the newest torch (no torch_xla) and the newest of the rest: Colab's CPU/GPU runtimes"),
+    "docs": Stack("3.11", Lock("stacks/docs.lock", ("stacks/docs.txt",), "3.11"), also=(),
+                  about="the documentation site's tools: mkdocs-material, mkdocstrings"),
 }
 
 
@@ -124,11 +129,15 @@ def compile_lock(lock: Lock, upgrade: bool = True) -> None:
     print(f"  {lock.path}: {len(pins(ROOT / lock.path))} pins")
 
 
-def lock_all(upgrade: bool = True) -> None:
-    """Every lock, in dependency order (core's are constrained by the dev lock, colab-adds by colab's)."""
-    compile_lock(DEV, upgrade)
-    for stack in STACKS.values():
-        if stack.lock is DEV:
+def lock_all(upgrade: bool = True, names: list[str] | None = None) -> None:
+    """Every lock, in dependency order (core's are constrained by the dev lock, colab-adds by colab's); `names`: only
+    those stacks' locks (the dev lock is then resolved only when "dev" is named)."""
+    for name in names or ():
+        _stack(name)
+    if not names or "dev" in names:
+        compile_lock(DEV, upgrade)
+    for name, stack in STACKS.items():
+        if stack.lock is DEV or (names and name not in names):
             continue
         compile_lock(stack.lock, upgrade)
         if stack.adds:
@@ -233,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     lock = sub.add_parser("lock", help="re-resolve requirements-dev.lock and stacks/*.lock")
     lock.add_argument("--keep", action="store_true", help="keep current pins where the inputs allow (no upgrade)")
+    lock.add_argument("stacks", nargs="*", metavar="STACK",
+                      help=f"only these stacks' locks (default: all; {', '.join(STACKS)})")
     for name in ("build", "paths"):
         cmd = sub.add_parser(name, help="build the stack venvs (paths: and print NAME=VENV,...)")
         cmd.add_argument("stacks", nargs="+", choices=sorted(STACKS))
@@ -240,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "lock":
-            lock_all(upgrade=not args.keep)
+            lock_all(upgrade=not args.keep, names=args.stacks)
         else:
             if args.python and len(args.stacks) > 1:
                 raise StackError("--python names the interpreter of one stack; give one stack with it")
