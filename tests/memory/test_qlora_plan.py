@@ -1,5 +1,6 @@
 """The memory plan of a 4-bit base (QLoRA): the plan, the traced and the compiled estimates count its linear weights
-at 4 bits plus their scales, and the README's table of 7-8B models on v5e-1 and v6e-1 is what the plan computes."""
+at 4 bits plus their scales, and docs/jobs/finetune.md's table of 7-8B models on v5e-1 and v6e-1 is what the plan
+computes."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from tpu_helpers.memory.hf_plan import hf_finetune_estimate, lora_parameter_coun
 from tpu_helpers.memory.traced import traced_estimate
 from tpu_helpers.models.hf_tiny import TINY_ARCH
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "jobs" / "finetune.md"
 
 
 def _linear_weights(c) -> int:
@@ -46,10 +47,10 @@ def test_the_table_recomputes_from_the_published_sizes_and_is_the_readmes():
         assert r["breakdown"]["params"] == int(weights + adapters * 4)
         for hw, hbm in (("v5e", 16e9), ("v6e", 32e9)):
             assert r["fits"][hw] == (r["peak_bytes"] <= 0.9 * hbm)
-    # The verdicts the README states: a bf16 base needs a v6e-1, a 4-bit one fits a v5e-1, at both lengths.
+    # The verdicts the page states: a bf16 base needs a v6e-1, a 4-bit one fits a v5e-1, at both lengths.
     assert all(r["fits"] == {"v5e": r["base"] != "bf16", "v6e": True} for r in rows)
     table = qlora_table.markdown(rows)
-    assert table in README.read_text(), "README's QLoRA table differs from qlora_table.markdown(); paste it again"
+    assert table in PAGE.read_text(), "docs/jobs/finetune.md's QLoRA table differs from qlora_table.markdown(); paste it again"
 
 
 def test_the_plan_and_the_trace_count_the_4bit_base_alike():

@@ -105,8 +105,8 @@ def test_damaged_run_json_is_a_clear_error(tmp_path) -> None:
 
 
 def test_every_setting_is_in_one_resume_group_and_in_the_readme_table() -> None:
-    """A new TrainConfig field must say what it does on resume: one group of resume_policy, one row of the README's
-    table (refused, applied from the resume step, or simply takes effect)."""
+    """A new TrainConfig field must say what it does on resume: one group of resume_policy, one row of the
+    resume table on docs/guides/preemption.md (refused, applied from the resume step, or simply takes effect)."""
     from dataclasses import fields
 
     from tpu_helpers.config import TrainConfig
@@ -116,10 +116,10 @@ def test_every_setting_is_in_one_resume_group_and_in_the_readme_table() -> None:
     names = [f.name for f in fields(TrainConfig)]
     placed = [name for group in groups for name in group]
     assert sorted(placed) == sorted(names), (sorted(set(names) - set(placed)), sorted(set(placed) - set(names)))
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "guides" / "preemption.md").read_text()
     table = readme[readme.index("**What a changed setting does on resume**"):]
     rows = [line for line in table.splitlines() if line.startswith("| `")][:3]
     assert len(rows) == 3 and "refused" in rows[0] and "applied" in rows[1] and "take effect" in rows[2], rows
     for group, row in zip(groups, rows, strict=True):
         missing = [name for name in group if f"`{name}`" not in row]
-        assert not missing, f"the README's resume table lacks {missing} in the row: {row[:80]}..."
+        assert not missing, f"docs/guides/preemption.md's resume table lacks {missing} in the row: {row[:80]}..."
