@@ -24,7 +24,7 @@ __all__ = ["host_writes", "pod_command", "pod_mesh"]
 def pod_command(config: TrainConfig, *, tpu: str, zone: str, workdir: str = "~/tpu_helpers",
                 venv: str | None = "~/venv", project: str | None = None) -> str:
     """The gcloud command that starts `python -m tpu_helpers.train` with `config` on every host of slice `tpu`,
-    from the clone in `workdir` with the virtual environment `venv` (the README's setup; None: none).
+    from the clone in `workdir` with the virtual environment `venv` (the setup on docs/platforms/tpu-vm.md; None: none).
 
     `config.out_dir` should be storage every host mounts (an absolute path on Filestore or a gcsfuse bucket):
     every host reads the checkpoints to resume, and a sharded model's hosts each write their shards there."""

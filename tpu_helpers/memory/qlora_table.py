@@ -2,7 +2,7 @@
 
     from tpu_helpers.memory.qlora_table import qlora_table, markdown
     rows = qlora_table()                      # Qwen2.5-7B and Llama-3.1-8B, 1 x 1024 and 1 x 2048, v5e-1 and v6e-1
-    print(markdown(rows))                     # the README's table
+    print(markdown(rows))                     # the table on docs/jobs/finetune.md
 
 The configs are built from the models' published sizes (their config.json on the hub: nothing downloaded), on the
 meta device. Each row is `memory.hf_plan.hf_finetune_estimate` for LoRA (the HF job's defaults: r 8 on

@@ -1,6 +1,6 @@
 """What a setting does on resume: part of the run's identity (a change is refused) or applied from the resume step.
 
-Each TrainConfig field is in exactly one group (the README's resume table lists them):
+Each TrainConfig field is in exactly one group (the resume table on docs/guides/preemption.md lists them):
 
 - IDENTITY_FIELDS: what the checkpoints are *of* (model, data, tokenization, optimizer kind, seed, global batch).
   Resuming with another value is refused, naming the old and the new value (`RunState._check_identity`).

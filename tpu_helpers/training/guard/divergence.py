@@ -23,7 +23,7 @@ like a spike (0.02 -> 0.07 is 3.5 x). Both series come from the trainer's `histo
 resumed run compares with the same readings as an uninterrupted one.
 
 The default factor's margin, measured on the package's own tiny runs (`benchmarks/spike_margin.py`), and the
-losses of the runs that diverged, are in the README's reliability section.
+losses of the runs that diverged, are on docs/guides/preemption.md.
 """
 
 from __future__ import annotations

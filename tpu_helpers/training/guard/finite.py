@@ -66,6 +66,6 @@ def diverged_error(outcome: Any, report: Any, *, lr: float, latest: Any, directo
     err = TrainingDiverged(
         f"training diverged: {outcome.diverged} (lr={lr:g}). Nothing was saved after it; {kept}. Lower lr, "
         "raise warmup_steps, or check grad_clip and the data; a rerun with resume=True continues from the newest "
-        f"good checkpoint and applies the new lr (see the README's resume table){back}")
+        f"good checkpoint and applies the new lr (see the resume table on docs/guides/preemption.md){back}")
     err.report = report
     return err
