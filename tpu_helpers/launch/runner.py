@@ -283,16 +283,16 @@ def highlights(result: RunResult, *, answers: int = 4) -> list[str]:
     for key, name in (("reward", "held-out reward"), ("accuracy", "held-out preference accuracy")):
         pair = res.get(key)
         if isinstance(pair, dict) and {"before", "after"} <= set(pair):
-            b, a = (v.get("accuracy") if isinstance(v, dict) else v for v in (pair["before"], pair["after"]))
-            lines.append(f"{name}: {_figure(b)} -> {_figure(a)}")
+            was, now = (v.get("accuracy") if isinstance(v, dict) else v for v in (pair["before"], pair["after"]))
+            lines.append(f"{name}: {_figure(was)} -> {_figure(now)}")
     if "exact_match" in before and "exact_match" in after:
         lines.append(f"held-out exact match: {_figure(before['exact_match'])} -> {_figure(after['exact_match'])}")
     rows = list(zip(before.get("rows") or [], after.get("rows") or [], strict=False))[:answers]
     if rows:
         lines.append("held-out answers, before -> after:")
-    for b, a in rows:
-        said = [r.get("completion", r.get("prediction")) for r in (b, a)]
-        lines.append(f"  {b.get('prompt')!r} ({b.get('answer', b.get('chosen'))}): {said[0]!r} -> {said[1]!r}")
+    for was, now in rows:
+        said = [r.get("completion", r.get("prediction")) for r in (was, now)]
+        lines.append(f"  {was.get('prompt')!r} ({was.get('answer', was.get('chosen'))}): {said[0]!r} -> {said[1]!r}")
     lines += [f"figure: {path}" for path in sorted(Path(result.directory).glob("*.png"))]
     return lines
 

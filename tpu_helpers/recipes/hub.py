@@ -72,8 +72,8 @@ def _figures(before: Mapping | None, after: Mapping | None) -> dict[str, tuple[f
         return {k: v for k, v in (d or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)
                 and k != "compilations"}
 
-    b, a = numbers(before), numbers(after)
-    return {k: (b.get(k), a.get(k)) for k in [*b, *(k for k in a if k not in b)]}
+    was, now = numbers(before), numbers(after)
+    return {k: (was.get(k), now.get(k)) for k in [*was, *(k for k in now if k not in was)]}
 
 
 def _fmt(value: float | None) -> str:
@@ -101,7 +101,7 @@ def model_card(job: Any, paths: Mapping[str, str], *, before: Mapping | None = N
     figures = _figures(before, after)
     if figures:
         lines += ["## Held-out figures", "", "| metric | before | after |", "|---|---|---|"]
-        lines += [f"| {k.replace('_', ' ')} | {_fmt(b)} | {_fmt(a)} |" for k, (b, a) in figures.items()]
+        lines += [f"| {k.replace('_', ' ')} | {_fmt(was)} | {_fmt(now)} |" for k, (was, now) in figures.items()]
         lines.append("")
     lines += ["## Files", ""]
     if "merged" in paths:
