@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return doctor_main()
 
-    from tpu_helpers.launch.runner import RunError, parse_params, run_notebook, summary_table
+    from tpu_helpers.launch.runner import RunError, highlights, parse_params, run_notebook, summary_table
     from tpu_helpers.platform.targets import TARGETS
 
     if args.command == "targets":
@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
             result = run_notebook(nb, target=args.target, params=params, runs_dir=args.runs_dir, kernel=args.kernel)
             status = "   ok: " if result.ok else "   STOPPED: " if result.stopped_by else "   FAILED: "
             print(status + (result.error or str(result.directory)), flush=True)
+            for line in highlights(result):  # the held-out figure before -> after, a few answers, the figures
+                print("   " + line, flush=True)
             results.append(result)
             if result.stopped_by:  # a stop request covers the whole batch, not just this notebook
                 break

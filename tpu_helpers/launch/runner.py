@@ -268,6 +268,35 @@ def summary_table(results: list[RunResult]) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows)
 
 
+def _figure(value: Any) -> str:
+    return f"{value:.2f}" if isinstance(value, (int, float)) else "-"
+
+
+def highlights(result: RunResult, *, answers: int = 4) -> list[str]:
+    """What a finished run of a Hugging Face notebook shows on the terminal (`python -m tpu_helpers run`): its
+    held-out figure before and after training, as "held-out reward: 0.09 -> 0.84" (GRPO's mean reward; fine-tuning's
+    exact match; DPO's preference accuracy), `answers` held-out answers before -> after, and the figures it saved
+    (`*.png` in the run directory). Nothing for a notebook whose results hold none of these."""
+    res = result.results or {}
+    before, after = res.get("samples_before") or {}, res.get("samples_after") or {}
+    lines = []
+    for key, name in (("reward", "held-out reward"), ("accuracy", "held-out preference accuracy")):
+        pair = res.get(key)
+        if isinstance(pair, dict) and {"before", "after"} <= set(pair):
+            was, now = (v.get("accuracy") if isinstance(v, dict) else v for v in (pair["before"], pair["after"]))
+            lines.append(f"{name}: {_figure(was)} -> {_figure(now)}")
+    if "exact_match" in before and "exact_match" in after:
+        lines.append(f"held-out exact match: {_figure(before['exact_match'])} -> {_figure(after['exact_match'])}")
+    rows = list(zip(before.get("rows") or [], after.get("rows") or [], strict=False))[:answers]
+    if rows:
+        lines.append("held-out answers, before -> after:")
+    for was, now in rows:
+        said = [r.get("completion", r.get("prediction")) for r in (was, now)]
+        lines.append(f"  {was.get('prompt')!r} ({was.get('answer', was.get('chosen'))}): {said[0]!r} -> {said[1]!r}")
+    lines += [f"figure: {path}" for path in sorted(Path(result.directory).glob("*.png"))]
+    return lines
+
+
 _PARAM_NAME = re.compile(r"^[A-Z][A-Z0-9_]*$")
 
 

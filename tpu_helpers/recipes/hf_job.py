@@ -38,6 +38,7 @@ from tpu_helpers.memory.per_chip import shard_estimate, sharding_plan
 from tpu_helpers.memory.report import MemoryEstimate, memory_report
 from tpu_helpers.models import hf, lm_head, lora, quant4
 from tpu_helpers.recipes.base import Recipe
+from tpu_helpers.recipes.hub import check_repo_id
 
 
 @dataclass
@@ -72,6 +73,7 @@ class HFJobConfig(TrainConfig):
     num_samples: int = 8  # held-out prompts shown before and after training
     max_new_tokens: int = 4  # tokens generated per answer
     loss_chunk: int | str = "auto"  # tokens per chunk of the loss's logits (models/lm_head.py); 0: the whole batch's
+    push_to_hub: str | None = None  # a hub repo id "owner/name": the exports go there with a model card (recipes.hub)
 
     methods: ClassVar[tuple[str, ...]] = ("lora", "full")
     recipe: ClassVar[str] = "a Hugging Face job"  # how messages name the recipe
@@ -102,6 +104,7 @@ class HFJobConfig(TrainConfig):
         if self.max_records is not None and self.max_records < 1:
             raise ConfigError(f"max_records={self.max_records!r} must be >= 1, or None for all")
         lm_head.check_loss_chunk(self.loss_chunk)
+        check_repo_id(self.push_to_hub)
         for name in ("num_samples", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 1")
