@@ -196,11 +196,11 @@ def _package(device: str, steps: int, progress: bool, replay: bool = False, real
     trainer = Given(model, loader, None, config=cfg, backend=backend, progress=progress, callbacks=[Mark()])
     trainer.state.save = lambda: None  # the peers write no checkpoints either
     b = trainer.backend
-    for attr, part in (("compute_loss", "forward"), ("_loss_sum", "forward"), ("_add_to_window", "loss window"),
-                       ("_on_log", "log read"), ("apply_gradients", "optimizer step")):
+    for attr, part in (("compute_loss", "forward"), ("_loss_sum", "forward"), ("apply_gradients", "optimizer step")):
         if not hasattr(trainer, attr):
             continue
         parts.wrap(trainer, attr, part)
+    parts.wrap(trainer.window, "add", "loss window")  # the log read itself runs in the log step's closure
     for attr, part in (("backward", "backward"), ("optimizer_step", "optimizer step"), ("zero_grad", "zero_grad"),
                        ("sync", "sync"), ("add_step_closure", "log closure")):
         parts.wrap(b, attr, part)

@@ -3,7 +3,8 @@
 `TrainConfig` has full-size defaults (GPT-2 small on a TPU chip); tests and quick runs shrink it with
 `dataclasses.replace` or keyword overrides. Every field is checked when the object is built, so a wrong value
 fails before any compile or download, with a message that names the value and what is allowed. A recipe with
-settings of its own declares them as fields of a subclass (`recipes.finetune.FinetuneConfig`), checked the same way.
+settings of its own declares them as fields of a subclass (`recipes.finetune.FinetuneConfig`); an algorithm's
+settings dataclass lends its fields to the recipe's config (`settings_fields`, `settings_from`), declared once.
 
 Notebooks keep their parameters as UPPER_CASE globals in the cell tagged `parameters` (papermill overrides them):
 
@@ -23,7 +24,8 @@ import re
 import types
 import typing
 import warnings
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar
 
 from tpu_helpers.core.choices import (
@@ -42,7 +44,9 @@ from tpu_helpers.core.choices import (
 )
 from tpu_helpers.core.sharding import ShardingError, check_sharding
 
-__all__ = ["ConfigError", "TrainConfig", "config_from_parameters", "notebook_parameters"]
+__all__ = ["ConfigError", "TrainConfig", "config_from_parameters", "notebook_parameters", "settings_fields",
+           "settings_from"]
+S = typing.TypeVar("S")
 
 
 @dataclass
@@ -50,6 +54,8 @@ class TrainConfig:
     # Fields a recipe's config renamed: {old name: new name}. An old notebook parameter (a papermill `-p` of an
     # older notebook) still works, with a warning; the constructor names the new field.
     renamed: ClassVar[dict[str, str]] = {}
+    # Settings dataclasses whose fields this config took ({settings class: the fields' name prefix}): `settings_fields`.
+    settings_prefixes: ClassVar[dict[type, str]] = {}
 
     def __new__(cls, *args: Any, **kwargs: Any) -> TrainConfig:
         # Before the dataclass __init__: an unknown keyword is a ConfigError naming the config that has it (another
@@ -192,6 +198,43 @@ class TrainConfig:
 
 
 _PROJECT = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+# ---- an algorithm's settings as fields of a recipe's config ------------------------------------------------------
+def settings_fields(settings: type, *, prefix: str = "") -> Callable[[type], type]:
+    """Class decorator for a recipe's config, under @dataclass: the init fields of the dataclass `settings` become
+    fields of the config named `prefix + name`, with their types and defaults, so each is a notebook parameter
+    (UPPER_CASE) declared once, on the settings. `settings_from(config, settings)` builds the settings from them.
+
+        @dataclass
+        @settings_fields(GRPOSettings)            # NUM_GENERATIONS, KL_BETA, LOSS_TYPE, ... are GRPOConfig fields
+        class GRPOConfig(HFJobConfig): ...
+    """
+    def add(cls: type) -> type:
+        hints = typing.get_type_hints(settings)
+        annotations = dict(cls.__dict__.get("__annotations__", {}))
+        for f in fields(settings):
+            if not f.init:
+                continue
+            name = prefix + f.name
+            if name in annotations:
+                raise TypeError(f"{cls.__name__}.{name} is a field of {settings.__name__}: declare it there only")
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise TypeError(f"{settings.__name__}.{f.name} needs a default to be a notebook parameter")
+            annotations[name] = hints[f.name]
+            setattr(cls, name, f.default if f.default is not MISSING else field(default_factory=f.default_factory))
+        cls.__annotations__ = annotations
+        cls.settings_prefixes = {**getattr(cls, "settings_prefixes", {}), settings: prefix}
+        return cls
+
+    return add
+
+
+def settings_from(config: TrainConfig, settings: type[S]) -> S:
+    """The `settings` object made of `config`'s fields that `settings_fields` gave its class; the settings check
+    (and parse) their values themselves, as they are built."""
+    prefix = type(config).settings_prefixes[settings]
+    return settings(**{f.name: getattr(config, prefix + f.name) for f in fields(settings) if f.init})
 
 
 def _config_classes(root: type = TrainConfig) -> list[type]:

@@ -1,4 +1,4 @@
-"""GRPO (training/grpo.py, recipes/grpo.py): the loss against a hand computation, a strict XLA:CPU run (no
+"""GRPO (algorithms/grpo.py, recipes/grpo.py): the loss against a hand computation, a strict XLA:CPU run (no
 recompilation after warm-up, host reads only for the rewards and at log and save steps, KL 0 at step 1 against the
 adapter-disabled model), kill and resume with the same sampling stream, and bad input."""
 
@@ -13,7 +13,7 @@ import torch
 
 from tests.support import StepCounters, StopAt, assert_same_trainable_weights
 from tpu_helpers.algorithms.grpo import GRPOSettings, completion_logps
-from tpu_helpers.algorithms.grpo_loss import group_advantages
+from tpu_helpers.algorithms.grpo_loss import SCALE_REWARDS, group_advantages
 from tpu_helpers.config import ConfigError, config_from_parameters
 from tpu_helpers.recipes.grpo import GRPO, GRPOConfig
 
@@ -107,9 +107,9 @@ def test_the_batch_std_spans_every_process_rows(tmp_path, monkeypatch):
     mine, other = [1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 3.0, 0.0]
     monkeypatch.setattr(type(trainer.backend), "loader_rank_and_world", property(lambda self: (1, 2)))
     monkeypatch.setattr(trainer.backend, "gather_objects", lambda value: [other, value])
-    want = group_advantages(torch.tensor(mine), 2, scale="batch", batch=torch.tensor(other + mine))
+    want = group_advantages(torch.tensor(mine), 2, scale=SCALE_REWARDS["batch"], batch=torch.tensor(other + mine))
     torch.testing.assert_close(trainer.advantages(mine), want)
-    assert not torch.allclose(want, group_advantages(torch.tensor(mine), 2, scale="batch"))
+    assert not torch.allclose(want, group_advantages(torch.tensor(mine), 2, scale=SCALE_REWARDS["batch"]))
 
 
 def odd_first_character(prompts, completions):
@@ -131,10 +131,10 @@ def test_strict_xla_grpo_with_checkpointing_reads_only_for_rewards_logs_and_save
     for k, s in steps.items():
         reads = s["device_to_host_transfers"]
         rollout, saved_before = (k - 1) % 2 == 0, k == 5
-        # A log step reads the loss window and the GRPO metrics; a rollout step the sampled tokens (one
-        # batched transfer); the step after a save the checkpoint's tensors.
+        # A log step reads the step's figures (one window: loss, gradient norm, KL, clipped share); a rollout step
+        # the sampled tokens (one batched transfer); the step after a save the checkpoint's tensors.
         if not saved_before:
-            assert reads == 2 + rollout, (k, steps)
+            assert reads == 1 + rollout, (k, steps)
     assert report.xla["problems"] == [] and report.xla["cpu_fallback_ops"] == {}
     records = job.history.train
     assert records[0]["kl"] == 0.0 and records[-1]["kl"] > 0  # policy == reference before the first update
@@ -175,9 +175,9 @@ def test_strict_xla_dapo_with_sequence_ratios_clip_higher_and_batch_std_compiles
 @pytest.mark.parametrize("sharding", ["data", "fsdp"])
 def test_strict_xla_grpo_on_an_eight_device_mesh_compiles_nothing_after_warm_up(sharding):
     # A v5e-8, simulated. data (the default placement): the rollouts' decode runs as one device loop, and reading
-    # their batch-sharded tokens compiles nothing per step (torch_xla compiled a gather for every read: strict failed
-    # at step 3, the first step past the warm-up). fsdp: the decode steps one token a graph (the loop would gather
-    # the weights whole); they were traced unsynced into one graph, read pending and so gathered anew every step.
+    # their batch-sharded tokens must compile nothing per step (a read of a sharded tensor compiles a gather unless
+    # the backend gathers it in a graph of its own). fsdp: the decode steps one token a graph (the loop would gather
+    # the weights whole), each synced, so no step reads a pending graph that gathers the weights anew.
     from tests.support import script_result
     from tpu_helpers.backend import runtime_env
 
@@ -255,7 +255,7 @@ def test_the_reward_rises_and_a_surrogate_loss_near_zero_is_no_divergence(tmp_pa
     """Full GRPO of the tiny model for a reward its untrained answers already vary on, strict on XLA:CPU: the mean
     reward rises (on the CPU 0.62 -> 0.92 over the first and last 5 steps). The surrogate loss is centred near 0 and
     changes sign, so the spike rule (training/guard/divergence.py) does not watch it (nan/inf still stop): under it this
-    run's loss went 0.002 -> 0.009 by step 7 and the run stopped there with TrainingDiverged."""
+    run's loss, 0.002 -> 0.009 by step 7, would stop the run with TrainingDiverged."""
     from tests.support import XLA_BACKEND
 
     job = _job(tmp_path, "xla", backend=XLA_BACKEND, method="full", lr=5e-3, steps=40, batch_size=4,
@@ -313,15 +313,15 @@ def test_a_reward_returning_the_wrong_values_is_an_error_naming_it(tmp_path, ret
 
 
 def test_each_process_samples_its_own_stream_and_one_process_the_same_again(tmp_path, monkeypatch):
-    # The key was (seed, step): under torchrun every process drew the same numbers for its rows. The process
-    # index (the backend's rank) is in it now, in the rollouts and in the recipe's samples.
+    # The sampling key holds the process index (the backend's rank), in the rollouts and in the recipe's samples:
+    # under torchrun every process draws its own numbers for its rows.
     job = _job(tmp_path, temperature=2.0, max_new_tokens=6)
     trainer = job.trainer
     batch = trainer.backend.to_device(next(iter(trainer.train_loader)))
 
     def rollout(rank):
         monkeypatch.setattr(trainer.backend, "rank", rank)
-        return trainer.make_rollout(batch)["ids"]
+        return trainer.make_rollout(batch)[0]["ids"]
 
     first, other, again = rollout(0), rollout(1), rollout(0)
     assert torch.equal(first, again) and not torch.equal(first, other)
@@ -335,13 +335,13 @@ def test_each_process_samples_its_own_stream_and_one_process_the_same_again(tmp_
 
 
 def test_dropout_is_off_in_the_policy_so_the_first_ratio_is_exactly_1(tmp_path):
-    # Generation runs in eval mode and the training forward in train mode: with LORA_DROPOUT 0.5 the two differed,
-    # so the ratio of an on-policy step was not 1 (TRL disables dropout for this). DISABLE_DROPOUT (default on).
+    # Generation runs in eval mode and the training forward in train mode: with LORA_DROPOUT 0.5 the two differ, so
+    # the ratio of an on-policy step is not 1 unless dropout is off (TRL disables it for this). DISABLE_DROPOUT.
     job = _job(tmp_path, lora_dropout=0.5, num_iterations=2, kl_beta=0.0)
     trainer = job.trainer
     drops = [m for m in trainer.raw_model.modules() if isinstance(m, torch.nn.Dropout)]
     assert drops and all(m.p == 0 for m in drops)
-    rollout = trainer.make_rollout(trainer.backend.to_device(next(iter(trainer.train_loader))))
+    rollout, _ = trainer.make_rollout(trainer.backend.to_device(next(iter(trainer.train_loader))))
     trainer.model.train()  # as in a step
     logp = completion_logps(trainer.model, rollout["ids"], rollout["mask"], 3, job.config.temperature)
     ratio = torch.exp(logp - rollout["old_logp"]) * rollout["completion_mask"] + (1 - rollout["completion_mask"])

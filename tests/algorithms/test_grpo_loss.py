@@ -86,8 +86,10 @@ def _batch():
 
 def _ours(logp, old, ref, adv, mask, *, loss_type, importance, epsilon_high, beta, reduce=None):
     per_token, kl, clipped = policy_terms(logp, old, ref if beta else None, adv, mask, clip_eps=EPS,
-                                          epsilon_high=epsilon_high, kl_beta=beta, importance=importance)
-    loss = micro_batch_loss(loss_type, per_token, mask, step_divisor(loss_type, mask, mask.shape[1], reduce))
+                                          epsilon_high=epsilon_high, kl_beta=beta,
+                                          importance=IMPORTANCE_LEVELS[importance])
+    chosen = LOSS_TYPES[loss_type]
+    loss = micro_batch_loss(chosen, per_token, mask, step_divisor(chosen, mask, mask.shape[1], reduce))
     return loss, kl, clipped
 
 
@@ -113,7 +115,8 @@ def test_each_loss_type_is_trls_loss_gradient_kl_and_clip_share(loss_type, impor
     assert share.item() == pytest.approx(metrics["clip_ratio/region_mean"][0], rel=1e-6)
     # The batch exercises clip-higher: 1.2 < ratio <= 1.28 with A > 0 is clipped only without it.
     assert metrics["clip_ratio/high_mean"][0] > 0
-    without = policy_terms(logp, old, None, adv, mask, clip_eps=EPS, kl_beta=0.0, importance=importance)[2]
+    without = policy_terms(logp, old, None, adv, mask, clip_eps=EPS, kl_beta=0.0,
+                           importance=IMPORTANCE_LEVELS[importance])[2]
     assert (clipped * m).sum() < (without * m).sum() if epsilon_high else torch.equal(clipped, without)
 
 
@@ -172,7 +175,7 @@ def test_advantages_are_trls(monkeypatch, scale, processes):
     monkeypatch.setattr(grpo_trainer, "gather_object", lambda x: x)  # accelerate's, for its logs: one process here
     local = slice(8, 16) if processes == 2 else slice(None)
     theirs = _trl_advantages(rewards, 4, scale, processes=processes, index=processes - 1)
-    ours = group_advantages(torch.tensor(rewards[local]), 4, scale=scale, batch=torch.tensor(rewards))
+    ours = group_advantages(torch.tensor(rewards[local]), 4, scale=SCALE_REWARDS[scale], batch=torch.tensor(rewards))
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
     if scale == "batch" and processes == 2:  # the batch std spans both processes: the local one is another
-        assert not torch.allclose(group_advantages(torch.tensor(rewards[local]), 4, scale=scale), theirs)
+        assert not torch.allclose(group_advantages(torch.tensor(rewards[local]), 4, scale=SCALE_REWARDS[scale]), theirs)

@@ -30,14 +30,14 @@ def test_nf4_codes_and_scales_equal_torchaos_to_the_bit(dtype):
     w = (torch.randn(128, 256) * torch.rand(128, 1) * 3).to(dtype)
     w[0, :64] = 0.0  # an all-zero group: torchao divides by a zero absmax too (NaN -> code 0); so must we
     ref = to_nf4(w, 64, 256)
-    packed, scales = quant4.quantize(w, "nf4", 64)
+    packed, scales = quant4.quantize(w, quant4.FORMATS["nf4"], 64)
     assert packed.dtype == torch.uint8 and packed.shape == (128, 128)
     assert torch.equal(packed.reshape(-1), ref.quantized_data)
     assert torch.equal(scales.reshape(-1), get_block_absmax(w.reshape(-1), 64).float())
     assert torch.equal(ref.nf4, torch.tensor(quant4.NF4_TABLE, dtype=dtype))
     torch.testing.assert_close(torch.tensor(quant4.NF4_TABLE), torch.tensor(PAPER_NF4), rtol=0, atol=5e-5)
     # Dequantized: torchao's values (its scales double-quantized to int8, ours exact) up to that scale error.
-    got = quant4.dequantize(packed, scales, quant4.code_table("nf4"))
+    got = quant4.dequantize(packed, scales, quant4.code_table(quant4.FORMATS["nf4"]))
     want = ref.get_original_weight().float()
     assert (got[1:] - want[1:]).abs().max() <= 0.01 * w.float().abs().max()
 
@@ -54,10 +54,10 @@ def test_int4_round_trip_is_torchaos_symmetric_groupwise_int4():
     block = (1, 32)
     scale, zero = choose_qparams_affine(w, MappingType.SYMMETRIC, block, torch.int8, -8, 7)
     q = quantize_affine(w, block, scale, zero, torch.int8, -8, 7)
-    packed, scales = quant4.quantize(w, "int4", 32)
+    packed, scales = quant4.quantize(w, quant4.FORMATS["int4"], 32)
     codes = quant4.unpack_codes(packed)
     assert torch.equal(codes - 8, q.long()) and torch.equal(scales, scale.reshape(64, 3))
-    assert torch.equal(quant4.dequantize(packed, scales, quant4.code_table("int4")),
+    assert torch.equal(quant4.dequantize(packed, scales, quant4.code_table(quant4.FORMATS["int4"])),
                        dequantize_affine(q, block, scale, zero, torch.int8, -8, 7))
 
 

@@ -15,7 +15,8 @@ import torch
 
 from tests.support import XLA_BACKEND, tiny_config
 from tpu_helpers.config import TrainConfig
-from tpu_helpers.training.trainer import Trainer, _replays_steps
+from tpu_helpers.training.step import replays_steps
+from tpu_helpers.training.trainer import Trainer
 
 pytestmark = [pytest.mark.xla, pytest.mark.skipif(XLA_BACKEND is None, reason="torch_xla not installed")]
 
@@ -171,7 +172,7 @@ def test_trainers_without_a_replay_are_named_in_a_warning_and_traced_lazily(tmp_
     from tpu_helpers.models.gpt import GPT, gpt_config
 
     for cls in (Trainer, CausalLMTrainer, CachedDistillTrainer, GRPOTrainer, PreferenceTrainer):
-        assert _replays_steps(cls), cls
+        assert replays_steps(cls), cls
 
     class OwnLoss(Trainer):  # overrides the method the replay lives in: not replayed, and said so
         def compute_loss(self, batch):
@@ -182,7 +183,7 @@ def test_trainers_without_a_replay_are_named_in_a_warning_and_traced_lazily(tmp_
     cfg = tiny_config(tmp_path, device="xla", steps=1, replay_steps=True)
     with pytest.warns(UserWarning, match=r"replay_steps: OwnLoss does not replay its steps"):
         trainer = OwnLoss(model, train, config=cfg, backend=XLA_BACKEND, progress=False)
-    assert not trainer._replay
+    assert not trainer.replay.enabled
 
 
 def test_the_replayed_adamw_step_is_torchs_adamw_with_clipping():

@@ -7,29 +7,10 @@ teacher's top-k written once; the settings, the losses, the teacher's top-k and 
                                batch_size=16, load_teacher=load)     # opened, or built from the teacher when missing
     trainer = CachedDistillTrainer(student, cache.attach(train), val, config=cfg, settings=settings)
 
-Both mix the hard-label loss with the soft one: alpha * CE + (1 - alpha) * T^2 * KL(teacher || student), summed
-over target tokens and averaged over the step's target tokens (`sft.CausalLMTrainer`).
-
-Live (`DistillTrainer`): the teacher (bf16 on TPU, eval mode) runs in the same compiled step; the KL over the whole
-vocabulary is written with elementwise ops (`xla_safe_kl_div`: XLA has no kl_div kernel).
-
-Cached (`CachedDistillTrainer`): the teacher runs once, over the data, instead of in every step: the step holds
-neither its weights nor its logits, only k ids and log-probabilities per position (k = 128 of a 152k vocabulary is
-0.08% of the teacher's logits). The KL is over k + 1 buckets: the teacher's k tokens and the rest of the vocabulary
-as one "tail" bucket. Teacher side: the cached log-probabilities at temperature T and the log of its remaining
-mass, both exact. Student side: log_softmax(logits / T) gathered at the teacher's ids, and its own tail, exact
-too: the logsumexp of its other entries (not log(1 - sum), which float32 rounds to log 0 below ~1e-7). With k =
-the vocabulary this is the live trainer's full-softmax KL (the tail is empty and left out); a teacher tail of
--inf (k = a teacher vocabulary smaller than the student's) contributes exactly 0. Everything is gather, topk and elementwise ops, which XLA lowers (no host read).
-Both compute their losses in chunks of positions where the logits are large (`models.lm_head`; the live teacher's
-logits are chunked with the student's), as `sft.CausalLMTrainer` does.
-Validation batches carry no teacher: the validation loss is the student's own next-token loss, the held-out figure
-to compare with the teacher's or with another run's.
-
-`open_teacher_cache` opens a complete cache, verified shard by shard and checked against the run (tokenizer,
-seq_len, the training rows by fingerprint, k, temperature, and the teacher by name, by weight hash when it is
-loaded anyway), or builds a missing or partial one (the shards already written are verified and kept) from the
-teacher on the run's backend, one compiled graph for all batches (`TeacherTopK`), then lets the teacher go.
+Both mix the hard-label loss with the soft one, alpha * CE + (1 - alpha) * T^2 * KL(teacher || student), summed
+over target tokens and averaged over the step's target tokens (`sft.CausalLMTrainer`); validation is the student's
+own next-token loss. The cached KL is over k + 1 buckets, the teacher's k tokens and the rest of the vocabulary as
+one tail, exact on both sides: docs/algorithms/distillation.md.
 """
 
 from __future__ import annotations
@@ -54,11 +35,11 @@ ROWS_PER_SHARD = 256  # 256 MiB per shard at 1024 tokens x top-128 in float32: o
 
 @dataclass(frozen=True)
 class DistillSettings:
-    """The distillation loss's settings, checked once here: the softmax temperature T of the soft loss and the
-    weight alpha of the hard-label loss (the soft one gets 1 - alpha)."""
+    """The distillation loss's settings, checked once here. Also notebook parameters of the fine-tuning recipe:
+    `recipes.finetune.FinetuneConfig` takes each field as its own, prefixed (DISTILL_TEMPERATURE, ...)."""
 
-    temperature: float = 2.0
-    alpha: float = 0.5
+    temperature: float = 2.0  # T, the softmax temperature of the soft loss
+    alpha: float = 0.5  # the hard-label loss's weight; the soft loss gets 1 - alpha
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)

@@ -1,53 +1,28 @@
-"""GRPO (group relative policy optimization) on the package's Trainer: sample G answers per prompt, reward them in
-Python, and push the policy towards the answers that beat their group.
+"""GRPO on the package's Trainer: sample G answers per prompt, score them with Python rewards, and push the policy
+towards the answers that beat their group. One step (`GRPOTrainer.train_step`) reads as the method does: sample,
+score, advantages, the loss over micro-batches, the optimizer step; the loss is `algorithms.grpo_loss`'s pure
+functions, TRL 1.16's definitions. Simpler than TRL's GRPOTrainer, on purpose:
+1. the policy itself generates, with a KV cache in fixed shapes: no vLLM server, no weight sync, no
+   importance-sampling correction for a generation engine;
+2. rewards are Python functions on the host, summed (no reward weights), after the generation's one host read;
+3. the loss types are grpo, bnpo, dr_grpo and dapo (not cispo, sapo, luspo), the clip two-sided only (no delta),
+   with no entropy masking or bonus, and bnpo divides by the whole step's tokens (TRL's by each micro-batch's);
+4. under LoRA the KL reference is the model with its adapter disabled: no second copy of the weights.
 
-    settings = GRPOSettings(num_generations=8, max_new_tokens=128, temperature=1.0, kl_beta=0.04)  # checked once
+    settings = GRPOSettings(num_generations=8, max_new_tokens=128, kl_beta=0.04, loss_type="dapo")  # parsed once
     trainer = GRPOTrainer(model, prompts, config=cfg, tokenizer=tok, records=records,
-                          rewards=resolve_rewards("answer,format"), settings=settings)
+                          rewards=resolve_rewards("answer,format"), settings=settings, ref_model=None)
     report = trainer.fit()          # resume, signals, the run lock, the XLA detector and MFU as for SFT
 
-The algorithm's settings (`GRPOSettings`) are apart from the model, the data and the run's `TrainConfig` (as in
-Tunix): the recipe's config (`recipes.grpo.GRPOConfig`) builds them from its notebook parameters, and the trainer
-takes them whole.
-
-Each generation step (the first of every `num_iterations` optimizer steps) takes B prompts from the loader
-(`data.rl.PromptDataset`: left-padded to MAX_PROMPT_LEN) and:
-1. generates G completions of each with the KV cache (`models.generation`: one prefill and one decode graph, a
-   sampling stream keyed on (seed, generation index, process rank), so a resumed run samples the same answers and
-   data-parallel processes different ones);
-2. reads the completions and the rows' record indices to the host in one transfer (the step's only read,
-   declared through `Cadence.read_every`, so the XLA detector expects it), decodes them and calls the rewards
-   (`algorithms.rewards`) with each record's fields;
-3. turns the summed rewards into advantages within each group, A = (r - mean) / (std + 1e-4) (`scale_rewards`
-   "group", std with Bessel's correction, as TRL; "batch": the step's std; "none": no division), and, with
-   `kl_beta` > 0, computes the reference's log-probabilities of the completions: under LoRA the same model with the
-   adapter disabled (no second copy of the weights), otherwise `ref_model`, a frozen copy (bf16 where the step
-   computes in bf16); then syncs, so the optimizer step is the same graph at every step.
-
-Every optimizer step then minimises, over the completion tokens of all B x G rows (split into `grad_accum`
-micro-batches whose losses add up to the step's, so the gradient does not depend on `grad_accum`):
-
-    ratio = exp(logp - logp_old)         (importance "sequence": per row, the exp of its tokens' mean log-ratio)
-    loss  = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A) + beta * (exp(ref - logp) - (ref - logp) - 1)
-
-summed over the tokens and divided as `loss_type` says (`algorithms.grpo_loss`: grpo, per-row means then their
-mean; bnpo, the step's token count; dr_grpo, rows x max_new_tokens; dapo, the token count averaged over
-data-parallel processes by an all-reduce on the device), each as TRL 1.16 defines it.
-logp under softmax(logits / temperature), as sampled (dropout off by default, `disable_dropout`, so the training
-forward computes what generation did). With `num_iterations` 1, logp_old is logp itself (detached:
-the ratio is exactly 1 and the update on-policy); with more, the generation's own log-probabilities are kept for
-the `num_iterations` updates over the same completions, as in the GRPO paper. Logged per log step: the loss, the
-mean reward (and each reward's), its spread within groups, the completion length, the KL to the reference, the
-share of clipped tokens (of clipped rows' tokens with the sequence ratio), and the seconds spent generating and
-rewarding.
+The algorithm step by step, and what each setting does: docs/algorithms/grpo.md.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,47 +30,45 @@ import torch
 from tpu_helpers.algorithms import grpo_loss
 from tpu_helpers.algorithms.rewards import Reward, score
 from tpu_helpers.config import ConfigError
-from tpu_helpers.core.choices import check_choice
+from tpu_helpers.core.choices import choose
 from tpu_helpers.data.rl import prompt_and_answer
 from tpu_helpers.models import lm_head, lora
 from tpu_helpers.models.generation import Sampling, generate_ids
 from tpu_helpers.models.hf import completion_lengths, completion_texts, eos_ids
 from tpu_helpers.training.cadence import Cadence
+from tpu_helpers.training.step import StepFigures
 from tpu_helpers.training.trainer import Trainer
 
 _RESERVED = ("prompts", "completions", "completion_tokens", "max_new_tokens")
+_PARSED = dict(init=False, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
 class GRPOSettings:
-    """What GRPO does, apart from the model, the data and the run (`TrainConfig`): each field is checked here, once.
+    """What GRPO does, apart from the model, the data and the run (`TrainConfig`). Each field is also a notebook
+    parameter of the recipe (`recipes.grpo.GRPOConfig` takes these fields as its own); checked, and the choices
+    parsed into what the step calls, here, once."""
 
-    num_generations: answers sampled per prompt (the group; >= 2); max_new_tokens: tokens per answer;
-    temperature / top_k / top_p: the sampling (temperature > 0: a group of identical greedy answers teaches
-    nothing); kl_beta: weight of the k3 KL to the reference (0: no reference); clip_eps: the ratio's clip
-    (epsilon_high: its upper side, DAPO's clip-higher, default clip_eps); loss_type (grpo | bnpo | dr_grpo | dapo),
-    importance (token | sequence) and scale_rewards (group | batch | none): see `algorithms.grpo_loss`;
-    num_iterations: optimizer steps per batch of sampled answers; prompt_field / answer_field: the record fields
-    the rewards read; disable_dropout: every dropout of the policy and the reference set to 0 when the trainer is
-    built (generation runs in eval mode and the loss in train mode: with dropout the on-policy ratio would not be 1
-    and the KL noisy, as TRL says).
-    """
+    num_generations: int = 8  # answers sampled per prompt: the group (>= 2)
+    max_new_tokens: int = 4  # tokens per answer
+    temperature: float = 1.0  # sampling (> 0: a group of identical greedy answers teaches nothing)
+    top_k: int = 0  # sampling: the k likeliest tokens (0: all)
+    top_p: float = 1.0  # sampling: within this probability mass (1.0: all)
+    kl_beta: float = 0.04  # weight of the k3 KL to the reference (0: no reference)
+    clip_eps: float = 0.2  # the ratio's clip: [1 - clip_eps, 1 + epsilon_high]
+    epsilon_high: float | None = None  # the upper clip (DAPO's clip-higher, e.g. 0.28); None: clip_eps
+    loss_type: str = "bnpo"  # grpo | bnpo | dr_grpo | dapo: what the token losses are divided by
+    importance: str = "token"  # token | sequence (GSPO: one importance ratio per answer)
+    scale_rewards: str = "group"  # group | batch | none: the std the advantages are divided by
+    num_iterations: int = 1  # optimizer steps per batch of sampled answers (the old log-probabilities kept)
+    prompt_field: str = "prompt"  # the record field the prompts are read from
+    answer_field: str = "answer"  # the record field holding the reference answer the rewards compare with
+    disable_dropout: bool = True  # every dropout of the policy and reference at 0: ratio 1 on-policy, a clean KL
 
-    num_generations: int = 8
-    max_new_tokens: int = 4
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    kl_beta: float = 0.04
-    clip_eps: float = 0.2
-    epsilon_high: float | None = None
-    loss_type: str = "bnpo"
-    importance: str = "token"
-    scale_rewards: str = "group"
-    num_iterations: int = 1
-    prompt_field: str = "prompt"
-    answer_field: str = "answer"
-    disable_dropout: bool = True
+    # The choices above as the step calls them (registries of algorithms.grpo_loss), set once by __post_init__.
+    loss: grpo_loss.LossType = field(**_PARSED)
+    log_ratio: Callable = field(**_PARSED)
+    scale: grpo_loss.Scale = field(**_PARSED)
 
     def __post_init__(self) -> None:
         if not isinstance(self.disable_dropout, bool):
@@ -120,9 +93,9 @@ class GRPOSettings:
         if high is not None and not (isinstance(high, (int, float)) and math.isfinite(high) and high >= self.clip_eps):
             raise ConfigError(f"epsilon_high={high!r} must be a finite number >= clip_eps={self.clip_eps!r} (the "
                               "upper clip, DAPO's clip-higher: e.g. 0.28), or None for clip_eps")
-        check_choice("loss_type", self.loss_type, grpo_loss.LOSS_TYPES)
-        check_choice("importance", self.importance, grpo_loss.IMPORTANCE_LEVELS)
-        check_choice("scale_rewards", self.scale_rewards, grpo_loss.SCALE_REWARDS)
+        object.__setattr__(self, "loss", choose("loss_type", self.loss_type, grpo_loss.LOSS_TYPES))
+        object.__setattr__(self, "log_ratio", choose("importance", self.importance, grpo_loss.IMPORTANCE_LEVELS))
+        object.__setattr__(self, "scale", choose("scale_rewards", self.scale_rewards, grpo_loss.SCALE_REWARDS))
 
     @property
     def sampling(self) -> Sampling:
@@ -227,10 +200,7 @@ class GRPOTrainer(Trainer):
             if self.backend.precision == "bf16":
                 ref_model = ref_model.to(torch.bfloat16)
             self.ref_model = self.backend.move_model(ref_model)  # not a submodule: no optimizer, no checkpoint
-        self.rollout: dict | None = None
-        self._host_log: list[dict] = []  # per generation step, since the last log
-        self._device_log: list[float] = []
-        self._metrics = self._zero_metrics()
+        self.rollout: dict | None = None  # the answers the current num_iterations steps train on
         self.rollout_seconds: list[float] = []
         self.last_samples: list[dict] = []  # one completion per prompt of the latest generation step
 
@@ -239,42 +209,79 @@ class GRPOTrainer(Trainer):
         seq = self.train_loader.dataset.input_ids.shape[1] + self.settings.max_new_tokens if self.train_loader else 0
         return self.settings.rows(self.config.batch_size) * self.backend.num_replicas * seq
 
-    # ---- generation and rewards ---------------------------------------------------------------------------------
-    def make_rollout(self, batch: dict) -> dict:
-        """Generate, read, reward and score one batch of prompts (see the module docstring); ends with a sync."""
-        b, g, n = self.backend, self.settings.num_generations, self.settings.max_new_tokens
+    # ---- the step ---------------------------------------------------------------------------------------------------
+    def train_step(self, batches: Iterator) -> StepFigures:
+        """One GRPO step: on the first of every num_iterations steps a rollout of new answers (`make_rollout`:
+        sample, score, advantages), then the clipped loss over grad_accum micro-batches with a backward each
+        (`accumulate`), then the optimizer step. Logged: the KL and the clipped share per completion token, and
+        the rollout's rewards, lengths and seconds."""
+        host: dict[str, float] = {}
+        if self.step % self.settings.num_iterations == 0 or self.rollout is None:
+            self.rollout, host = self.make_rollout(next(batches))  # 1-3: sample, score, advantages
+        loss, kl, clipped = self.accumulate(self.rollout, self.config.grad_accum)  # 4: loss, backward per micro-batch
+        count = self.rollout["completion_mask"].sum().clamp(min=1).float()
+        device = {"kl": kl / count, "clip_fraction": clipped / count}  # per completion token
+        return StepFigures(loss, self.apply_gradients(), device=device, host=host)  # 5: the optimizer step
+
+    def make_rollout(self, prompts: dict) -> tuple[dict, dict[str, float]]:
+        """Sample G answers to each prompt, score them, and turn the rewards into advantages within each group;
+        with kl_beta > 0, the reference's log-probabilities of the answers too. Ends with a sync. Returns the
+        rollout (device tensors) and its host figures (rewards, completion length, seconds)."""
+        b, s = self.backend, self.settings
         t0 = time.perf_counter()
-        ids = batch["input_ids"].repeat_interleave(g, 0)
-        mask = batch["attention_mask"].repeat_interleave(g, 0)
-        key = self.sampling_key(self.step // self.settings.num_iterations)
-        with b.autocast():
-            gen = generate_ids(self.model, ids, mask, max_new_tokens=n, eos_token_id=self.stop_ids,
-                               pad_token_id=self.tokenizer.pad_token_id, sampling=self.settings.sampling, seed=key,
+        ids = prompts["input_ids"].repeat_interleave(s.num_generations, 0)
+        mask = prompts["attention_mask"].repeat_interleave(s.num_generations, 0)
+        key = self.sampling_key(self.step // s.num_iterations)
+        with b.autocast():  # 1. sample: the KV cache, one prefill and one decode graph
+            gen = generate_ids(self.model, ids, mask, max_new_tokens=s.max_new_tokens, eos_token_id=self.stop_ids,
+                               pad_token_id=self.tokenizer.pad_token_id, sampling=s.sampling, seed=key,
                                sync=b.sync, replay=b.compile_step, loop=b.compile_loop)
-        host = b.to_cpu({"ids": gen.ids, "index": batch["index"]})  # the step's one read
-        rewards, stats = self.score(host["ids"].tolist(), host["index"].tolist())
+        host = b.to_cpu({"ids": gen.ids, "index": prompts["index"]})  # the step's one read
+        rewards, stats = self.score(host["ids"].tolist(), host["index"].tolist())  # 2. score: the rewards, summed
         rollout = {"ids": torch.cat([ids, gen.ids], 1), "mask": torch.cat([mask, gen.mask], 1),
                    "completion_mask": gen.mask, "old_logp": gen.logprobs,
-                   "advantages": self.advantages(rewards).to(b.device)}
-        if self.settings.kl_beta > 0:
+                   "advantages": self.advantages(rewards).to(b.device)}  # 3. advantages within each group
+        if s.kl_beta > 0:
             with torch.no_grad(), b.autocast():
                 rollout["ref_logp"] = self.reference_logps(rollout["ids"], rollout["mask"])
         b.sync()  # the reference's forward in a graph of its own: the optimizer step's graph never changes
         self.rollout_seconds.append(time.perf_counter() - t0)
-        self._host_log.append({**stats, "generate_s": self.rollout_seconds[-1]})
-        return rollout
+        return rollout, {**stats, "generate_s": self.rollout_seconds[-1]}
 
-    def advantages(self, rewards: list[float]) -> torch.Tensor:
-        """The rows' advantages from their summed rewards (host floats), as `settings.scale_rewards` says. The
-        "batch" std spans the rows of every process (TRL's spans its gathered rewards): a host gather of the floats,
-        where processes hold different rows."""
-        s, b = self.settings, self.backend
-        batch = None
-        if s.scale_rewards == "batch" and b.loader_rank_and_world[1] > 1:
-            batch = torch.tensor([x for part in b.gather_objects(rewards) for x in part])
-        return grpo_loss.group_advantages(torch.tensor(rewards), s.num_generations, scale=s.scale_rewards,
-                                          batch=batch)
+    def accumulate(self, rollout: dict, micro_batches: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The backward passes of one optimizer step over `rollout`, split into `micro_batches`: (loss, KL sum,
+        clipped-token sum), device tensors. The gradients are the same for any split (the divisor is the step's)."""
+        b, s = self.backend, self.settings
+        rows = rollout["ids"].shape[0] // micro_batches
+        divisor = grpo_loss.step_divisor(s.loss, rollout["completion_mask"], s.max_new_tokens, b.all_reduce_mean)
+        total, kl, clipped = None, 0.0, 0.0
+        for k in range(micro_batches):
+            with b.autocast():
+                loss, kl_k, clipped_k = self.policy_loss(rollout, slice(k * rows, (k + 1) * rows), divisor)
+            b.backward(loss)
+            total = loss.detach() if total is None else total + loss.detach()
+            kl, clipped = kl + kl_k.detach(), clipped + clipped_k.detach()
+        return total, kl, clipped
 
+    def policy_loss(self, rollout: dict, rows: slice,
+                    divisor: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss, KL sum, clipped-token sum) of the rows `rows` of `rollout`: their share of the step's loss, whose
+        divisor (`grpo_loss.step_divisor`) spans every micro-batch of the step."""
+        s = self.settings
+        logp = self.replayed(rows_completion_logps, self.model, rollout["ids"], rollout["mask"], rows.start,
+                             rows.stop, s.max_new_tokens, s.temperature)
+        # One iteration per rollout: logp_old is logp itself (detached), the ratio exactly 1, the update on-policy.
+        old = logp.detach() if s.num_iterations == 1 else rollout["old_logp"][rows]
+        ref = rollout["ref_logp"][rows] if "ref_logp" in rollout else None
+        mask = rollout["completion_mask"][rows]
+        per_token, kl, clipped = grpo_loss.policy_terms(
+            logp, old, ref, rollout["advantages"][rows], mask, clip_eps=s.clip_eps, epsilon_high=s.epsilon_high,
+            kl_beta=s.kl_beta, importance=s.log_ratio)
+        m = mask.float()
+        loss = grpo_loss.micro_batch_loss(s.loss, per_token, mask, divisor)
+        return loss, (kl * m).sum(), (clipped * m).sum()
+
+    # ---- what the step calls ----------------------------------------------------------------------------------------
     def sampling_key(self, index: int) -> torch.Tensor:
         """The sampling stream of generation `index`: a function of the seed, the index and the process (the
         backend's rank: under data parallelism every process samples its own rows, which must not share one
@@ -295,6 +302,16 @@ class GRPOTrainer(Trainer):
                              zip(scored["prompts"][::g], scored["completions"][::g], total[::g], strict=True)]
         return total, stats
 
+    def advantages(self, rewards: list[float]) -> torch.Tensor:
+        """The rows' advantages from their summed rewards (host floats), scaled as SCALE_REWARDS says. The "batch"
+        std spans the rows of every process (TRL's spans its gathered rewards): a host gather of the floats, where
+        processes hold different rows."""
+        s, b = self.settings, self.backend
+        batch = None
+        if s.scale is grpo_loss.by_batch_std and b.loader_rank_and_world[1] > 1:
+            batch = torch.tensor([x for part in b.gather_objects(rewards) for x in part])
+        return grpo_loss.group_advantages(torch.tensor(rewards), s.num_generations, scale=s.scale, batch=batch)
+
     @torch.no_grad()
     def reference_logps(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The reference's log-probabilities of the completions: the adapter-disabled model under LoRA."""
@@ -304,78 +321,13 @@ class GRPOTrainer(Trainer):
         with self.raw_model.disable_adapter():
             return completion_logps(self.model, ids, mask, n, t)
 
-    # ---- the optimizer step ---------------------------------------------------------------------------------------
-    def policy_loss(self, rollout: dict, rows: slice,
-                    divisor: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(loss, KL sum, clipped-token sum) of the rows `rows` of `rollout`: their share of the step's loss, whose
-        divisor (`grpo_loss.step_divisor`) spans every micro-batch of the step."""
-        s = self.settings
-        logp = self.replayed(rows_completion_logps, self.model, rollout["ids"], rollout["mask"], rows.start,
-                             rows.stop, s.max_new_tokens, s.temperature)
-        old = logp.detach() if s.num_iterations == 1 else rollout["old_logp"][rows]
-        ref = rollout["ref_logp"][rows] if "ref_logp" in rollout else None
-        mask = rollout["completion_mask"][rows]
-        per_token, kl, clipped = grpo_loss.policy_terms(
-            logp, old, ref, rollout["advantages"][rows], mask, clip_eps=s.clip_eps, epsilon_high=s.epsilon_high,
-            kl_beta=s.kl_beta, importance=s.importance)
-        m = mask.float()
-        loss = grpo_loss.micro_batch_loss(s.loss_type, per_token, mask, divisor)
-        return loss, (kl * m).sum(), (clipped * m).sum()
-
-    def accumulate(self, rollout: dict, micro_batches: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The backward passes of one optimizer step over `rollout`, split into `micro_batches`: (loss, KL sum,
-        clipped-token sum), device tensors. The gradients are the same for any split (the divisor is the step's)."""
-        b, s = self.backend, self.settings
-        rows = rollout["ids"].shape[0] // micro_batches
-        mask = rollout["completion_mask"]
-        divisor = grpo_loss.step_divisor(s.loss_type, mask, s.max_new_tokens, b.all_reduce_mean)
-        total, kl, clipped = None, 0.0, 0.0
-        for k in range(micro_batches):
-            with b.autocast():
-                loss, kl_k, clipped_k = self.policy_loss(rollout, slice(k * rows, (k + 1) * rows), divisor)
-            b.backward(loss)
-            total = loss.detach() if total is None else total + loss.detach()
-            kl, clipped = kl + kl_k.detach(), clipped + clipped_k.detach()
-        return total, kl, clipped
-
-    def train_step(self, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.step % self.settings.num_iterations == 0 or self.rollout is None:
-            self.rollout = self.make_rollout(next(batches))
-        total, kl, clipped = self.accumulate(self.rollout, self.config.grad_accum)
-        count = self.rollout["completion_mask"].sum().clamp(min=1).float()
-        one = torch.ones_like(count)
-        self._metrics = self._metrics + torch.stack([kl / count, clipped / count, one])
-        if self.cadence.is_log_step(self.step + 1):
-            self.backend.add_step_closure(self._read_metrics, self.step + 1, self._metrics)
-            self._metrics = self._zero_metrics()
-        return total, self.apply_gradients()
-
-    # ---- logging and checkpoints ----------------------------------------------------------------------------------
-    def _zero_metrics(self) -> torch.Tensor:
-        # (KL, clipped share, steps) summed over a log window; copied in as data, like the trainer's loss window.
-        return torch.zeros(3).to(self.backend.device)
-
-    def _read_metrics(self, step: int, metrics: torch.Tensor) -> None:
-        self._device_log = [step, *metrics.tolist()]
-
-    def log_extras(self, step: int) -> dict:
-        out: dict[str, float] = {}
-        if self._device_log and self._device_log[0] == step:
-            _, kl, clipped, steps = self._device_log
-            out["kl"], out["clip_fraction"] = kl / max(steps, 1), clipped / max(steps, 1)
-        for key in sorted({k for rec in self._host_log for k in rec}):
-            values = [rec[key] for rec in self._host_log if key in rec]
-            out[key] = sum(values) / len(values)
-        self._host_log = []
-        return out
-
+    # ---- checkpoints ------------------------------------------------------------------------------------------------
     def progress_state(self) -> dict:
         # Mid-way through num_iterations the next steps reuse this rollout: it is part of the run's state.
         keep = self.rollout if self.step % self.settings.num_iterations else None
-        return {**super().progress_state(), "grpo_rollout": keep, "grpo_log": list(self._host_log)}
+        return {**super().progress_state(), "grpo_rollout": keep}
 
     def load_progress_state(self, state: dict) -> None:
         super().load_progress_state(state)
         saved = state.get("grpo_rollout")
         self.rollout = None if saved is None else self.backend.to_device(saved)
-        self._host_log = list(state.get("grpo_log", []))

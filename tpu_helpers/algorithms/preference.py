@@ -1,27 +1,17 @@
 """Preference tuning (DPO, ORPO) on the package's Trainer: push a causal LM towards the chosen answer of each pair
-and away from the rejected one.
+and away from the rejected one. One step (`PreferenceTrainer.train_step`): the log-probabilities of each
+micro-batch's pairs as 2B rows (chosen, then rejected) in one forward, the pair losses of
+`algorithms.preference_loss` against the reference (DPO) or the odds (ORPO, plus the chosen answers' NLL), a
+backward each, then the optimizer step; the step's loss is the mean over all its pairs.
 
     settings = PreferenceSettings(algorithm="dpo", beta=0.1, precompute_ref=True)   # algorithms.preference_loss
     trainer = PreferenceTrainer(model, pairs, val_pairs, config=cfg, settings=settings)  # data.preference rows
     report = trainer.fit()          # resume, signals, the run lock, the XLA detector as for SFT
 
-Each micro-batch of B pairs (`data.preference.PreferenceDataset`) goes through the model as 2B rows, chosen then
-rejected, in one forward; `pair_logps` gives the answers' per-token log-probabilities (`models.lm_head`: in
-chunks of positions where LOSS_CHUNK says so, so the logits of the 2B rows never exist whole), summed per row (DPO)
-or averaged (ORPO's odds). The loss of an optimizer step is the mean over all its pairs (over `grad_accum`
-micro-batches, counted up front, one graph per step); ORPO adds the NLL of the chosen answers' tokens, averaged
-over the step's chosen tokens as the package's SFT does.
-
-DPO's reference: under LoRA the same model with the adapter disabled (no second copy of the weights); otherwise
-`ref_model`, a frozen copy (bf16 where the step computes in bf16), run without gradients in the step's graph. With
-`precompute_ref` the reference's log-probabilities of every training and validation pair are computed once when
-`fit` starts (fixed batches, no host read) and looked up by pair index in the step; a frozen copy is then dropped.
-They are not saved: a resumed run computes them again, the same numbers (the reference never trains), so resume
-stays bit-identical. ORPO has no reference.
-
-Logged per log step (summed on the device, read in a step closure at log steps only, as GRPO does): the loss, the
-mean chosen and rejected rewards (DPO: beta x log-ratio to the reference; ORPO: lambda x mean log-probability),
-their margin, and the preference accuracy (the share of pairs whose chosen reward is the higher).
+DPO's reference is the model with its adapter disabled under LoRA, else `ref_model`, a frozen copy; with
+`precompute_ref` its log-probabilities of every pair are computed once when `fit` starts and the copy dropped.
+Logged per log step: the loss, the mean chosen and rejected rewards, their margin and the preference accuracy.
+More: docs/algorithms/preference.md.
 """
 
 from __future__ import annotations
@@ -40,9 +30,8 @@ from tpu_helpers.algorithms.preference_loss import (
 from tpu_helpers.config import ConfigError
 from tpu_helpers.data.loaders import fixed_batches
 from tpu_helpers.models import lm_head, lora
+from tpu_helpers.training.step import StepFigures
 from tpu_helpers.training.trainer import Trainer
-
-_METRICS = ("chosen", "rejected", "correct", "pairs")  # summed over a log window on the device
 
 
 def stack_pairs(batch: dict) -> dict:
@@ -86,12 +75,67 @@ class PreferenceTrainer(Trainer):
                 ref_model = ref_model.to(torch.bfloat16)
             self.ref_model = self.backend.move_model(ref_model)  # not a submodule: no optimizer, no checkpoint
         self.ref_tables: dict[str, torch.Tensor] | None = None  # precomputed: split -> (pairs, 2) on the device
-        self._metrics = self._zero_metrics()
-        self._device_log: list[float] = []
 
     @property
     def tokens_per_step(self) -> int:
         return 2 * super().tokens_per_step  # two rows per pair
+
+    # ---- the step ---------------------------------------------------------------------------------------------
+    def train_step(self, batches: Iterator) -> StepFigures:
+        """One optimizer step over grad_accum micro-batches of pairs: each micro-batch's pair losses (and ORPO's
+        chosen NLL) with a backward, then the optimizer step. The divisors are the whole step's (its pairs, its
+        chosen tokens), counted up front: the gradients do not depend on grad_accum."""
+        b, s = self.backend, self.settings
+        micro = [next(batches) for _ in range(self.config.grad_accum)]
+        pairs = float(sum(m["input_ids"].shape[0] for m in micro))  # a host number: shapes are fixed
+        if not s.uses_reference:  # ORPO: every chosen token of the step weighs the same, as the package's SFT
+            count = sum((m["labels"][:, 0, 1:] != -100).sum() for m in micro).clamp(min=1).float()
+        total, sums = None, None
+        for batch in micro:
+            with b.autocast():
+                out, nll, _ = self.pair_loss(batch)
+                loss = out.losses.sum() / pairs
+                if not s.uses_reference:
+                    loss = loss + nll / count
+            b.backward(loss)
+            total = loss.detach() if total is None else total + loss.detach()
+            c, r = out.chosen_rewards, out.rejected_rewards
+            part = torch.stack([c.sum(), r.sum(), (c > r).float().sum()])
+            sums = part if sums is None else sums + part
+        device = {"chosen": sums[0], "rejected": sums[1], "correct": sums[2], "pairs": torch.ones_like(sums[0]) * pairs}
+        return StepFigures(total, self.apply_gradients(), device=device)
+
+    def pair_loss(self, batch: dict, split: str = "train") -> tuple[PairLoss, torch.Tensor, torch.Tensor]:
+        """(per-pair loss, chosen NLL token sum, chosen token count) of one micro-batch of pairs."""
+        sums, counts, per_token = self.replayed(batch_pair_logps, self.model, batch)
+        chosen, rejected = sums.chunk(2)
+        n_chosen, n_rejected = counts.chunk(2)
+        s = self.settings
+        if not s.uses_reference:
+            out = orpo_loss(chosen / n_chosen.clamp(min=1), rejected / n_rejected.clamp(min=1), settings=s)
+            return out, -chosen.sum(), n_chosen.sum()
+        if self.ref_tables is not None:
+            ref = self.ref_tables[split][batch["index"]]
+            ref_chosen, ref_rejected = ref[:, 0], ref[:, 1]
+        else:
+            ref_chosen, ref_rejected = self.reference_logps(stack_pairs(batch)).float().chunk(2)
+        out = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, settings=s, chosen_tokens=n_chosen,
+                       rejected_tokens=n_rejected)
+        zero = torch.zeros((), device=chosen.device)
+        return out, zero, zero
+
+    def compute_loss(self, batch: Any) -> torch.Tensor:
+        """The loss of one batch of pairs (evaluation: the validation pairs)."""
+        out, nll, tokens = self.pair_loss(batch, split="val")
+        loss = out.losses.mean()
+        return loss if self.settings.uses_reference else loss + nll / tokens.clamp(min=1)
+
+    def log_figures(self, sums: dict[str, float], steps: int) -> dict[str, float]:
+        """The window's reward sums as means per pair, and the share of pairs whose chosen reward is the higher."""
+        pairs = max(sums["pairs"], 1.0)
+        chosen, rejected = sums["chosen"], sums["rejected"]
+        return {"rewards/chosen": chosen / pairs, "rewards/rejected": rejected / pairs,
+                "rewards/margin": (chosen - rejected) / pairs, "rewards/accuracy": sums["correct"] / pairs}
 
     # ---- the reference ----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -140,57 +184,6 @@ class PreferenceTrainer(Trainer):
             self.precompute_reference()
         return super().fit()
 
-    # ---- the loss ---------------------------------------------------------------------------------------------
-    def pair_loss(self, batch: dict, split: str = "train") -> tuple[PairLoss, torch.Tensor, torch.Tensor]:
-        """(per-pair loss, chosen NLL token sum, chosen token count) of one micro-batch of pairs."""
-        sums, counts, per_token = self.replayed(batch_pair_logps, self.model, batch)
-        chosen, rejected = sums.chunk(2)
-        n_chosen, n_rejected = counts.chunk(2)
-        s = self.settings
-        if s.algorithm == "orpo":
-            out = orpo_loss(chosen / n_chosen.clamp(min=1), rejected / n_rejected.clamp(min=1), settings=s)
-            return out, -chosen.sum(), n_chosen.sum()
-        if self.ref_tables is not None:
-            ref = self.ref_tables[split][batch["index"]]
-            ref_chosen, ref_rejected = ref[:, 0], ref[:, 1]
-        else:
-            ref_chosen, ref_rejected = self.reference_logps(stack_pairs(batch)).float().chunk(2)
-        out = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, settings=s, chosen_tokens=n_chosen,
-                       rejected_tokens=n_rejected)
-        zero = torch.zeros((), device=chosen.device)
-        return out, zero, zero
-
-    def compute_loss(self, batch: Any) -> torch.Tensor:
-        """The loss of one batch of pairs (evaluation: the validation pairs)."""
-        out, nll, tokens = self.pair_loss(batch, split="val")
-        loss = out.losses.mean()
-        return loss + nll / tokens.clamp(min=1) if self.settings.algorithm == "orpo" else loss
-
-    def train_step(self, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor | None]:
-        b, accum = self.backend, self.config.grad_accum
-        micro = [next(batches) for _ in range(accum)]
-        pairs = float(sum(m["input_ids"].shape[0] for m in micro))  # a host number: shapes are fixed
-        orpo = self.settings.algorithm == "orpo"
-        if orpo:  # every chosen token of the step weighs the same, as in one big batch (the package's SFT)
-            count = sum((m["labels"][:, 0, 1:] != -100).sum() for m in micro).clamp(min=1).float()
-        total, sums = None, None
-        for batch in micro:
-            with b.autocast():
-                out, nll, _ = self.pair_loss(batch)
-                loss = out.losses.sum() / pairs
-                if orpo:
-                    loss = loss + nll / count
-            b.backward(loss)
-            total = loss.detach() if total is None else total + loss.detach()
-            c, r = out.chosen_rewards, out.rejected_rewards
-            part = torch.stack([c.sum(), r.sum(), (c > r).float().sum()])
-            sums = part if sums is None else sums + part
-        self._metrics = self._metrics + torch.cat([sums, torch.ones_like(sums[:1]) * pairs])
-        if self.cadence.is_log_step(self.step + 1):
-            b.add_step_closure(self._read_metrics, self.step + 1, self._metrics)
-            self._metrics = self._zero_metrics()
-        return total, self.apply_gradients()
-
     # ---- held-out pairs ---------------------------------------------------------------------------------------
     @torch.no_grad()
     def score_pairs(self, data: Any, ref: torch.Tensor | None = None) -> dict:
@@ -210,27 +203,11 @@ class PreferenceTrainer(Trainer):
             b.sync()
         self.model.train(was_training)
         host = b.to_cpu({"logps": torch.cat(logps), "means": torch.cat(means)})
-        if s.algorithm == "orpo":
-            rewards = s.orpo_lambda * host["means"]
-        else:
+        if s.uses_reference:
             rewards = None if ref is None else s.beta * (host["logps"] - ref)
+        else:
+            rewards = s.orpo_lambda * host["means"]
         return {"logps": host["logps"], "rewards": rewards}
-
-    # ---- logging -----------------------------------------------------------------------------------------------
-    def _zero_metrics(self) -> torch.Tensor:
-        # Copied in as data, like the trainer's loss window: the step after a log is the same graph.
-        return torch.zeros(len(_METRICS)).to(self.backend.device)
-
-    def _read_metrics(self, step: int, metrics: torch.Tensor) -> None:
-        self._device_log = [step, *metrics.tolist()]
-
-    def log_extras(self, step: int) -> dict:
-        if not (self._device_log and self._device_log[0] == step):
-            return {}
-        _, chosen, rejected, correct, pairs = self._device_log
-        pairs = max(pairs, 1.0)
-        return {"rewards/chosen": chosen / pairs, "rewards/rejected": rejected / pairs,
-                "rewards/margin": (chosen - rejected) / pairs, "rewards/accuracy": correct / pairs}
 
 
 def _gather(data: Any, idx: list[int]) -> dict:

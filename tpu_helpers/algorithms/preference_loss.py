@@ -1,67 +1,72 @@
 """Preference losses as pure functions of completion log-probabilities: DPO (sigmoid, with cDPO label smoothing;
-IPO) and ORPO, each with the chosen and rejected rewards TRL logs; and the per-token log-probabilities they start
-from. `algorithms.preference.PreferenceTrainer` runs them; tests hold each to TRL's own code on the same inputs.
+IPO) and ORPO, each with the chosen and rejected rewards TRL logs, and the settings that choose between them.
+`algorithms.preference.PreferenceTrainer` runs them; tests hold each to TRL's own code on the same inputs.
 
-    settings = PreferenceSettings(algorithm="dpo", loss_type="sigmoid", beta=0.1)   # checked once
+    settings = PreferenceSettings(algorithm="dpo", loss_type="sigmoid", beta=0.1)   # checked and parsed once
     out = dpo_loss(pol_c, pol_r, ref_c, ref_r, settings=settings, chosen_tokens=nc, rejected_tokens=nr)
     out.losses.mean()        # per pair; out.chosen_rewards, out.rejected_rewards: beta x log-ratio to the reference
     out = orpo_loss(mean_c, mean_r, settings=settings)      # the odds-ratio term per pair (add the chosen NLL)
 
-DPO (Rafailov et al. 2023), per pair, with d = (log pi(c) - log ref(c)) - (log pi(r) - log ref(r)) of the summed
-completion log-probabilities:
-
-    sigmoid   -(1 - eps) log sigmoid(beta d) - eps log sigmoid(-beta d)     eps = label_smoothing (cDPO; 0: the paper)
-    ipo       (d_c / n_c - d_r / n_r - 1 / (2 beta))^2                        the log-ratios per completion token (TRL)
-
-TRL 1.16's `sigmoid` no longer reads label_smoothing (only `robust`, `exo_pair` and `aot` do); its `aot` on one
-pair is exactly the cDPO form above, which is what the tests compare against. ORPO (Hong et al. 2024) has no
-reference: loss = NLL of the chosen completion + mean over pairs of -lambda log sigmoid(log odds), the log odds
-log(p_c / (1 - p_c)) - log(p_r / (1 - p_r)) of the length-normalised (mean per token) log-probabilities p.
-Its rewards are lambda x those mean log-probabilities (TRL's). The chosen NLL here is over the completion tokens
-(the labels), as the package's SFT trains; TRL's ORPOTrainer counts the prompt tokens too.
-
-The log-probabilities come in (`algorithms.preference.pair_logps` computes them from the model, in chunks of
-positions through `models.lm_head`): everything here is a function of tensors.
+DPO's loss types are a registry (`DPO_LOSSES`, by TRL's names) the settings parse once. The formulas, and where
+they differ from TRL 1.16's: docs/algorithms/preference.md.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from tpu_helpers.config import ConfigError
-from tpu_helpers.core.choices import DPO_LOSS_TYPES, PREFERENCE_ALGORITHMS
+from tpu_helpers.core.choices import check_choice, choose
 
-ALGORITHMS = PREFERENCE_ALGORITHMS
-LOSS_TYPES = DPO_LOSS_TYPES
+ALGORITHMS = ("dpo", "orpo")  # DPO scores pairs against a reference model; ORPO by their odds, without one
+
+
+def _sigmoid_losses(chosen_ratio: torch.Tensor, rejected_ratio: torch.Tensor, settings: PreferenceSettings,
+                    chosen_tokens: torch.Tensor | None, rejected_tokens: torch.Tensor | None) -> torch.Tensor:
+    d = settings.beta * (chosen_ratio - rejected_ratio)
+    eps = settings.label_smoothing
+    return -F.logsigmoid(d) * (1 - eps) - F.logsigmoid(-d) * eps if eps else -F.logsigmoid(d)
+
+
+def _ipo_losses(chosen_ratio: torch.Tensor, rejected_ratio: torch.Tensor, settings: PreferenceSettings,
+                chosen_tokens: torch.Tensor | None, rejected_tokens: torch.Tensor | None) -> torch.Tensor:
+    if chosen_tokens is None or rejected_tokens is None:
+        raise ValueError("loss_type='ipo' needs chosen_tokens and rejected_tokens (completion lengths)")
+    d = chosen_ratio / chosen_tokens.float().clamp(min=1) - rejected_ratio / rejected_tokens.float().clamp(min=1)
+    return (d - 1 / (2 * settings.beta)) ** 2
+
+
+# DPO's LOSS_TYPE: per pair, from the log-ratios to the reference of the chosen and rejected answers.
+DPO_LOSSES: dict[str, Callable[..., torch.Tensor]] = {"sigmoid": _sigmoid_losses, "ipo": _ipo_losses}
 
 
 @dataclass(frozen=True)
 class PreferenceSettings:
-    """What preference tuning does, apart from the model, the data and the run; each field checked here, once.
+    """What preference tuning does, apart from the model, the data and the run. Each field is also a notebook
+    parameter of the recipe (`recipes.preference.PreferenceConfig` takes these fields as its own); checked, and the
+    choices parsed, here, once."""
 
-    algorithm: "dpo" (against a reference) | "orpo" (no reference); loss_type: DPO's loss, "sigmoid" | "ipo";
-    beta: DPO's beta (the sigmoid's scale, IPO's tau); label_smoothing: cDPO's eps in [0, 0.5), sigmoid only;
-    orpo_lambda: the weight of ORPO's odds-ratio term (TRL's ORPOConfig calls it beta); precompute_ref: DPO's
-    reference log-probabilities computed once before training instead of a reference forward every step.
-    """
+    algorithm: str = "dpo"  # dpo (against a reference) | orpo (no reference)
+    loss_type: str = "sigmoid"  # DPO's loss: sigmoid | ipo
+    beta: float = 0.1  # DPO's beta (the sigmoid's scale, IPO's tau)
+    label_smoothing: float = 0.0  # cDPO: the assumed share of flipped labels in [0, 0.5), sigmoid only
+    orpo_lambda: float = 0.1  # ORPO: the odds-ratio term's weight (TRL's ORPOConfig calls it beta)
+    precompute_ref: bool = False  # DPO: the reference's log-probabilities once, before training
 
-    algorithm: str = "dpo"
-    loss_type: str = "sigmoid"
-    beta: float = 0.1
-    label_smoothing: float = 0.0
-    orpo_lambda: float = 0.1
-    precompute_ref: bool = False
+    # The choices above as the step uses them, set once by __post_init__.
+    uses_reference: bool = field(init=False, repr=False, compare=False)  # DPO: the rewards are log-ratios to it
+    pair_losses: Callable[..., torch.Tensor] = field(init=False, repr=False, compare=False)  # DPO_LOSSES[loss_type]
 
     def __post_init__(self) -> None:
-        if self.algorithm not in ALGORITHMS:
-            raise ConfigError(f"algorithm={self.algorithm!r} is not one of {ALGORITHMS}")
-        if self.loss_type not in LOSS_TYPES:
-            raise ConfigError(f"loss_type={self.loss_type!r} is not one of {LOSS_TYPES} (DPO's losses)")
+        check_choice("algorithm", self.algorithm, ALGORITHMS)
+        object.__setattr__(self, "uses_reference", self.algorithm == "dpo")
+        object.__setattr__(self, "pair_losses", choose("loss_type", self.loss_type, DPO_LOSSES))
         for name in ("beta", "orpo_lambda"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value)
@@ -75,12 +80,8 @@ class PreferenceSettings:
                               f"loss_type={self.loss_type!r}")
         if not isinstance(self.precompute_ref, bool):
             raise ConfigError(f"precompute_ref={self.precompute_ref!r} must be True or False")
-        if self.precompute_ref and self.algorithm == "orpo":
+        if self.precompute_ref and not self.uses_reference:
             raise ConfigError("precompute_ref=True: ORPO has no reference model; set it False (or algorithm='dpo')")
-
-    @property
-    def uses_reference(self) -> bool:
-        return self.algorithm == "dpo"
 
 
 class PairLoss(NamedTuple):
@@ -96,18 +97,10 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chose
              chosen_tokens: torch.Tensor | None = None, rejected_tokens: torch.Tensor | None = None) -> PairLoss:
     """DPO per pair from summed completion log-probabilities (pairs,) of the policy and the reference; IPO also
     needs each completion's token count (see the module docstring)."""
-    beta = settings.beta
     chosen_ratio = chosen_logps.float() - ref_chosen_logps.float()
     rejected_ratio = rejected_logps.float() - ref_rejected_logps.float()
-    if settings.loss_type == "sigmoid":
-        d = beta * (chosen_ratio - rejected_ratio)
-        eps = settings.label_smoothing
-        losses = -F.logsigmoid(d) * (1 - eps) - F.logsigmoid(-d) * eps if eps else -F.logsigmoid(d)
-    else:  # ipo
-        if chosen_tokens is None or rejected_tokens is None:
-            raise ValueError("loss_type='ipo' needs chosen_tokens and rejected_tokens (completion lengths)")
-        d = chosen_ratio / chosen_tokens.float().clamp(min=1) - rejected_ratio / rejected_tokens.float().clamp(min=1)
-        losses = (d - 1 / (2 * beta)) ** 2
+    losses = settings.pair_losses(chosen_ratio, rejected_ratio, settings, chosen_tokens, rejected_tokens)
+    beta = settings.beta
     return PairLoss(losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach())
 
 

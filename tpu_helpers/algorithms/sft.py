@@ -22,6 +22,7 @@ import torch
 
 from tpu_helpers.models import lm_head
 from tpu_helpers.training.batches import bad_batch, causal_lm_loss_sum, target_tokens
+from tpu_helpers.training.step import StepFigures
 from tpu_helpers.training.trainer import Trainer
 
 
@@ -65,7 +66,7 @@ class CausalLMTrainer(Trainer):
         _check_lm_batch(batch)
         return self._loss_sum(batch) / target_tokens(batch["labels"]).clamp(min=1)
 
-    def train_step(self, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def train_step(self, batches: Iterator) -> StepFigures:
         b = self.backend
         micro = [next(batches) for _ in range(self.config.grad_accum)]
         for batch in micro:
@@ -78,4 +79,4 @@ class CausalLMTrainer(Trainer):
                 loss = self._loss_sum(batch) / count
             b.backward(loss)
             total = loss.detach() if total is None else total + loss.detach()
-        return total, self.apply_gradients()
+        return StepFigures(total, self.apply_gradients())

@@ -1,16 +1,22 @@
-"""The values a user may type for the settings that name a choice, one list each, and the error for a bad one.
+"""The values a user may type for the settings that name a choice, and the one check of a chosen value.
 
-    from tpu_helpers.core.choices import DEVICES, PRECISIONS, OPTIMIZERS, ConfigError, check_choice
+    from tpu_helpers.core.choices import DEVICES, PRECISIONS, OPTIMIZERS, ConfigError, check_choice, choose
     check_choice("precision", "bf16", PRECISIONS)     # ConfigError naming the value and the allowed ones otherwise
+    loss = choose("loss_type", "dapo", LOSS_TYPES)     # a registry {name: what the code runs}: the chosen entry
 
-The one vocabulary of the package: `TrainConfig`, the memory estimates, the tuning panel, the fine-tuning recipe
-and the command lines all check against these lists (a test checks that `models.gpt.PRESETS` has exactly
-`PRESET_NAMES`). A leaf: it imports nothing, so the config and the command lines validate without torch.
+The lists here are what `TrainConfig`, the memory estimates, the tuning panel and the command lines check, without
+torch (a leaf: it imports nothing). A choice that selects code (GRPO's LOSS_TYPE, IMPORTANCE and SCALE_REWARDS,
+DPO's loss, QUANTIZE_BASE) is a registry beside that code instead (`algorithms.grpo_loss`,
+`algorithms.preference_loss`, `models.quant4`), its names the registry's keys: the settings parse it once with
+`choose`, and the step calls what was chosen.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 DEVICES = ("auto", "tpu", "cuda", "cpu", "xla")
 # What the step computes in: auto (bf16 on TPU, bf16/fp16 on CUDA, fp32 on CPU) | fp32 | bf16 autocast over fp32
@@ -26,15 +32,6 @@ FINETUNE_METHODS = ("lora", "full", "distill")
 # Quantization-aware training (models/qat.py): the base model's linear weights fake-quantized in the forward pass,
 # symmetric per group of input columns, to 4 or 8 bits.
 QAT_SCHEMES = ("int4", "int8")
-# QLoRA (models/quant4.py): the frozen base's linear layers stored in 4 bits, NormalFloat or symmetric int4.
-QUANTIZE_FORMATS = ("nf4", "int4")
-# GRPO (algorithms/grpo_loss.py, TRL's names): the loss's normaliser, the importance ratio's level, the rewards' scale.
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-GRPO_IMPORTANCE = ("token", "sequence")
-GRPO_SCALE_REWARDS = ("group", "batch", "none")
-# Preference tuning (algorithms/preference_loss.py): the algorithm, and DPO's loss (TRL's names).
-PREFERENCE_ALGORITHMS = ("dpo", "orpo")
-DPO_LOSS_TYPES = ("sigmoid", "ipo")
 XLA_CHECKS = ("warn", "strict", "off")
 ON_NONFINITE = ("stop", "warn")
 # A loss that spikes but stays finite (training/guard/divergence.py): stop the run | warn once and go on | do not check.
@@ -55,6 +52,12 @@ def check_choice(name: str, value: Any, allowed: tuple) -> None:
     """ConfigError unless `value` is one of `allowed` (compared with ==, so True and 1 are told apart by type)."""
     if not any(value == a and type(value) is type(a) for a in allowed):
         raise ConfigError(f"{name}={value!r} is not one of {allowed}")
+
+
+def choose(name: str, value: Any, registry: Mapping[str, T]) -> T:
+    """`registry[value]`: the entry a setting names, or a ConfigError naming the value and the registry's names."""
+    check_choice(name, value, tuple(registry))
+    return registry[value]
 
 
 def best_metric_order(spec: str) -> tuple[str, bool]:

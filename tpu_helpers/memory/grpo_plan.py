@@ -20,6 +20,7 @@ import torch
 from tpu_helpers.memory.hf_plan import hf_finetune_estimate, meta_model
 from tpu_helpers.memory.report import MemoryEstimate
 from tpu_helpers.models.lm_head import planned_chunk
+from tpu_helpers.models.quant4 import QuantFormat
 
 
 def kv_cache_bytes(config: Any, rows: int, length: int, *, bytes_per_value: int = 2) -> int:
@@ -34,7 +35,7 @@ def grpo_estimate(config: Any, prompts: int, *, num_generations: int, max_prompt
                   method: str = "lora", lora_r: int = 8,
                   lora_targets: list[str] | str = ("q_proj", "k_proj", "v_proj", "o_proj"), precision: str = "bf16",
                   gradient_checkpointing: bool = False, grad_accum: int = 1, kl_beta: float = 0.04,
-                  model: torch.nn.Module | None = None, quantize_base: str | None = None,
+                  model: torch.nn.Module | None = None, quantize_base: str | QuantFormat | None = None,
                   quantize_group_size: int = 64, loss_chunk: int | str = "auto") -> MemoryEstimate:
     """Per-chip peak bytes of GRPO with `prompts` prompts per chip (see the module docstring)."""
     model = model if model is not None else meta_model(config)

@@ -25,7 +25,7 @@ from tpu_helpers.memory.per_chip import ShardingPlan, sharding_plan
 from tpu_helpers.memory.report import MemoryEstimate
 from tpu_helpers.models.lm_head import planned_chunk
 from tpu_helpers.models.qat import quantized_linears
-from tpu_helpers.models.quant4 import DEFAULT_GROUP_SIZE, FORMATS, bytes_per_weight
+from tpu_helpers.models.quant4 import DEFAULT_GROUP_SIZE, QuantFormat, as_format, bytes_per_weight
 
 
 def meta_model(config: Any) -> torch.nn.Module:
@@ -52,8 +52,8 @@ def hf_finetune_estimate(config: Any, batch_size: int, seq_len: int, *, method: 
                          precision: str = "bf16", gradient_checkpointing: bool = False, grad_accum: int = 1,
                          teacher_config: Any = None, model: torch.nn.Module | None = None,
                          teacher_topk: int = 0, qat: str | None = None, loss_chunk: int | str = "auto",
-                         quantize_base: str | None = None, quantize_group_size: int = DEFAULT_GROUP_SIZE
-                         ) -> MemoryEstimate:
+                         quantize_base: str | QuantFormat | None = None,
+                         quantize_group_size: int = DEFAULT_GROUP_SIZE) -> MemoryEstimate:
     """Per-chip peak bytes of one fine-tuning step (see the module docstring); `teacher_topk` > 0: distillation
     from a cache of that many tokens per position (no teacher in the step); `qat`: fake-quantized linear weights;
     `loss_chunk`: the chunked loss's setting (LOSS_CHUNK; 0: the whole batch's logits); `quantize_base`: a 4-bit
@@ -68,7 +68,8 @@ def hf_finetune_estimate(config: Any, batch_size: int, seq_len: int, *, method: 
                                      else lora_targets) if lora else params
     half = precision in ("bf16", "fp16")  # 16-bit autocast (fp16 keeps the bytes of bf16)
     weights = params * gathered_bytes_per_param(method, precision) + (trainable * 4 if lora else 0)
-    weights, dequantized = _four_bit_base(model, weights, method, precision, quantize_base, quantize_group_size)
+    fmt = None if quantize_base is None else as_format(quantize_base)
+    weights, dequantized = _four_bit_base(model, weights, method, precision, fmt, quantize_group_size)
     grads = trainable * 4
     optimizer = trainable * 8
     b, s = batch_size, seq_len
@@ -102,8 +103,8 @@ def hf_finetune_estimate(config: Any, batch_size: int, seq_len: int, *, method: 
         notes.append(f"QAT {qat}: {lin:,} linear weights fake-quantized")
     if chunk:
         notes.append(f"chunked loss: the logits of {chunk} tokens at a time (LOSS_CHUNK={loss_chunk!r})")
-    if quantize_base is not None:
-        notes.append(f"4-bit base ({quantize_base}, group {quantize_group_size}): "
+    if fmt is not None:
+        notes.append(f"4-bit base ({fmt.name}, group {quantize_group_size}): "
                      f"{bytes_per_weight(quantize_group_size):g} bytes per quantized linear weight")
     if cached:
         notes.append(f"teacher from a cache: top-{teacher_topk} per position, no teacher in the step")
@@ -114,14 +115,13 @@ def hf_finetune_estimate(config: Any, batch_size: int, seq_len: int, *, method: 
         "the end of the backward": {**held, "grads": grads, "activations": int(per_layer)}}, notes=notes)
 
 
-def _four_bit_base(model: torch.nn.Module, weights: int, method: str, precision: str, fmt: str | None,
+def _four_bit_base(model: torch.nn.Module, weights: int, method: str, precision: str, fmt: QuantFormat | None,
                    group_size: int) -> tuple[int, int]:
     """(the weights' bytes with the quantized linears at 4 bits, the one dequantized weight alive at a time)."""
     if fmt is None:
         return weights, 0
-    check_choice("quantize_base", fmt, FORMATS)
     if method != "lora":
-        raise ConfigError(f"quantize_base={fmt!r} is a frozen 4-bit base under LoRA; method={method!r}")
+        raise ConfigError(f"quantize_base={fmt.name!r} is a frozen 4-bit base under LoRA; method={method!r}")
     sizes = [m.in_features * m.out_features for m in quantized_linears(model).values()]
     stored = sum(sizes) * gathered_bytes_per_param(method, precision)
     compute = 2 if precision in ("bf16", "fp16") else 4

@@ -61,10 +61,10 @@ def resolve_model_source(model: str, cache_dir: str | os.PathLike | None = None)
 
 
 def load_causal_lm(model: str, *, dtype: torch.dtype | None = None, attn_implementation: str | None = DEFAULT_ATTN,
-                   cache_dir: str | os.PathLike | None = None, quantize: str | None = None,
+                   cache_dir: str | os.PathLike | None = None, quantize: Any = None,
                    group_size: int = 64) -> tuple[torch.nn.Module, Any]:
     """(model, tokenizer) through the Auto classes; the tokenizer gets a pad token (eos) when it has none.
-    `quantize` "nf4"/"int4": the linear layers (but the head) in 4 bits with a scale per `group_size` input
+    `quantize` (a `models.quant4.QuantFormat`, or its name "nf4"/"int4"): the linear layers (but the head) in 4 bits with a scale per `group_size` input
     columns, quantized as the weights stream in (`models.quant4.load_quantized_lm`)."""
     require_extra("hf", "loading a Hugging Face model (tpu_helpers.models.hf)", ("transformers", "tokenizers"))
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -17,19 +17,18 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from tpu_helpers.backend.units import plain_name
 from tpu_helpers.config import ConfigError
-from tpu_helpers.core.choices import QUANTIZE_FORMATS
+from tpu_helpers.core.choices import choose
 
-FORMATS = QUANTIZE_FORMATS
 DEFAULT_GROUP_SIZE = 64
 
 # The NormalFloat-4 table as torchao's NF4Tensor holds it (4 decimals of the paper's values, which bitsandbytes
@@ -37,18 +36,49 @@ DEFAULT_GROUP_SIZE = 64
 NF4_TABLE = (-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0,
              0.0796, 0.1609, 0.2461, 0.3379, 0.4407, 0.5626, 0.7230, 1.0)
 INT4_TABLE = tuple(float(q) for q in range(-8, 8))  # code c means q = c - 8
-_TABLES = {"nf4": NF4_TABLE, "int4": INT4_TABLE}
 _CHUNK = 1 << 20  # elements quantized at a time: the nearest-entry search holds 16 floats per element
 
 
-def check_format(fmt: str) -> str:
-    if fmt not in FORMATS:
-        raise ConfigError(f"QUANTIZE_BASE={fmt!r} is not one of {FORMATS} (or None for a 16-bit base)")
-    return fmt
+def _nearest_codes(w: torch.Tensor, absmax: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """nf4: each weight / its group's absmax as the nearest table entry (torchao's search, in chunks of 16 floats
+    per element); the scale is the absmax."""
+    table = torch.tensor(NF4_TABLE, dtype=w.dtype, device=w.device)
+    normed = (w / absmax).reshape(-1)
+    for start in range(0, normed.numel(), _CHUNK):
+        part = normed[start:start + _CHUNK]
+        codes[start:start + part.numel()] = (part.unsqueeze(-1) - table).abs().min(-1).indices.to(torch.uint8)
+    return absmax
 
 
-def code_table(fmt: str, dtype: torch.dtype = torch.float32, device: Any = None) -> torch.Tensor:
-    return torch.tensor(_TABLES[check_format(fmt)], dtype=dtype, device=device)
+def _rounded_codes(w: torch.Tensor, absmax: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """int4: symmetric, q = round(w / scale) in [-8, 7] with scale = absmax / 7.5, stored as the code q + 8."""
+    scales = (absmax / 7.5).clamp(min=torch.finfo(w.dtype).eps)
+    q = torch.clamp(torch.round(w * (1.0 / scales)), -8, 7)
+    codes.copy_((q + 8).reshape(-1).to(torch.uint8))
+    return scales
+
+
+class QuantFormat(NamedTuple):
+    """A QUANTIZE_BASE format: its name, the 16 values its codes stand for (times a group's scale), and how a
+    group's weights become codes (`encode(grouped weights, group absmax, flat uint8 codes out) -> scales`)."""
+
+    name: str
+    table: tuple[float, ...]
+    encode: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+FORMATS: dict[str, QuantFormat] = {"nf4": QuantFormat("nf4", NF4_TABLE, _nearest_codes),
+                                   "int4": QuantFormat("int4", INT4_TABLE, _rounded_codes)}
+
+
+def as_format(fmt: str | QuantFormat) -> QuantFormat:
+    """A QUANTIZE_BASE value as its format: a name is looked up once (a ConfigError naming it and the formats),
+    a format passes as it is."""
+    return fmt if isinstance(fmt, QuantFormat) else choose("quantize_base", fmt, FORMATS)
+
+
+def code_table(fmt: QuantFormat, dtype: torch.dtype = torch.float32, device: Any = None) -> torch.Tensor:
+    return torch.tensor(fmt.table, dtype=dtype, device=device)
 
 
 def bytes_per_weight(group_size: int = DEFAULT_GROUP_SIZE) -> float:
@@ -57,27 +87,17 @@ def bytes_per_weight(group_size: int = DEFAULT_GROUP_SIZE) -> float:
 
 
 # ---- the numerics ----------------------------------------------------------------------------------------------
-def quantize(weight: torch.Tensor, fmt: str, group_size: int = DEFAULT_GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(weight: torch.Tensor, fmt: QuantFormat,
+             group_size: int = DEFAULT_GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed codes, uint8 [out, in/2]: column 2j in the high nibble, 2j+1 in the low one, as torchao packs;
     scales, fp32 [out, in/group_size]) of a 2-D weight, computed in the weight's own dtype (as torchao does)."""
-    check_format(fmt)
     out, width = weight.shape
     if width % group_size or group_size % 2:
         raise ConfigError(f"group_size={group_size} must be even and divide the input width {width}")
     w = weight.detach().reshape(out, width // group_size, group_size)
     absmax = w.abs().amax(-1, keepdim=True)
     flat_codes = torch.empty(out * width, dtype=torch.uint8, device=weight.device)
-    if fmt == "nf4":
-        scales = absmax
-        table = code_table(fmt, weight.dtype, weight.device)
-        normed = (w / scales).reshape(-1)
-        for start in range(0, normed.numel(), _CHUNK):  # torchao's nearest search, in chunks (16 floats each)
-            part = normed[start:start + _CHUNK]
-            flat_codes[start:start + part.numel()] = (part.unsqueeze(-1) - table).abs().min(-1).indices.to(torch.uint8)
-    else:
-        scales = (absmax / 7.5).clamp(min=torch.finfo(weight.dtype).eps)
-        q = torch.clamp(torch.round(w * (1.0 / scales)), -8, 7)
-        flat_codes.copy_((q + 8).reshape(-1).to(torch.uint8))
+    scales = fmt.encode(w, absmax, flat_codes)
     packed = flat_codes[::2] << 4 | flat_codes[1::2]
     return packed.reshape(out, width // 2), scales.reshape(out, width // group_size).float()
 
@@ -117,11 +137,10 @@ class Linear4bit(torch.nn.Linear):
     `weight_scale` the fp32 scales, both frozen parameters (so moves, fingerprints and memory counts see them);
     `compute_dtype` is the dtype the weight is dequantized to (peft reads it for the adapters' dtype)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, fmt: str = "nf4",
-                 group_size: int = DEFAULT_GROUP_SIZE, compute_dtype: torch.dtype = torch.float32,
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 fmt: QuantFormat = FORMATS["nf4"], group_size: int = DEFAULT_GROUP_SIZE, compute_dtype: torch.dtype = torch.float32,
                  device: Any = None) -> None:
         torch.nn.Module.__init__(self)  # not nn.Linear's: no float weight is ever made
-        check_format(fmt)
         self.in_features, self.out_features = in_features, out_features
         self.fmt, self.group_size, self.compute_dtype = fmt, group_size, compute_dtype
         frozen = dict(requires_grad=False)
@@ -136,7 +155,7 @@ class Linear4bit(torch.nn.Linear):
                              persistent=False)
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, fmt: str, group_size: int = DEFAULT_GROUP_SIZE,
+    def from_linear(cls, linear: torch.nn.Linear, fmt: QuantFormat, group_size: int = DEFAULT_GROUP_SIZE,
                     compute_dtype: torch.dtype | None = None) -> Linear4bit:
         """A quantized copy of a loaded `nn.Linear` (its bias kept in the compute dtype)."""
         dtype = compute_dtype or linear.weight.dtype
@@ -165,7 +184,7 @@ class Linear4bit(torch.nn.Linear):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"{self.fmt}, group_size={self.group_size}, compute_dtype={self.compute_dtype}")
+                f"{self.fmt.name}, group_size={self.group_size}, compute_dtype={self.compute_dtype}")
 
 
 def is_quantized(model: torch.nn.Module) -> bool:
@@ -205,10 +224,10 @@ def check_group_size(linears: dict[str, torch.nn.Linear], group_size: int) -> No
                           f"even divisor of {common}, the widths' greatest common divisor{hint}")
 
 
-def quantize_model(model: torch.nn.Module, fmt: str, group_size: int = DEFAULT_GROUP_SIZE,
+def quantize_model(model: torch.nn.Module, fmt: str | QuantFormat, group_size: int = DEFAULT_GROUP_SIZE,
                    compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """Replace the loaded model's linear layers (but the head) by `Linear4bit` in place; returns the model."""
-    check_format(fmt)
+    fmt = as_format(fmt)
     linears = quantized_linears(model)
     check_group_size(linears, group_size)
     for name, linear in linears.items():
@@ -314,7 +333,7 @@ def checkpoint_files(source: str) -> list[Path]:
                       "only (model.safetensors or its sharded index)")
 
 
-def load_quantized_lm(source: str, fmt: str, group_size: int = DEFAULT_GROUP_SIZE, *,
+def load_quantized_lm(source: str, fmt: str | QuantFormat, group_size: int = DEFAULT_GROUP_SIZE, *,
                       dtype: torch.dtype | None = None, attn_implementation: str | None = None) -> torch.nn.Module:
     """The causal LM of `source` (a local save_pretrained directory or a hub name) with its linear layers (but the
     head) in 4 bits, quantized tensor by tensor as the safetensors shards are read; the other weights in `dtype`
@@ -322,7 +341,7 @@ def load_quantized_lm(source: str, fmt: str, group_size: int = DEFAULT_GROUP_SIZ
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    check_format(fmt)
+    fmt = as_format(fmt)
     dtype = dtype or torch.float32
     config = AutoConfig.from_pretrained(source)
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}

@@ -2,28 +2,15 @@
 
     job = Finetune(config_from_parameters(globals(), base=FinetuneConfig()))   # MODEL, DATASET, METHOD, LORA_*, ...
     print(job.plan().summary())                       # from the model's config only: nothing large allocated yet
-    print(job.sharding_advice())                      # several chips: per chip under data and fsdp (SHARDING)
-    print(job.parameter_summary(), job.data_stats)    # the model and the data, loaded on first use
     before = job.samples()                            # held-out prompts, exact match
     report = job.train()                              # the package Trainer (XLA hygiene, resume, signals)
     after = job.samples(); paths = job.export()       # adapter dir (LoRA) and merged safetensors model
-    job.exported                                      # which weights: the best checkpoint's (EXPORT="best") or the last
 
-A sibling of GRPO on the shared Hugging Face job (`recipes.hf_job`: MODEL, METHOD, LORA_*, the plan, samples,
-exports); what fine-tuning adds is its config's own fields. METHOD "lora" trains peft adapters on a frozen base
-(bf16 on TPU); "full" trains every weight (fp32 master weights, bf16 autocast on TPU); "distill" trains LoRA
-adapters (or the full model with LORA_R=0) against a frozen TEACHER of the same vocabulary, run in every step, or,
-with TEACHER_CACHE, against a cache of its top-TEACHER_TOP_K log-probabilities per position written once (built from
-TEACHER when missing; `algorithms.distill.open_teacher_cache`): no teacher in the step. DISTILL_TEMPERATURE and
-DISTILL_ALPHA are the distillation loss's settings (`algorithms.distill.DistillSettings`).
-QAT "int4"/"int8" fake-quantizes the base's linear weights in the forward pass (torchao, models/qat.py): LoRA then
-trains recovery adapters on the quantized base, "full" is full QAT; `export` adds the quantized weights with their
-scales (`quantized/`, loads with from_pretrained through transformers' torchao integration) and writes the merged
-model in bf16 with the quantized base. The default MODEL "tiny" and DATASET "instructions" need no network.
-
-SHARDING (TrainConfig.sharding) "fsdp" shards the model, gradients and optimizer state over the chips (FSDPv2 on a
-v5e-8, one decoder layer gathered at a time; FSDP2 under torchrun): LoRA on a 7B or full fine-tuning of a 1.5B
-model on v5e chips. Checkpoints and exports keep the unwrapped model's names, so they load under any sharding.
+A sibling of GRPO and preference tuning on the shared Hugging Face job (`recipes.hf_job`). METHOD "lora" trains
+adapters on a frozen base, "full" every weight, "distill" a student against a frozen TEACHER run in every step or
+against TEACHER_CACHE, the teacher's top-k written once (`algorithms.distill`; its `DistillSettings` fields are this
+config's DISTILL_TEMPERATURE, ...). QAT fake-quantizes the base's linear weights (`models.qat`) and adds
+a quantized export. Every parameter: README, "Fine-tune a Hugging Face model".
 """
 
 from __future__ import annotations
@@ -42,7 +29,7 @@ from tpu_helpers.algorithms.distill import (
     open_teacher_cache,
 )
 from tpu_helpers.algorithms.sft import CausalLMTrainer
-from tpu_helpers.config import ConfigError
+from tpu_helpers.config import ConfigError, settings_fields, settings_from
 from tpu_helpers.core.choices import FINETUNE_METHODS, QAT_SCHEMES, check_choice
 from tpu_helpers.core.extras import require_extra
 from tpu_helpers.data.sft import (
@@ -66,15 +53,15 @@ _WHAT = {"lora": "LoRA fine-tuning", "full": "full fine-tuning", "distill": "dis
 
 
 @dataclass
+@settings_fields(DistillSettings, prefix="distill_")  # DISTILL_TEMPERATURE, ...: declared there
 class FinetuneConfig(HFJobConfig):
     """`HFJobConfig` plus fine-tuning's own settings (distillation, QAT, packing), each a notebook parameter of
-    the same UPPER_CASE name. DATASET is the fine-tuning data."""
+    the same UPPER_CASE name: the fields of `algorithms.distill.DistillSettings` with the prefix `distill_` (built
+    from them once, `config.distill`) and the recipe's own below. DATASET is the fine-tuning data."""
 
     dataset: str = DEFAULT_DATASET  # "instructions" (generated), a local .jsonl/.json/.csv/.parquet, or a hub name
     method: str = "lora"  # lora | full | distill
     teacher: str | None = None  # distill: a model with the student's vocabulary
-    distill_temperature: float = 2.0  # distill: the softmax temperature of the soft loss
-    distill_alpha: float = 0.5  # weight of the hard-label loss; the soft loss gets 1 - this
     teacher_cache: str | None = None  # distill: a directory of the teacher's top-k per position (built when missing)
     teacher_top_k: int = 128  # distill from a cache: the teacher's most likely tokens kept per position
     qat: str | None = None  # int4 | int8 | None: fake-quantized linear weights (LoRA on top, or full QAT)
@@ -83,7 +70,7 @@ class FinetuneConfig(HFJobConfig):
 
     methods: ClassVar[tuple[str, ...]] = FINETUNE_METHODS
     recipe: ClassVar[str] = "fine-tuning"
-    # Older notebooks' names of the distillation settings (TEMPERATURE and TOP_K now mean sampling everywhere).
+    # Other names of the distillation settings an older notebook may pass (TEMPERATURE and TOP_K mean sampling).
     renamed: ClassVar[dict[str, str]] = {"temperature": "distill_temperature", "top_k": "teacher_top_k"}
 
     def __post_init__(self) -> None:
@@ -97,7 +84,7 @@ class FinetuneConfig(HFJobConfig):
         if isinstance(self.teacher_top_k, bool) or self.teacher_top_k < 1:
             raise ConfigError(f"teacher_top_k={self.teacher_top_k!r} must be an integer >= 1 (at most the "
                               "vocabulary size)")
-        self.distill  # noqa: B018 (checks DISTILL_TEMPERATURE and DISTILL_ALPHA)
+        self.distill = settings_from(self, DistillSettings)  # checked once; the distillation trainers take it
         if self.qat is not None:
             check_choice("qat", self.qat, QAT_SCHEMES)
         if self.qat is not None and self.quantize_base is not None:
@@ -106,10 +93,6 @@ class FinetuneConfig(HFJobConfig):
         if isinstance(self.qat_group_size, bool) or self.qat_group_size < 2:
             raise ConfigError(f"qat_group_size={self.qat_group_size!r} must be an integer >= 2 that divides the "
                               "width of every linear layer's input (e.g. 32, 64, 128)")
-
-    @property
-    def distill(self) -> DistillSettings:
-        return DistillSettings(self.distill_temperature, self.distill_alpha)
 
     @property
     def uses_lora(self) -> bool:
@@ -229,7 +212,7 @@ class Finetune(HFJob):
         if cfg.qat:
             ident.update(qat=cfg.qat, qat_group_size=cfg.qat_group_size)
         if cfg.uses_cache:
-            # "top_k": the key runs saved before the field was renamed teacher_top_k have (they resume).
+            # Under "top_k", the key the identities of existing checkpoints hold, so that they resume.
             ident.update(teacher_cache=self.teacher_cache.identity["data"], top_k=cfg.teacher_top_k)
         return ident
 

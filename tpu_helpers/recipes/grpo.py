@@ -3,28 +3,17 @@
     job = GRPO(config_from_parameters(globals(), base=GRPOConfig()))   # MODEL, START_FROM, DATASET, REWARDS, ...
     print(job.plan().summary())          # policy, reference, KV cache for B x G sequences, logits: before loading
     before = job.samples()               # held-out prompts: sampled completions and their rewards
-    report = job.train()                 # training.grpo.GRPOTrainer on the package Trainer
+    report = job.train()                 # algorithms.grpo.GRPOTrainer on the package Trainer
     after = job.samples(); job.plot(); paths = job.export()   # reward, length, KL, loss; adapter + merged model
     job.save_results(before=before, after=after, paths=paths)    # results.json, loss.png and grpo.png (that figure)
 
-A sibling of fine-tuning on the shared Hugging Face job (`recipes.hf_job`): MODEL, METHOD "lora" (a fresh adapter
-on the start model, whose adapter-disabled self is the KL reference) or "full" (every weight; the reference a frozen
-copy), LORA_*, the trainer settings, checkpoints, exports. What GRPO adds (its config's own fields; the algorithm's
-settings go to the trainer whole as `algorithms.grpo.GRPOSettings`, checked there once):
-
-- START_FROM, the model the policy starts from and the KL stays near: None (MODEL as it is), "sft" (the offline
-  default: MODEL briefly fine-tuned here on the generated instruction task, SFT_STEPS steps, in OUT_DIR/sft, once),
-  a PEFT adapter directory (merged into MODEL), a directory written by save_pretrained, or a fine-tuning run's
-  OUT_DIR (its merged/ export, else its adapter/). `job.source` is that model's directory.
-- DATASET of prompts with reference answers (`data.rl`: "sums", generated; a file or hub set with PROMPT_FIELD and
-  ANSWER_FIELD), REWARDS (`algorithms.rewards`: built-in names or import paths), NUM_GENERATIONS, MAX_PROMPT_LEN,
-  MAX_NEW_TOKENS, TEMPERATURE/TOP_K/TOP_P, KL_BETA, CLIP_EPS and EPSILON_HIGH (the upper clip, DAPO's clip-higher),
-  LOSS_TYPE (grpo | bnpo | dr_grpo | dapo: what the token losses are divided by), IMPORTANCE (token | sequence:
-  GSPO's one ratio per answer), SCALE_REWARDS (group | batch | none: the advantages' std), all as TRL's GRPOTrainer
-  defines them (`algorithms.grpo_loss`), NUM_ITERATIONS, DISABLE_DROPOUT (default True: dropout off in the policy
-  and reference, so the on-policy ratio is 1 and the KL clean). BATCH_SIZE counts prompts per chip and step; each
-  brings NUM_GENERATIONS rows (split over GRAD_ACCUM micro-batches; the loss is the whole step's, whatever the
-  split).
+A sibling of fine-tuning on the shared Hugging Face job (`recipes.hf_job`: MODEL, METHOD "lora" or "full", LORA_*,
+checkpoints, exports). What GRPO adds: the algorithm's settings (`algorithms.grpo.GRPOSettings`, whose fields are
+this config's: NUM_GENERATIONS, KL_BETA, LOSS_TYPE, ...), START_FROM (None, "sft": a brief fine-tuning here first,
+an adapter, a model directory or a fine-tuning run's OUT_DIR), DATASET of prompts with answers (`data.rl`),
+REWARDS (`algorithms.rewards`) and MAX_PROMPT_LEN. BATCH_SIZE counts prompts per chip and step, each bringing
+NUM_GENERATIONS rows. Every parameter, and the method: README, "Reinforcement learning from rewards (GRPO)", and
+docs/algorithms/grpo.md.
 """
 
 from __future__ import annotations
@@ -38,7 +27,7 @@ import torch
 
 from tpu_helpers.algorithms.grpo import GRPOSettings, GRPOTrainer, score_completions
 from tpu_helpers.algorithms.rewards import DEFAULT_FORMAT, resolve_rewards
-from tpu_helpers.config import ConfigError
+from tpu_helpers.config import ConfigError, settings_fields, settings_from
 from tpu_helpers.core.extras import require_extra
 from tpu_helpers.data.loaders import fixed_batches
 from tpu_helpers.data.rl import SUMS, build_prompt_dataset, load_prompt_records
@@ -66,32 +55,20 @@ def curves_figure(curves: dict[str, list], *, pyplot: bool = False):
 
 
 @dataclass
+@settings_fields(GRPOSettings)  # NUM_GENERATIONS, MAX_NEW_TOKENS, TEMPERATURE, KL_BETA, LOSS_TYPE, ...: declared there
 class GRPOConfig(HFJobConfig):
-    """`HFJobConfig` plus GRPO's own settings, each a notebook parameter of the same UPPER_CASE name. BATCH_SIZE
-    is prompts per chip and step; TEMPERATURE, TOP_K and TOP_P are the sampling's; SEQ_LEN follows from
-    MAX_PROMPT_LEN + MAX_NEW_TOKENS."""
+    """`HFJobConfig` plus GRPO's settings, each a notebook parameter of the same UPPER_CASE name: the fields of
+    `algorithms.grpo.GRPOSettings` (built from them once, `config.grpo`, as the trainer takes them) and the
+    recipe's own below. BATCH_SIZE is prompts per chip and step; SEQ_LEN follows from MAX_PROMPT_LEN +
+    MAX_NEW_TOKENS."""
 
     dataset: str = SUMS  # "sums" (generated, offline), a local .jsonl/.json/.csv/.parquet, or a hub name
     start_from: str | None = SFT  # None | "sft" (brief SFT here first) | adapter dir | model dir | fine-tuning OUT_DIR
     sft_steps: int = 150  # START_FROM "sft": steps of full fine-tuning on the generated instruction task
-    prompt_field: str = "prompt"
-    answer_field: str = "answer"
     system_prompt: str | None = None
     rewards: str = "answer"  # comma-separated built-in names (answer, format, number, length, overlong) or paths
     format_pattern: str = DEFAULT_FORMAT  # the regex of the "format" reward
-    num_generations: int = 8
     max_prompt_len: int = 32
-    temperature: float = 1.0  # sampling
-    top_k: int = 0  # sampling: the k likeliest tokens (0: all)
-    top_p: float = 1.0  # sampling: within this probability mass (1.0: all)
-    kl_beta: float = 0.04
-    clip_eps: float = 0.2
-    epsilon_high: float | None = None  # the upper clip (DAPO's clip-higher, e.g. 0.28); None: clip_eps
-    loss_type: str = "bnpo"  # grpo | bnpo | dr_grpo | dapo (algorithms.grpo_loss)
-    importance: str = "token"  # token | sequence (GSPO: one importance ratio per answer)
-    scale_rewards: str = "group"  # group | batch | none: the std the advantages are divided by
-    num_iterations: int = 1  # optimizer steps per generation batch (the old log-probabilities kept)
-    disable_dropout: bool = True  # every dropout of the policy and reference at 0 (ratio 1 on-policy, a clean KL)
     batch_size: int = 8
     steps: int = 200
     lr: float = 2e-3
@@ -106,7 +83,8 @@ class GRPOConfig(HFJobConfig):
         if isinstance(self.max_prompt_len, int) and isinstance(self.max_new_tokens, int):
             self.seq_len = self.max_prompt_len + self.max_new_tokens
         super().__post_init__()
-        self.grpo.check_split(self.batch_size, self.grad_accum)  # builds the settings: their checks, once
+        self.grpo = settings_from(self, GRPOSettings)  # checked and parsed once; the trainer takes it whole
+        self.grpo.check_split(self.batch_size, self.grad_accum)
         for name in ("max_prompt_len", "sft_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 1")
@@ -114,17 +92,6 @@ class GRPOConfig(HFJobConfig):
             raise ConfigError(f"START_FROM={self.start_from!r} is not {SFT!r}, None, nor a directory (a PEFT adapter, "
                               "a save_pretrained model, or a fine-tuning run's OUT_DIR)")
         resolve_rewards(self.rewards, format_pattern=self.format_pattern)  # an unknown name fails here
-
-    @property
-    def grpo(self) -> GRPOSettings:
-        """The algorithm's settings, as the trainer takes them."""
-        return GRPOSettings(num_generations=self.num_generations, max_new_tokens=self.max_new_tokens,
-                            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, kl_beta=self.kl_beta,
-                            clip_eps=self.clip_eps, epsilon_high=self.epsilon_high, loss_type=self.loss_type,
-                            importance=self.importance, scale_rewards=self.scale_rewards,
-                            num_iterations=self.num_iterations,
-                            prompt_field=self.prompt_field, answer_field=self.answer_field,
-                            disable_dropout=self.disable_dropout)
 
 
 def check_context(config: Any, max_prompt_len: int, max_new_tokens: int) -> None:

@@ -1,19 +1,16 @@
 """The Hugging Face job every HF recipe shares: the model, its tokenizer and LoRA, the data's records, the memory
-plan, held-out samples, and the adapter and merged exports. Fine-tuning (`recipes.finetune`) and GRPO
-(`recipes.grpo`) are siblings on it; each adds only its own settings and parts.
+plan, held-out samples, and the adapter and merged exports. Fine-tuning, GRPO and preference tuning are siblings on
+it; each adds only its own settings and parts.
 
     class MyJob(HFJob):                       # a new HF recipe: a config of its own fields, then its parts
         config_class = MyConfig               # MyConfig(HFJobConfig): MODEL, METHOD, LORA_*, EXPORT, ... are shared
         def estimate(self, model_config, meta): ...   # batch -> MemoryEstimate for the plan
         def make_trainer(self): ...            # its algorithm's trainer (tpu_helpers.algorithms)
 
-What a job's parts are, all built on first use (no call-order traps): `model` and `tokenizer` (from `source`, the
-model the job trains from; `prepare_model` adds what a recipe puts on the base before LoRA, e.g. QAT), `plan()`
-and `sharding_plan()` (from the model's config alone: nothing large allocated), `records` (DATASET read once),
-`export()` (the PEFT adapter under LoRA, a merged safetensors model; `write_exports` is where a recipe adds its
-own files). QUANTIZE_BASE ("nf4" | "int4", METHOD "lora"): the base loads in 4 bits (`models.quant4`, quantized
-layer by layer as it loads), the plan counts it so, and the merged export is its dequantized base plus the adapter. The checks of the shared fields are here, once; a field of another recipe's config is refused by name
-(`config.unknown_fields_message`).
+Every part is built on first use (no call-order traps): `model` and `tokenizer` (from `source`), `plan()` (from the
+model's config alone), `data` (DATASET read once), `export()` (the PEFT adapter, a merged safetensors model).
+QUANTIZE_BASE loads the frozen base in 4 bits (`models.quant4`; parsed once, `config.base_format`). The shared
+fields are checked here, once; a field of another recipe's config is refused by name.
 """
 
 from __future__ import annotations
@@ -89,8 +86,9 @@ class HFJobConfig(TrainConfig):
             raise ConfigError(f"lora_r={self.lora_r!r} must be >= 1 (or 0 for full distillation)")
         if self.method == "lora" and self.lora_r < 1:
             raise ConfigError(f"lora_r={self.lora_r!r} must be >= 1 with method='lora'")
+        # The 4-bit format the base loads in (QUANTIZE_BASE), parsed once: the loading and the plan take it.
+        self.base_format = None if self.quantize_base is None else quant4.as_format(self.quantize_base)
         if self.quantize_base is not None:
-            check_choice("quantize_base", self.quantize_base, quant4.FORMATS)
             if self.method != "lora":
                 raise ConfigError(f"quantize_base={self.quantize_base!r} (QLoRA) freezes the base in 4 bits and "
                                   f"trains LoRA adapters on it: it needs method='lora', not {self.method!r}")
@@ -158,8 +156,8 @@ class HFJob(Recipe):
                        lora_targets=cfg.lora_target_list, precision=self.backend.precision,
                        gradient_checkpointing=cfg.gradient_checkpointing, grad_accum=cfg.grad_accum,
                        loss_chunk=cfg.loss_chunk)
-        if cfg.quantize_base:  # only then: an estimate that knows no 4-bit base still takes the rest
-            options.update(quantize_base=cfg.quantize_base, quantize_group_size=cfg.quantize_group_size)
+        if cfg.base_format is not None:  # only then: an estimate that knows no 4-bit base still takes the rest
+            options.update(quantize_base=cfg.base_format, quantize_group_size=cfg.quantize_group_size)
         return options
 
     plan_what = "training"  # what the sharding advice calls the step
@@ -209,8 +207,8 @@ class HFJob(Recipe):
         bits, quantized as it loads (a frozen teacher or reference stays as it is)."""
         cfg = self.config
         dtype = (torch.bfloat16 if self.backend.precision == "bf16" else None) if frozen else self._dtype()
-        quantize = dict(quantize=cfg.quantize_base, group_size=cfg.quantize_group_size) \
-            if cfg.quantize_base and not frozen else {}
+        quantize = dict(quantize=cfg.base_format, group_size=cfg.quantize_group_size) \
+            if cfg.base_format is not None and not frozen else {}
         return hf.load_causal_lm(source, dtype=dtype, attn_implementation=cfg.attn_implementation, **quantize)
 
     def prepare_model(self, model: torch.nn.Module) -> None:

@@ -8,22 +8,11 @@ held-out preference accuracy -> training -> accuracy again -> export.
     after = job.preference_accuracy(); job.plot(); paths = job.export()   # adapter + merged model
     job.save_results(before=before, after=after, paths=paths)    # results.json, loss.png, preference.png
 
-A sibling of fine-tuning and GRPO on the shared Hugging Face job (`recipes.hf_job`): MODEL, METHOD "lora" (DPO's
-reference is the same model with the adapter disabled) or "full" (a frozen copy is the reference), LORA_*, the
-trainer settings, checkpoints, exports. What it adds (its config's own fields; the algorithm's settings go to the
-trainer whole as `algorithms.preference_loss.PreferenceSettings`, checked there once):
-
-- DATASET of preference pairs (`data.preference`): "instructions" (generated, offline: the instruction task's right
-  answer chosen, a wrong one rejected, with a held-out split), a local file, or a hub name read at DATASET_SPLIT
-  (HuggingFaceH4/ultrafeedback_binarized: "train_prefs"); BATCH_SIZE counts pairs (2 rows each).
-- ALGORITHM "dpo" | "orpo"; LOSS_TYPE (DPO's: "sigmoid" | "ipo"), BETA (DPO's beta, TRL's name), LABEL_SMOOTHING
-  (cDPO), ORPO_LAMBDA (ORPO's lambda: TRL's ORPOConfig calls it beta too, but one name meaning two things in one
-  config would be a trap), PRECOMPUTE_REF (DPO's reference log-probabilities once, before training).
-
-Preference accuracy: the share of held-out pairs whose chosen answer gets the higher reward (DPO: beta x log-ratio
-to the reference, so 0 before training under LoRA, every pair a tie; ORPO: lambda x mean log-probability), and
-`logp_accuracy`, the share where the policy gives the chosen answer the higher log-probability (meaningful before
-training too).
+A sibling of fine-tuning and GRPO on the shared Hugging Face job (`recipes.hf_job`). What it adds: the algorithm's
+settings (`algorithms.preference_loss.PreferenceSettings`, whose fields are this config's: ALGORITHM, LOSS_TYPE,
+BETA, ...), DATASET of preference pairs (`data.preference`) read at DATASET_SPLIT, and the held-out preference
+accuracy. BATCH_SIZE counts pairs (2 rows each). Each setting, and what the accuracy means:
+docs/algorithms/preference.md.
 """
 
 from __future__ import annotations
@@ -36,6 +25,7 @@ import torch
 
 from tpu_helpers.algorithms.preference import PreferenceTrainer
 from tpu_helpers.algorithms.preference_loss import PreferenceSettings
+from tpu_helpers.config import settings_fields, settings_from
 from tpu_helpers.core.extras import require_extra
 from tpu_helpers.data.preference import (
     build_preference_dataset,
@@ -64,18 +54,15 @@ def curves_figure(curves: dict[str, list], *, pyplot: bool = False):
 
 
 @dataclass
+@settings_fields(PreferenceSettings)  # ALGORITHM, LOSS_TYPE, BETA, ...: declared there
 class PreferenceConfig(HFJobConfig):
-    """`HFJobConfig` plus preference tuning's own settings, each a notebook parameter of the same UPPER_CASE name.
-    BATCH_SIZE is pairs per chip and micro-batch; SEQ_LEN the length of each row (prompt and one answer)."""
+    """`HFJobConfig` plus preference tuning's settings, each a notebook parameter of the same UPPER_CASE name: the
+    fields of `algorithms.preference_loss.PreferenceSettings` (built from them once, `config.preference`, as the
+    trainer takes them) and the recipe's own below. BATCH_SIZE is pairs per chip and micro-batch; SEQ_LEN the
+    length of each row (prompt and one answer)."""
 
     dataset: str = DEFAULT_DATASET  # "instructions" (generated pairs), a local .jsonl/.json/.csv/.parquet, a hub name
     dataset_split: str = "train"  # the hub split to read (ultrafeedback_binarized: train_prefs)
-    algorithm: str = "dpo"  # dpo | orpo
-    loss_type: str = "sigmoid"  # DPO's loss: sigmoid | ipo
-    beta: float = 0.1  # DPO's beta (IPO's tau)
-    label_smoothing: float = 0.0  # cDPO: the assumed share of flipped labels, sigmoid only
-    orpo_lambda: float = 0.1  # ORPO: weight of the odds-ratio term
-    precompute_ref: bool = False  # DPO: the reference's log-probabilities once, before training
     seq_len: int = 32  # the generated pairs' rows are at most 22 tokens
     batch_size: int = 8
     steps: int = 100
@@ -91,14 +78,7 @@ class PreferenceConfig(HFJobConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.preference  # noqa: B018 (builds the settings: their checks, once)
-
-    @property
-    def preference(self) -> PreferenceSettings:
-        """The algorithm's settings, as the trainer takes them."""
-        return PreferenceSettings(algorithm=self.algorithm, loss_type=self.loss_type, beta=self.beta,
-                                  label_smoothing=self.label_smoothing, orpo_lambda=self.orpo_lambda,
-                                  precompute_ref=self.precompute_ref)
+        self.preference = settings_from(self, PreferenceSettings)  # checked and parsed once; the trainer takes it
 
 
 class Preference(HFJob):

@@ -1,22 +1,17 @@
-"""Training: the loop and everything a run needs around it.
+"""Training: the loop and everything a run needs around it, whatever it trains.
 
     from tpu_helpers.training import Trainer, fit, Callback
     report = fit(model, train_dataset, val_dataset, config=TrainConfig(steps=200))
 
-Modules: `trainer` (the loop with overridable steps), `cadence` (when to log, evaluate and save), `optimizers` (the
-optimizers and the learning-rate schedule), `batches` (accepted batch forms and the causal-LM losses), `causal_lm`
-(SFT and distillation trainers), `outcome` (how a run ends: its stop reason, what diverged, the divergence
-policies), `run_state` (save and resume), `run_lock` (one run per out_dir), `resume_policy` (what a changed setting
-does on resume), `finite` (nan/inf: stop, never save), `divergence` (a finite loss spike), `signals` (clean stop on
-SIGTERM/SIGINT), `validation` (checks of Trainer arguments), `step_timing` (where a step's time goes, MFU),
-`history` (loss history and the run report), `results` (results.json and the figure of a run), `tracking`
-(the run's figures live in TensorBoard, W&B or trackio: `TrainConfig.trackers`) over `trackers` (one adapter each). The hooks a run
-calls are `tpu_helpers.core.callbacks` (below the trainer, so what watches a run need not import it); the ready-made
-jobs built on the trainer are `tpu_helpers.recipes`. The trainer's helpers take what they need (config, backend,
-model, optimizer, history, the run's `outcome`), never the trainer: no helper module here imports it.
-
-Names load their module on first use, so importing a light module (`cadence`, `results`, `history`) does not
-import the trainer.
+`trainer` (the Trainer with overridable steps) over `build` (building and placing the run), `step` (what a step
+returns, the replay it runs under), `loop` (the steps with their cadence, checkpoints and report), `log_window` (a
+step's figures summed on the device, read at log steps) and `evaluation` (the validation loss). Around them:
+`cadence`, `optimizers`, `batches`, `recompute`, `replayed_optimizer`, `run_state` and `checkpoint_contents` (save
+and resume), `run_lock`, `resume_policy`, `guard` (nan/inf, finite spikes, how a run ends), `signals`, `arguments`
+(the Trainer's argument checks), `step_timing`, `history`, `results` and `tracking` (TensorBoard, W&B, trackio).
+The helpers take what they need, never the trainer, except `loop` and `evaluation`, which run its steps and
+callbacks. Names load their module on first use, so a light module (`cadence`, `history`) does not import the
+trainer.
 """
 
 from __future__ import annotations

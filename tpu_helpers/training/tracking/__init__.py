@@ -224,7 +224,7 @@ def _train_values(record: dict) -> dict[str, float]:
               "train/tokens_per_s": record["tokens_per_s"]}
     if record.get("grad_norm") is not None:
         values["train/grad_norm"] = record["grad_norm"]
-    # What a trainer adds to its records (`Trainer.log_extras`: GRPO's reward, KL, completion length...).
+    # What a step adds to its records (`StepFigures`' device and host figures: GRPO's reward, KL, completion length...).
     values.update({f"train/{k}": v for k, v in record.items() if k not in _RECORD_KEYS
                    and isinstance(v, (int, float)) and not isinstance(v, bool)})
     return values
