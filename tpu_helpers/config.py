@@ -1,19 +1,15 @@
 """One configuration object for a training run, `TrainConfig`, and notebook parameters turned into one.
 
-`TrainConfig` has full-size defaults (GPT-2 small on a TPU chip); tests and quick runs shrink it with
-`dataclasses.replace` or keyword overrides. Every field is checked when the object is built, so a wrong value
-fails before any compile or download, with a message that names the value and what is allowed. A recipe with
-settings of its own declares them as fields of a subclass (`recipes.finetune.FinetuneConfig`); an algorithm's
-settings dataclass lends its fields to the recipe's config (`settings_fields`, `settings_from`), declared once.
-
-Notebooks keep their parameters as UPPER_CASE globals in the cell tagged `parameters` (papermill overrides them):
+`TrainConfig` has full-size defaults (GPT-2 small on a TPU chip); every field is checked when the object is built,
+so a wrong value fails before any compile or download. A recipe's settings are fields of a subclass
+(`recipes.finetune.FinetuneConfig`). Notebooks keep their parameters as UPPER_CASE globals (papermill overrides them):
 
     config = th.config_from_parameters(globals())                       # each NAME -> the field `name`
     config = th.config_from_parameters(globals(), extra={"MOUNT_DRIVE": bool})   # notebook-only values
     config = th.config_from_parameters(globals(), base=FinetuneConfig())         # a recipe's config class
 
-A name that is no field (and not declared in `extra`) is an error listing the known ones, which catches a misspelt
-`-p` override that papermill would otherwise inject and ignore.
+A name that is no field (and not declared in `extra`) is an error listing the known ones. More:
+docs/guides/training.md.
 """
 
 from __future__ import annotations

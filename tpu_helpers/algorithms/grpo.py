@@ -1,7 +1,6 @@
 """GRPO on the package's Trainer: sample G answers per prompt, score them with Python rewards, and push the policy
-towards the answers that beat their group. One step (`GRPOTrainer.train_step`) reads as the method does: sample,
-score, advantages, the loss over micro-batches, the optimizer step; the loss is `algorithms.grpo_loss`'s pure
-functions, TRL 1.16's definitions. Simpler than TRL's GRPOTrainer, on purpose:
+towards the answers that beat their group (the step and each setting: docs/algorithms/grpo.md). Simpler than
+TRL's GRPOTrainer, on purpose:
 1. the policy itself generates, with a KV cache in fixed shapes: no vLLM server, no weight sync, no
    importance-sampling correction for a generation engine;
 2. rewards are Python functions on the host, summed (no reward weights), after the generation's one host read;
@@ -9,12 +8,9 @@ functions, TRL 1.16's definitions. Simpler than TRL's GRPOTrainer, on purpose:
    with no entropy masking or bonus, and bnpo divides by the whole step's tokens (TRL's by each micro-batch's);
 4. under LoRA the KL reference is the model with its adapter disabled: no second copy of the weights.
 
-    settings = GRPOSettings(num_generations=8, max_new_tokens=128, kl_beta=0.04, loss_type="dapo")  # parsed once
     trainer = GRPOTrainer(model, prompts, config=cfg, tokenizer=tok, records=records,
-                          rewards=resolve_rewards("answer,format"), settings=settings, ref_model=None)
+                          rewards=resolve_rewards("answer,format"), settings=GRPOSettings(loss_type="dapo"))
     report = trainer.fit()          # resume, signals, the run lock, the XLA detector and MFU as for SFT
-
-The algorithm step by step, and what each setting does: docs/algorithms/grpo.md.
 """
 
 from __future__ import annotations

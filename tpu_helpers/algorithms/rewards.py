@@ -5,22 +5,10 @@
     scores = score(rewards, prompts, completions, {"answer": answers})  # {name: [float, ...]}, checked
 
 A reward is any callable `reward(prompts, completions, **fields) -> list[float]` with one number per completion,
-run on the host on the decoded text (the trainer's one host read per generation brings the tokens there).
-`fields` holds the records' other columns (e.g. `answer`, one per completion) and `completion_tokens` (the token
-count of each completion); a function receives the ones its signature names, or all of them with `**kwargs`
-(TRL's reward functions take the same arguments). A reward that returns the wrong number of values, or a value
-that is not a finite number, is an error naming the reward, the completion and the value; so is one that raises
-(the completion found by scoring the completions one by one). The built-ins never raise on a completion, whatever
-its text: one they cannot score gets 0, and each call says once (a `RewardWarning`) how many got 0 and why.
-
-Built-ins (`BUILTIN`):
-- `answer`: 1.0 when the completion's answer equals the reference `answer`, else 0.0. The answer is the text inside
-  the last <answer>...</answer> when there is one, else the last number in the completion; numbers compare as
-  numbers ("1,000" == "1000.0"), and a reference written GSM8K-style ("... #### 72") is read after "####";
-- `format`: 1.0 when the whole completion matches a regex (`format_reward(pattern)`; the default asks for
-  `<answer>...</answer>` somewhere), else 0.0; `number`: the completion is one number and nothing else;
-- `length`: a length penalty, -(completion tokens / max_new_tokens) * 0.1 (prefer short answers, gently);
-- `overlong`: DAPO's soft overlong penalty, 0 until the last quarter of max_new_tokens, then down to -1.
+run on the host on the decoded text; it receives the records' other columns that its signature names (as TRL's
+do). A wrong count, a value that is not a finite number, or an exception is an error naming the reward and the
+completion. The built-ins (`BUILTIN`: answer, format, number, length, overlong) never raise on a completion: one
+they cannot score gets 0. The arguments, the checks and each built-in in full: docs/algorithms/grpo.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """XLA backend: TPUs through torch_xla (and XLA:CPU, which runs the same code path without a TPU).
 
-This is the only module in the package that imports torch_xla (with its helpers xla_loop.py and xla_fsdp.py). A
-new torch_xla API changes these files and nothing else; its successor TorchTPU would get a twin of each, in the
-backend layer only (docs/design/torchtpu.md).
-
-What it does that a hand-written TPU loop must remember:
-- one `torch_xla.sync()` per optimizer step, so each step is one compiled graph that is reused;
-- `zero_grad(set_to_none=True)`, measured rather than assumed (see `XlaBackend.zero_grad_set_to_none`);
-- host reads only through step closures, so the host never stalls the chip waiting for a value;
-- `MpDeviceLoader`, which copies the next batches to the device on a background thread (and, under SPMD, shards
-  each global batch over the mesh's data axis);
-- bf16 autocast on TPU (no GradScaler: bf16 has fp32's exponent range);
-- torch_xla's own gradient checkpointing (torch's saves nothing or fails on XLA);
-- gradient all-reduce across processes before clipping, so every replica clips the same averaged gradients.
+This is the only module in the package that imports torch_xla (with its helpers xla_loop.py and xla_fsdp.py), so a
+new torch_xla API changes these files and nothing else (docs/design/torchtpu.md). It does what a hand-written TPU
+loop must remember: one `torch_xla.sync()` per optimizer step (one compiled graph, reused), host reads only through
+step closures, `MpDeviceLoader` copying the next batches on a background thread, bf16 autocast without a
+GradScaler, torch_xla's own gradient checkpointing, and the gradient all-reduce before clipping. The list with
+the reasons: docs/guides/speed.md.
 """
 
 from __future__ import annotations

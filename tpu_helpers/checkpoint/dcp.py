@@ -1,19 +1,12 @@
 """Checkpoints of sharded models as torch.distributed.checkpoint (DCP) directories: each process writes the shards
 its devices hold, one tensor at a time, so no host ever holds the whole model.
 
-A sharded checkpoint is the directory ``ckpt-00001200.dcp/``: DCP's ``.metadata`` and ``__R_N.distcp`` files (the
-model's and optimizer's tensors, shard by shard) plus ``state.pt`` (step, data position, scheduler, RNG, history,
-config: small). `CheckpointManager.save_sharded` writes it into a hidden temp directory, lists every file's size and
-sha256 in the ``ckpt-00001200.json`` manifest and renames both into place, as it does for a ``.pt``.
-
-Reading back (the `ShardedCheckpoint` handle that `CheckpointManager.load` returns in ``state["sharded"]``):
-- `load_into(template, planner)`: in place into tensors that are already sharded (the same writer kind: XLA SPMD
-  or FSDP2); DCP reads each device's part of each tensor, whatever the sharding or chip count it was saved under;
-- `read_whole()`: every tensor whole on the CPU (templates from DCP's metadata), for a run that is not sharded
-  (data parallel, one chip, a GPU) or that was sharded by another writer.
-
-The backend supplies the sharded state dicts and DCP planners (torch_xla's SPMD planners live in
-`tpu_helpers.backend`); this module only knows DCP and files.
+A sharded checkpoint is the directory ``ckpt-00001200.dcp/``: DCP's files plus ``state.pt`` (the small state),
+written by `CheckpointManager.save_sharded` into a hidden temp directory and renamed into place with its manifest.
+The `ShardedCheckpoint` handle that `CheckpointManager.load` returns reads it back with `load_into(template,
+planner)`, in place into tensors already sharded, or `read_whole()`, every tensor whole on the CPU. The backend
+supplies the sharded state dicts and DCP planners; this module only knows DCP and files. The layout and when each
+read applies: docs/guides/preemption.md.
 """
 
 from __future__ import annotations

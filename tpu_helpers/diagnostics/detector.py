@@ -4,29 +4,11 @@
     report = trainer.fit()          # warns once per problem, e.g. "step 7: recompiled: the input shapes changed..."
     print(report)                   # the problems are listed in the report (report.xla["problems"])
 
-`XlaDetector` is a `Trainer` callback (`tpu_helpers.core.callbacks`) that the trainer adds by itself on a backend that
-compiles graphs, i.e. XLA (`xla_checks="off"` drops it,
-`"strict"` raises `XlaPerformanceError` at the first problem, for tests and CI). It reads only torch_xla's host-side
-counters (never a device tensor), after each step's sync, and tells apart:
-
-- `shape_change`: a compilation after warm-up in a step whose batches had a shape not seen before (dynamic padding,
-  a last partial batch): each new shape is a new graph, on a TPU a compile of seconds to minutes;
-- `changing_value`: a compilation after warm-up with the same batch shapes: a Python number that changes each
-  step reached the graph as a constant or a size (an exponent, `arange(n)`, a slice length) or the code took
-  another path (an `if` on the step);
-- `host_read`: a device-to-host transfer in a step that reads nothing by design (not a log, evaluation or
-  checkpoint step, nor one the trainer's cadence declares, `Cadence.is_read_step`, as GRPO's reward steps):
-  `.item()`, `.tolist()`, `print(tensor)`, `if tensor:`; each one stalls the chip until the step finishes;
-- `cpu_fallback`: an `aten::*` counter, i.e. an op without an XLA kernel that ran on the CPU (a transfer both
-  ways each time); `FALLBACK_HINTS` names XLA-friendly replacements, e.g. `xla_safe_kl_div`.
-
-At the end of `fit` it also says whether the host bounds the step (`host_bound`: tracing a step took longer than
-the device ran it, from the run report's step timing), in `report.xla["host_bound"]` and the report; advice, never
-a strict error (a small model on XLA:CPU is host-bound by nature), warned on a TPU.
-
-Warm-up (`warmup_steps`, default 2) may compile: the first step has no optimizer state, the second is the steady
-state; a resumed run's first evaluation compiles its own graph (a fresh run evaluates before step 1). Why a graph was compiled, in XLA's own words, is what
-`tpu_helpers.diagnostics.xla_debug` collects (PT_XLA_DEBUG_LEVEL).
+`XlaDetector` is a `Trainer` callback that the trainer adds by itself on XLA (`xla_checks="off"` drops it,
+`"strict"` raises `XlaPerformanceError` at the first problem, for tests and CI). After warm-up it reads only
+torch_xla's host-side counters, after each step's sync, and tells apart `shape_change`, `changing_value`,
+`host_read` and `cpu_fallback`; at the end of `fit` it says whether the host bounds the step (`host_bound`).
+What each problem means and what to change: docs/guides/speed.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Run notebooks headlessly with papermill: `python -m tpu_helpers run NOTEBOOK [...] --target T -p NAME VALUE`.
 
-Each run executes into `runs/<name>-<timestamp>.running/`, which is renamed to `runs/<name>-<timestamp>/` when the
-notebook finished, to `...failed/` when a cell failed, or to `...stopped/` when a signal stopped it, so a
-directory without a suffix is always a finished run and none stays `.running` once the runner has exited.
-
-Signals (SIGTERM from a preemption or `kill`, Ctrl-C in a terminal): the kernel runs in a session of its own, so
-the terminal's Ctrl-C never reaches it, and nbclient would only shut it down. The runner passes the first signal on
-to the kernel process itself, where `Trainer.fit` finishes its step, saves a checkpoint and returns; the rest of
-the notebook runs (results of the partial run are saved) and the run directory ends `.stopped`. A second signal
-is passed on too (the training stops at once) and the runner stops at once, the directory ending `.failed`.
-It holds the executed notebook, `params.json`, and the `results.json`/`loss.png` the notebook saved (a GRPO run's
-also `grpo.png`). A target (`--target`) is a named preset of parameters and environment variables for a platform;
-`-p` overrides win over it.
-Unknown `-p` names are refused before anything runs (papermill itself would only warn).
+Each run executes into `runs/<name>-<timestamp>.running/`, renamed when it ends to `runs/<name>-<timestamp>/`
+(finished), `...failed/` or `...stopped/` (a signal stopped it); it holds the executed notebook, `params.json` and
+what the notebook saved. The runner passes a first SIGTERM or Ctrl-C on to the kernel process, where `Trainer.fit`
+saves and returns and the rest of the notebook runs; a second stops everything at once. A target (`--target`) is
+a named preset of parameters and environment variables for a platform; `-p` overrides win over it, and unknown
+`-p` names are refused before anything runs. Signals and the run directories in full: docs/guides/headless.md.
 """
 
 from __future__ import annotations

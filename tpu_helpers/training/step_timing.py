@@ -1,31 +1,14 @@
 """Where a training step's time goes (data wait, host work, sync), tokens/s and MFU, for the run report.
 
-`Trainer.fit` drives a `StepTimer` with host clocks only (no device read is added to the loop):
+`Trainer.fit` drives a `StepTimer` with host clocks only (no device read is added to the loop): data wait (blocked
+in `next(batches)`), host (building the step: tracing on XLA, compute on CPU eager, launches on CUDA), sync (in
+`backend.sync()`), other (evaluation, checkpoints, callbacks) and, on XLA, the device's busy time per steady step
+(`backend.device_seconds()`, read at the tracker windows, never per step). Beside host, it tells who bounds the
+step (`diagnostics.detector.host_bound(timing)`).
 
-- data wait: time blocked in `next(batches)`, i.e. the input pipeline could not keep up;
-- host: the rest of building the step (forward, backward and optimizer calls). On XLA this is tracing the lazy
-  graph, not running it; on CPU eager it is the real compute; on CUDA it is kernel launches;
-- sync: time in `backend.sync()`. On XLA this cuts the graph, compiles it when new, and launches it; torch_xla
-  runs graphs asynchronously, so it blocks only when the device is behind. On an asynchronous device the device
-  time therefore appears wherever the host waits for it (sync, the next transfer, a log read);
-- other: evaluation, checkpoints, callbacks;
-- device (XLA): the device's busy time per steady step, from the runtime's execution time
-  (`backend.device_seconds()`, read when the steady steps begin, at tracker windows and at the end, never per
-  step; a graph queued behind the previous one counts its wait too, so it overstates the device when the device
-  bounds the loop, and is exact when the host does and each step is one graph; a replayed step, several graphs
-  launched back to back, queues within the step: XLA:CPU read 16 s of device per 4.2 s step, so the figure is
-  capped at the wall time that passed). Beside host it tells who bounds the step:
-  `diagnostics.detector.host_bound(timing)` says so when tracing takes longer than the device runs (a deep narrow
-  model on a fast chip), with what to do.
-
-Over many steps the host cannot run ahead of the device, so the steady-state step time (data wait + host + sync,
-the first `warmup_steps` steps excluded because they compile) is the honest training step time. Tokens/s and MFU
-come from it.
-
-MFU convention: model FLOPs per token from the model (`flops_per_token`; for the package's GPT 6*N + 12*L*H*Q*T,
-forward and backward, recomputation not counted, causal attention not halved, as in PaLM and nanoGPT), divided
-by the hardware catalog's dense bf16 peak per chip times the number of chips. Reported for TPUs and GPUs only
-(the CPU entry has no meaningful peak); with fp32 the figure is still against the bf16 peak.
+The steady-state step time (data wait + host + sync, the first `warmup_steps` steps excluded) is the honest
+training step time; tokens/s and MFU (model FLOPs per token over the catalog's dense bf16 peak per chip times the
+chips, TPUs and GPUs only) come from it. Each part, and the MFU convention in full: docs/guides/speed.md.
 """
 
 from __future__ import annotations

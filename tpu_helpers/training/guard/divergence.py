@@ -5,25 +5,11 @@
     rule.check_val(history, step)       # after an evaluation recorded the validation loss
 
 Each returns None, or a sentence naming the step, the value and what it was compared with. The trainer calls
-`check_loss(history, step, loss, spike_rule=...)` after each loss it reads, which returns a `Finding` (nan/inf,
-`finite.py`'s, first; then a spike) or None, and passes a finding to its `outcome.RunOutcome`, which applies the
-policy (`policy` below): `TrainConfig.on_divergence` for a spike, "stop" (default) ending the run after the step,
-saving nothing from then on, and `fit` raising `TrainingDiverged` naming the best checkpoint; "warn" warns once and
-trains on; "off" does not check. (nan/inf is under `on_nonfinite`.)
-
-The rule, with k = `divergence_factor` (default 3):
-- validation: the loss above k x the lowest validation loss so far;
-- training: the mean loss of `PERSIST` (2) consecutive log intervals each above k x the median of the (up to)
-  `RECENT` intervals logged before them. One interval alone is not enough: with the loss read every step, a
-  healthy tiny run here had a single batch at 2.8 x the median (8.9 against 3.1) and was back the next step.
-Both compare with a reference that exists only after warm-up: an earlier evaluation (the one before step 1
-counts), and `MIN_RECORDS` earlier log intervals. The reference is never taken below a tenth of the first value
-of its series (the untrained model's loss): a fine-tuning loss near 0 would otherwise make ordinary noise look
-like a spike (0.02 -> 0.07 is 3.5 x). Both series come from the trainer's `history`, which a checkpoint restores, so a
-resumed run compares with the same readings as an uninterrupted one.
-
-The default factor's margin, measured on the package's own tiny runs (`benchmarks/spike_margin.py`), and the
-losses of the runs that diverged, are on docs/guides/preemption.md.
+`check_loss(history, step, loss, spike_rule=...)` after each loss it reads and passes what it finds (nan/inf
+first, then a spike) to its `outcome.RunOutcome`, which applies `TrainConfig.on_divergence` ("stop", "warn",
+"off"). A spike is a loss above `divergence_factor` (default 3) x a reference that exists only after warm-up:
+the lowest validation loss so far, or the median of the recent log intervals, for `PERSIST` intervals in a row.
+The rule in full, and the default factor's measured margin: docs/guides/preemption.md.
 """
 
 from __future__ import annotations

@@ -7,16 +7,9 @@
     outcome.diverge("the validation loss rose to ...", kind="spike")        # divergence.py: on_divergence
     outcome.stop_reason, outcome.diverged, outcome.warned                   # what the loop and fit read
 
-The trainer owns one `RunOutcome` and everything that learns how the run goes reports into it: the loop's loss
-checks (`divergence.check_loss` says what it found, the trainer passes it on), the save (non-finite weights,
-`run_state.RunState.save`), the signal handler (`signals.stop_on_signals`) and callbacks (`trainer.stop_reason`, a
-property over this object). The loop reads `stop_reason` (end after this step), the save reads `diverged` (save
-nothing more) and `fit` raises `finite.TrainingDiverged` when `diverged` is set.
-
-A divergence's policy comes from the config (`divergence.policy`: `on_nonfinite` for nan/inf, `on_divergence` for a
-finite spike): "stop" records it, ends the run after this step, saves nothing more, and `fit` raises; "warn" warns
-once per kind and the run goes on; "off" does nothing. The first divergence that stops a run is the one reported:
-later ones (the weights of a step whose loss was nan) add nothing.
+The trainer owns one `RunOutcome`; the loss checks, the save, the signal handler and callbacks report into it.
+The loop reads `stop_reason` (end after this step), the save reads `diverged` (save nothing more) and `fit` raises
+`finite.TrainingDiverged` when `diverged` is set. Who reports what, and the policies: docs/guides/preemption.md.
 """
 
 from __future__ import annotations

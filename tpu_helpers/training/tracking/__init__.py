@@ -3,32 +3,12 @@
     config = TrainConfig(..., trackers="tensorboard,wandb", project="my-project", run_name="lr-3e-3")
     report = Trainer(model, train, val, config=config).fit()   # the trainer adds `Tracking` by itself
 
-The trainer adds a `Tracking` callback when `config.trackers` names any tracker, on the main process only (host 0
-of a pod, rank 0 under torchrun). It logs what the loop already read, so tracking adds no device read or graph:
-
-- at each log step (from the record the step closure read, written once per step with everything of that step):
-  train/loss, train/learning_rate, train/grad_norm, train/tokens_per_s, and train/<name> for each number a trainer
-  adds to its records (GRPO's reward, kl, completion_tokens...); time/data_wait_ms, time/host_ms,
-  time/sync_ms, time/other_ms (the median step-time split since the last log) and time/step_ms; train/mfu on a
-  TPU or GPU; on XLA the compile and transfer counters (xla/compilations, xla/host_transfers, xla/executions);
-- at each evaluation: eval/loss (the initial evaluation at step 0 included);
-- at the start: the config, the backend, and what a recipe adds (`describe(memory_plan=...)`), as the run's
-  config (W&B, trackio) or hparams and text (TensorBoard);
-- at the end: the run report's figures as the run's summary, then the tracked run is finished; a recipe keeps
-  it open (`hold_open`) until its `save_results` has added its tables (the fine-tuning samples before and after
-  training) and closes it.
-
-Resume: the tracked run's id is kept in `<out_dir>/checkpoints/run.json`, so a resumed run continues the same
-tracked run (trackers.py: TensorBoard's purge_step, W&B's and trackio's resume="allow"), and no step is logged
-twice: each tracker is given only the steps after the last one its run holds. A rerun after a preemption repeats
-the steps between its checkpoint and the kill with the same losses (resuming is exact), so what the killed process
-logged stays; what its tracker lost (W&B offline keeps nothing of a killed process) is logged again from the
-history the checkpoint restored. `resume="force_new"` starts a new tracked run.
-
-Failures: a missing package (`pip install "tpu_helpers[tracking]"`) or a missing W&B login is a ConfigError when
-the trainer (or recipe) is made; a tracker that cannot start its run stops `fit` before the first step
-(`TrackingError`). During the run a tracker that fails (a network error) is dropped with one warning and training
-goes on: a tracker never stops a run.
+The trainer adds a `Tracking` callback when `config.trackers` names any tracker, on the main process only. It logs
+what the loop already read (train/*, time/* and xla/* at log steps, eval/loss at evaluations, the config at the
+start, the report's figures at the end), so tracking adds no device read or graph. A resumed run continues the
+same tracked run (its id is in `<out_dir>/checkpoints/run.json`) and logs no step twice. A missing package or W&B
+login is a ConfigError when the trainer is made; a tracker that fails during the run is dropped with one warning:
+a tracker never stops a run. What is logged when, resume and failures in full: docs/guides/tracking.md.
 """
 
 from __future__ import annotations

@@ -7,15 +7,7 @@
     tracker.log({"train/loss": 2.1}, step=10); tracker.close()
 
 Each package is imported on first use (the package imports without any of them: they are the `tracking` extra).
-Where each one writes:
-- tensorboard: event files in `<out_dir>/tensorboard/<run id>/` (torch's SummaryWriter). A rerun of the same tracked
-  run opens the directory with `purge_step` at its start step, so what an earlier, killed process logged from
-  there on is dropped by TensorBoard's readers and the rerun's points replace it.
-- wandb: `wandb.init(id=<run id>, resume="allow", dir=out_dir)` (`<out_dir>/wandb/`); `WANDB_MODE=offline` writes
-  `offline-run-*` folders to upload later with `wandb sync`. W&B keeps a run's steps increasing, so the steps it
-  already holds (the server's count online; the earlier offline files of the same run offline) are not logged again.
-- trackio: its local store (`TRACKIO_DIR`, by default `~/.cache/huggingface/trackio`), or a Space when
-  `TRACKIO_SPACE_ID` is set; the run `<name>-<run id>` with `resume="allow"`.
+Where each one writes, and how a rerun of the same tracked run logs no step twice: docs/guides/tracking.md.
 """
 
 from __future__ import annotations
