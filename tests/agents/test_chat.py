@@ -70,7 +70,7 @@ def round_trip(fmt: ChatFormat, messages: list[dict]) -> None:
     assert again.ids == rendered.ids
     assert ids == rendered.ids[:len(ids)] and len(rendered.ids) - len(ids) <= 2  # the template's closing text
     model_text = fmt.tokenizer.decode([t for t, k in zip(rendered.ids, rendered.mask, strict=True) if k])
-    assert "It is 12." in model_text and "<tool_call>" in model_text or '"name": "multiply"' in model_text
+    assert "It is 12." in model_text and ('<tool_call>' in model_text or '"name": "multiply"' in model_text)
     assert "Be brief" not in model_text and "What is 3" not in model_text and "<tool_response>" not in model_text
 
 

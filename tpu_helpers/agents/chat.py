@@ -223,7 +223,7 @@ class ChatFormat:
 
     def _require_prefix(self, prefix: str, text: str, i: int) -> None:
         if not text.startswith(prefix):
-            at = next((j for j, (a, b) in enumerate(zip(prefix, text)) if a != b), min(len(prefix), len(text)))
+            at = next((j for j, (a, b) in enumerate(zip(prefix, text, strict=False)) if a != b), min(len(prefix), len(text)))
             raise ConfigError(
                 f"the chat template is not prefix-preserving: rendering up to message {i} rewrites earlier text "
                 f"(at character {at}: {prefix[at:at + 60]!r} became {text[at:at + 60]!r}); an episode grows turn by "
