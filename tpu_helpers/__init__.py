@@ -13,7 +13,8 @@ with only the parts below it in mind:
 
     1. core                                   the torch-free leaves: atomic files, the accelerator catalog, the
                                               allowed values, SHARDING, the callback hooks, the pip extras
-    2. config                                 TrainConfig and notebook parameters
+    2. config, agents                         TrainConfig and notebook parameters; tools, environments and tool-call
+                                              formats in TRL's form
     3. backend                                devices and the runtime: the only owner of torch_xla and of the PJRT/XLA
                                               environment; placing a model for a SHARDING
     4. platform, diagnostics, data,           Colab, Kaggle, TPU VM: setup, presets, tested stacks; the XLA detector;
@@ -38,7 +39,7 @@ __version__ = "0.1.0"
 # The layer order of the parts (see the module docstring); tests/test_structure.py holds every import to it.
 LAYERS = (
     ("core",),
-    ("config",),
+    ("config", "agents"),
     ("backend",),
     ("platform", "diagnostics", "data", "checkpoint"),
     ("models",),
