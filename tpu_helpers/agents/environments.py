@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tpu_helpers.agents.tools import Toolbox, ToolStats, run_async, tool_schema
+from tpu_helpers.agents.tools import Toolbox, ToolStats, binds, run_async, tool_schema
 from tpu_helpers.core.choices import ConfigError
 
 RESERVED = ("reset", "get_reward")  # an environment's methods that are not tools
@@ -166,7 +166,7 @@ class Agent:
             try:
                 observation = environment.reset(**kwargs)
             except TypeError as err:
-                if _accepts(environment.reset, kwargs):
+                if binds(environment.reset, dict(kwargs)) is not False:
                     raise
                 raise ConfigError(f"{spec.cls.__qualname__}.reset cannot take the row's fields {sorted(kwargs)} "
                                   f"({err}); TRL calls reset(**row) with every field of the row, the prompt "
@@ -190,16 +190,6 @@ class Agent:
                                   completion_ids=completion_ids, trainer_state=trainer_state, log_extra=log_extra,
                                   log_metric=log_metric)
                 for name, fn in self.rewards_funcs.items()}
-
-
-def _accepts(fn: Callable, kwargs: Mapping) -> bool:
-    try:
-        inspect.signature(fn).bind(**kwargs)
-    except TypeError:
-        return False
-    except ValueError:
-        return True
-    return True
 
 
 def _methods_of(spec: EnvironmentSpec) -> list[Callable]:

@@ -151,7 +151,7 @@ class Toolbox:
         except (TimeoutError, asyncio.TimeoutError):
             return self._fail("timeout", f"Tool {name} timed out after {self.timeout_s:g} s")
         except TypeError as err:  # Python's own message for wrong arguments is TRL's text for them
-            wrong = _binds(fn, arguments) is False
+            wrong = binds(fn, arguments) is False
             return self._fail("wrong_args" if wrong else "raised", str(err))
         except Exception as err:  # noqa: BLE001 (a tool's failure is the model's feedback, never a crashed run)
             return self._fail("raised", str(err))
@@ -183,7 +183,7 @@ class Toolbox:
         return out
 
 
-def _binds(fn: Callable, arguments: Any) -> bool | None:
+def binds(fn: Callable, arguments: Any) -> bool | None:
     """Whether the arguments fit fn's signature (None: no signature to check)."""
     if not isinstance(arguments, dict):
         return False
