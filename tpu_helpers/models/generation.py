@@ -342,19 +342,26 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
         st, fixed = replayed_prefill(replay, _prefill, model, cache, (input_ids, attention_mask, eos, seed_t), room,
                                      args, sync)
         sync()
-        looped = None
-        if loop is not None and max_new_tokens > 1:
-            looped = looped_steps(loop, _decode, model, cache, st, fixed, max_new_tokens - 1, args)
-        if looped is not None:
-            st = looped
-            sync()  # the loop's outputs become device data: each read of them would otherwise run it again
-        elif replay is None:
-            st = lazy_steps(_decode, model, cache, st, fixed, max_new_tokens - 1, sync, args)
-        elif max_new_tokens > 1:
-            st = replayed_steps(replay, _decode, model, cache, st, fixed, max_new_tokens - 1, sync, args)
+        st = decode_steps(model, cache, st, fixed, max_new_tokens - 1, args, sync, replay, loop)
     finally:
         model.train(was_training)
     return Generated(st[2], st[3], st[4])
+
+
+def decode_steps(model: torch.nn.Module, cache: Any, st: tuple, fixed: tuple, steps: int, args: tuple,
+                 sync: Callable[[], None], replay: Callable | None, loop: Callable | None) -> tuple:
+    """`steps` decode steps after a prompt pass (or a turn's pass, models/turns.py): one device loop where `loop`
+    builds one, else replayed or traced step by step. On the CPU, where reading a tensor costs no transfer, the steps
+    stop once every row has produced EOS: the columns left keep their padding and mask 0, as the steps would write."""
+    if steps < 1:
+        return st
+    looped = looped_steps(loop, _decode, model, cache, st, fixed, steps, args) if loop is not None else None
+    if looped is not None:
+        sync()  # the loop's outputs become device data: each read of them would otherwise run it again
+        return looped
+    if replay is None:
+        return lazy_steps(_decode, model, cache, st, fixed, steps, sync, args, until_done=st[5].device.type == "cpu")
+    return replayed_steps(replay, _decode, model, cache, st, fixed, steps, sync, args)
 
 
 @torch.no_grad()

@@ -1,0 +1,223 @@
+"""Multi-turn generation with fixed shapes: an episode's turns (the model's answers and the tool text between them)
+in one key/value cache of a fixed width, continued turn after turn without a new prefill of what came before.
+
+    shape = TurnShape(turn_tokens=48, tool_tokens=32, max_turns=3)
+    run = Turns(model, prompt.ids, prompt.mask, shape, eos_token_id=stops, pad_token_id=pad, sampling=s, seed=key)
+    run.first()                                   # the prompt pass, then turn 0's decode steps
+    ids, mask = run.columns(0)                    # turn 0's tokens on the device: the host reads and parses them
+    run.next(1, tool_ids, active)                 # each row's tool text (<= tool_tokens ids); turn 1
+    out = run.result()                            # Generated over the episode's columns, and run.valid
+
+Layout (docs/guides/agents.md): the cache holds the P prompt slots, then per turn `turn_tokens` slots of the model's
+tokens and, between turns, `tool_tokens` slots of tool text, right-aligned so that the next turn's first token
+follows it. A slot a row leaves unused (after its end of turn, before its tool text, every slot of a finished
+episode) is masked, and positions count only the slots used: each row reads as its contiguous conversation, so one
+forward over the episode's (P + width) ids with `valid` as the attention mask gives the log-probabilities the turns
+were sampled with. Every turn runs the same two graphs (its tool text's pass and the decode step; where they are
+replayed, captured once), whatever the turn or the row's state: nothing compiles after the first episode of a shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tpu_helpers.backend.base import ReplayUnsupported
+from tpu_helpers.config import ConfigError
+from tpu_helpers.models.generation import (
+    GREEDY,
+    Generated,
+    Sampling,
+    _autocast,
+    _eos_tensor,
+    _forward,
+    _hooks,
+    _hybrid,
+    _masks,
+    _prefill,
+    _record,
+    _sliding_window,
+    check_generation_support,
+    decode_steps,
+    make_cache,
+)
+from tpu_helpers.models.replay import kept_cache, replayed_prefill
+
+
+@dataclass(frozen=True)
+class TurnShape:
+    """An episode's budget: `max_turns` answers of at most `turn_tokens` tokens each, and between two answers at
+    most `tool_tokens` tokens of the template's tool text (the tool results and the next answer's header)."""
+
+    turn_tokens: int
+    tool_tokens: int
+    max_turns: int
+
+    def __post_init__(self) -> None:
+        for name in ("turn_tokens", "tool_tokens", "max_turns"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be an integer >= 1")
+
+    def start(self, turn: int) -> int:
+        """The episode column of turn `turn`'s first token."""
+        return turn * (self.turn_tokens + self.tool_tokens)
+
+    @property
+    def width(self) -> int:
+        """The episode's columns after the prompt: every turn's tokens and the tool text between them."""
+        return self.max_turns * self.turn_tokens + (self.max_turns - 1) * self.tool_tokens
+
+
+def _continue(model: torch.nn.Module, cache: Any, chunk: torch.Tensor, start: torch.Tensor, st: tuple,
+              fixed: tuple, width: int, window: int | None, hybrid: bool, dtype: torch.dtype, sampling: Sampling,
+              pad: int) -> tuple:
+    """The pass over a turn's new slots (the last answer's final token, then the tool text), written into the cache
+    from slot `start` on, and the next answer's first token recorded at column `st[1]`. Everything it reads is an
+    argument, so it replays like the decode step."""
+    slots, valid, slot_pos = fixed[:3]
+    for layer in cache.layers:  # the decode steps may have stopped early (the CPU): the writes start at `start`
+        layer.cumulative_length.copy_(start)
+    q = start + torch.arange(chunk.shape[1], device=chunk.device)
+    allowed = ((slots[None, :] <= q[:, None]) & valid[:, None, :]) | (slots[None, :] == q[:, None])
+    pos = slot_pos.gather(1, q.expand(chunk.shape[0], -1))
+    distance = pos[:, :, None] - slot_pos[:, None, :]
+    logits = _forward(model, chunk, _masks(allowed, distance, window, dtype, hybrid), pos, cache, keep_last=True)
+    return _record(logits, st, fixed, sampling, pad)
+
+
+class Turns:
+    """One batch of episodes in a cache of P + shape.width slots (see the module docstring). The host calls
+    `first()`, then for each later turn `next(turn, tool_ids, active)` with what it parsed and ran; `columns(turn)`
+    are a turn's tokens and mask on the device, `result()` the episode's, `valid` its slots in use."""
+
+    @torch.no_grad()
+    def __init__(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 shape: TurnShape, *, eos_token_id: int | Sequence[int] | None, pad_token_id: int,
+                 sampling: Sampling = GREEDY, seed: int | torch.Tensor = 0, sync: Callable | bool | None = None,
+                 replay: Callable | bool | None = None, loop: Callable | bool | None = None,
+                 mask_dtype: torch.dtype | None = None):
+        check_generation_support(model)
+        self.model, self.shape = model, shape
+        self.device = device = input_ids.device
+        self.sync, self.replay, self.loop = _hooks(model, device, sync, replay, loop)
+        self.batch, self.width = input_ids.shape
+        self.total = self.width + shape.width
+        dtype = mask_dtype or next(model.parameters()).dtype
+        dtype = dtype if dtype.is_floating_point else torch.float32
+        self.args = (self.width, _sliding_window(model), _hybrid(model), dtype, sampling, pad_token_id)
+        self.pad = pad_token_id
+        self.seed = seed.to(device=device, dtype=torch.long) if isinstance(seed, torch.Tensor) else \
+            torch.tensor([int(seed)], dtype=torch.long).to(device)
+        self.eos = _eos_tensor(eos_token_id, device)
+        self.input_ids, self.attention_mask = input_ids, attention_mask
+        kept = self.replay is not None or self.loop is not None
+        self.cache = kept_cache(model, ("turns", self.batch, self.total, dtype, _autocast(device)),
+                                lambda: make_cache(model, self.total)) if kept else make_cache(model, self.total)
+        # The host's copy of which slots hold a token: the prompt's, then each turn's as the host learns them.
+        self.valid = torch.cat([attention_mask.detach().to("cpu", torch.bool),
+                                torch.ones((self.batch, shape.width), dtype=torch.bool)], 1)
+        self.tool_ids = torch.full((self.batch, shape.width), pad_token_id, dtype=torch.long)  # the host's text
+        self.tool_mask = torch.zeros((self.batch, shape.width), dtype=torch.bool)
+        self.st: tuple | None = None
+        self.fixed: tuple | None = None
+
+    def _eval(self, fn: Callable[[], Any]) -> Any:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return fn()
+        finally:
+            self.model.train(was_training)
+
+    @torch.no_grad()
+    def first(self) -> None:
+        """Turn 0: the prompt's pass and `turn_tokens - 1` decode steps."""
+        def run() -> None:
+            st, self.fixed = replayed_prefill(self.replay, _prefill, self.model, self.cache,
+                                              (self.input_ids, self.attention_mask, self.eos, self.seed),
+                                              self.shape.width, self.args, self.sync)
+            self.sync()
+            self.st = decode_steps(self.model, self.cache, st, self.fixed, self.shape.turn_tokens - 1, self.args,
+                                   self.sync, self.replay, self.loop)
+        self._eval(run)
+
+    def columns(self, turn: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Turn `turn`'s tokens and their mask (1 up to and with the end of turn), (B, turn_tokens) on the device."""
+        a = self.shape.start(turn)
+        return self.st[2][:, a:a + self.shape.turn_tokens], self.st[4][:, a:a + self.shape.turn_tokens]
+
+    @torch.no_grad()
+    def next(self, turn: int, last_mask: torch.Tensor, tool_ids: Sequence[Sequence[int]],
+             active: Sequence[bool]) -> None:
+        """Turn `turn` (>= 1): the previous turn's mask as the host read it (B, turn_tokens; its unused slots are
+        masked from here on), each row's tool text (at most tool_tokens ids; ignored where `active` is False), and
+        which rows go on; those that do not produce padding with mask 0 from here on."""
+        s = self.shape
+        if not 1 <= turn < s.max_turns:
+            raise ValueError(f"turn={turn} must be between 1 and max_turns - 1 = {s.max_turns - 1}")
+        C = s.tool_tokens
+        prev = self.width + s.start(turn - 1)
+        self.valid[:, prev:prev + s.turn_tokens] = last_mask.to("cpu", torch.bool)
+        chunk = torch.full((self.batch, C + 1), self.pad, dtype=torch.long)
+        tool_valid = torch.zeros((self.batch, C), dtype=torch.bool)
+        ids_prev, _ = self.columns(turn - 1)
+        last = ids_prev[:, -1].to("cpu")
+        chunk[:, 0] = last
+        for i, (ids, on) in enumerate(zip(tool_ids, active, strict=True)):
+            ids = list(ids) if on else []
+            if len(ids) > C:
+                raise ValueError(f"row {i}: {len(ids)} tool-text ids, more than tool_tokens={C}")
+            if ids:
+                chunk[i, C + 1 - len(ids):] = torch.tensor(ids, dtype=torch.long)
+                tool_valid[i, C - len(ids):] = True
+        self.valid[:, prev + s.turn_tokens:prev + s.turn_tokens + C] = tool_valid
+        a = s.start(turn - 1) + s.turn_tokens
+        self.tool_ids[:, a:a + C] = torch.where(tool_valid, chunk[:, 1:], self.pad)
+        self.tool_mask[:, a:a + C] = tool_valid
+        slot_pos = (self.valid.long().cumsum(-1) - 1).clamp(min=0)
+        done = ~torch.tensor(list(active), dtype=torch.bool)
+        start = torch.tensor(prev + s.turn_tokens - 1, dtype=torch.long)  # 0-d, as the cache's
+        step = torch.tensor([s.start(turn)], dtype=torch.long)
+        chunk, start, step, valid, slot_pos, done = (t.to(self.device) for t in
+                                                     (chunk, start, step, self.valid, slot_pos, done))
+        slots, _, _, cols, eos, seed = self.fixed
+        self.fixed = (slots, valid, slot_pos, cols, eos, seed)
+        st = (self.st[0], step, self.st[2], self.st[3], self.st[4], done)
+
+        def run() -> None:
+            fn = _continue
+            if self.replay is not None:
+                captured = self.replay(_continue)
+                fn = captured
+            try:
+                first = fn(self.model, self.cache, chunk, start, st, self.fixed, *self.args)
+            except ReplayUnsupported:
+                first = _continue(self.model, self.cache, chunk, start, st, self.fixed, *self.args)
+            self.sync()
+            self.st = decode_steps(self.model, self.cache, first, self.fixed, s.turn_tokens - 1, self.args,
+                                   self.sync, self.replay, self.loop)
+        self._eval(run)
+
+    def finish(self, last_turn: int, last_mask: torch.Tensor) -> None:
+        """Mark the slots of the turns not run (after `last_turn`) and the unused ones of `last_turn` as masked."""
+        s = self.shape
+        prev = self.width + s.start(last_turn)
+        self.valid[:, prev:prev + s.turn_tokens] = last_mask.to("cpu", torch.bool)
+        self.valid[:, prev + s.turn_tokens:] = False
+
+    def episode(self) -> tuple[torch.Tensor, torch.Tensor, Generated]:
+        """After `finish`: the episodes' ids and attention mask, (B, P + shape.width) on the device (the prompt, the
+        model's tokens and the tool text in their slots; `valid` as the mask), and `result()`."""
+        out = self.result()
+        tools = self.tool_mask.to(self.device)
+        ids = torch.cat([self.input_ids, torch.where(tools, self.tool_ids.to(self.device), out.ids)], 1)
+        return ids, self.valid.to(device=self.device, dtype=torch.long), out
+
+    def result(self) -> Generated:
+        """The episode's columns: the model's tokens (padding elsewhere; the tool text is the host's), their
+        log-probabilities and the mask of the model's own tokens, (B, shape.width) each, on the device."""
+        return Generated(self.st[2], self.st[3], self.st[4])
