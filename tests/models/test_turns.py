@@ -16,7 +16,7 @@ from tpu_helpers.config import ConfigError
 from tpu_helpers.models.generation import generate_ids, left_pad
 from tpu_helpers.models.turns import Turns, TurnShape
 
-SHAPE = TurnShape(turn_tokens=6, tool_tokens=5, max_turns=3)
+SHAPE = TurnShape(turn_tokens=6, tool_tokens=5, max_turns=2)  # 3 answers
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def test_each_turn_continues_the_conversation_as_a_fresh_generation_would(model_
 def test_a_turn_shape_is_checked():
     with pytest.raises(ConfigError, match="max_turns=0 must be an integer >= 1"):
         TurnShape(turn_tokens=4, tool_tokens=4, max_turns=0)
-    assert TurnShape(4, 3, 3).width == 4 * 3 + 3 * 2
+    assert TurnShape(4, 3, 2).width == 4 * 3 + 3 * 2
 
 
 def _episode(model, tok, p, device, tools, eos, **hooks):

@@ -181,15 +181,16 @@ class Agent:
 
     def rewards(self, episodes: Sequence[Episode], *, completion_ids: Sequence | None = None,
                 trainer_state: Any = None, log_extra: Callable | None = None,
-                log_metric: Callable | None = None) -> dict[str, list[float]]:
-        """Every reward source's values for the episodes: {name: [float, NaN where it returned None]}."""
+                log_metric: Callable | None = None, only: str | None = None) -> dict[str, list[float]]:
+        """Every reward source's values for the episodes (`only`: that source's): {name: [float, NaN where it
+        returned None]}."""
         rows = [e.row for e in episodes]
         envs = [e.environment for e in episodes] if self.environments else None
         return {name: call_reward(fn, name=name, prompts=[e.prompt for e in episodes],
                                   completions=[e.completion for e in episodes], rows=rows, environments=envs,
                                   completion_ids=completion_ids, trainer_state=trainer_state, log_extra=log_extra,
                                   log_metric=log_metric)
-                for name, fn in self.rewards_funcs.items()}
+                for name, fn in self.rewards_funcs.items() if only is None or name == only}
 
 
 def _methods_of(spec: EnvironmentSpec) -> list[Callable]:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from tpu_helpers.algorithms import grpo_loss
+from tpu_helpers.algorithms.episodes import EpisodeRunner
 from tpu_helpers.algorithms.rewards import Reward, score
 from tpu_helpers.config import ConfigError
 from tpu_helpers.core.choices import choose
@@ -172,14 +173,18 @@ class GRPOTrainer(Trainer):
 
     def __init__(self, model: torch.nn.Module, prompts: Any, *, tokenizer: Any, records: Sequence[dict],
                  rewards: dict[str, Reward], settings: GRPOSettings, ref_model: torch.nn.Module | None = None,
-                 **kwargs: Any) -> None:
-        if not rewards:
+                 episodes: EpisodeRunner | None = None, **kwargs: Any) -> None:
+        if not rewards and episodes is None:
             raise ConfigError("REWARDS is empty: GRPO needs at least one reward function")
         super().__init__(model, prompts, None, **kwargs)
         cfg = self.config
         settings.check_split(cfg.batch_size, cfg.grad_accum)
         self.settings = settings
         self.tokenizer, self.records, self.rewards = tokenizer, list(records), dict(rewards)
+        # Agent episodes (algorithms.episodes) instead of one answer per prompt: the loss then spans the episode's
+        # columns, the model's own tokens in them.
+        self.episodes = episodes
+        self.width = episodes.shape.width if episodes is not None else settings.max_new_tokens
         # Where answers end: the tokenizer's EOS and the model's generation_config.eos_token_id (end of turn).
         self.stop_ids = eos_ids(tokenizer, model)
         # The first of every num_iterations steps reads the sampled tokens: declared, so the detector expects it.
@@ -202,7 +207,7 @@ class GRPOTrainer(Trainer):
 
     @property
     def tokens_per_step(self) -> int:
-        seq = self.train_loader.dataset.input_ids.shape[1] + self.settings.max_new_tokens if self.train_loader else 0
+        seq = self.train_loader.dataset.input_ids.shape[1] + self.width if self.train_loader else 0
         return self.settings.rows(self.config.batch_size) * self.backend.num_replicas * seq
 
     # ---- the step ---------------------------------------------------------------------------------------------------
@@ -220,36 +225,65 @@ class GRPOTrainer(Trainer):
         return StepFigures(loss, self.apply_gradients(), device=device, host=host)  # 5: the optimizer step
 
     def make_rollout(self, prompts: dict) -> tuple[dict, dict[str, float]]:
-        """Sample G answers to each prompt, score them, and turn the rewards into advantages within each group;
-        with kl_beta > 0, the reference's log-probabilities of the answers too. Ends with a sync. Returns the
-        rollout (device tensors) and its host figures (rewards, completion length, seconds)."""
+        """Sample G answers (or agent episodes) to each prompt, score them, and turn the rewards into advantages
+        within each group; with kl_beta > 0, the reference's log-probabilities of the answers too. Ends with a sync.
+        Returns the rollout (device tensors) and its host figures (rewards, completion length, seconds)."""
         b, s = self.backend, self.settings
         t0 = time.perf_counter()
-        ids = prompts["input_ids"].repeat_interleave(s.num_generations, 0)
-        mask = prompts["attention_mask"].repeat_interleave(s.num_generations, 0)
         key = self.sampling_key(self.step // s.num_iterations)
-        with b.autocast():  # 1. sample: the KV cache, one prefill and one decode graph
-            gen = generate_ids(self.model, ids, mask, max_new_tokens=s.max_new_tokens, eos_token_id=self.stop_ids,
-                               pad_token_id=self.tokenizer.pad_token_id, sampling=s.sampling, seed=key,
-                               sync=b.sync, replay=b.compile_step, loop=b.compile_loop)
-        host = b.to_cpu({"ids": gen.ids, "index": prompts["index"]})  # the step's one read
-        rewards, stats = self.score(host["ids"].tolist(), host["index"].tolist())  # 2. score: the rewards, summed
-        rollout = {"ids": torch.cat([ids, gen.ids], 1), "mask": torch.cat([mask, gen.mask], 1),
-                   "completion_mask": gen.mask, "old_logp": gen.logprobs,
-                   "advantages": self.advantages(rewards).to(b.device)}  # 3. advantages within each group
+        sample = self.sample_answers if self.episodes is None else self.sample_episodes
+        rollout, rewards, host = sample(prompts, key)  # 1-2. sample and score
+        rollout["advantages"] = self.advantages(rewards).to(b.device)  # 3. advantages within each group
         if s.kl_beta > 0:
             with torch.no_grad(), b.autocast():
                 rollout["ref_logp"] = self.reference_logps(rollout["ids"], rollout["mask"])
         b.sync()  # the reference's forward in a graph of its own: the optimizer step's graph never changes
         self.rollout_seconds.append(time.perf_counter() - t0)
-        return rollout, {**stats, "generate_s": self.rollout_seconds[-1]}
+        return rollout, {**host, "generate_s": self.rollout_seconds[-1]}
+
+    def sample_answers(self, prompts: dict, key: torch.Tensor) -> tuple[dict, list[float], dict[str, float]]:
+        """One answer per row, G rows per prompt (the KV cache: one prefill and one decode graph), scored on the
+        host after the step's one read: the rollout's tensors, the summed rewards and the figures."""
+        b, s = self.backend, self.settings
+        ids = prompts["input_ids"].repeat_interleave(s.num_generations, 0)
+        mask = prompts["attention_mask"].repeat_interleave(s.num_generations, 0)
+        with b.autocast():
+            gen = generate_ids(self.model, ids, mask, max_new_tokens=s.max_new_tokens, eos_token_id=self.stop_ids,
+                               pad_token_id=self.tokenizer.pad_token_id, sampling=s.sampling, seed=key,
+                               sync=b.sync, replay=b.compile_step, loop=b.compile_loop)
+        host = b.to_cpu({"ids": gen.ids, "index": prompts["index"]})  # the step's one read
+        rewards, stats = self.score(host["ids"].tolist(), host["index"].tolist())
+        rollout = {"ids": torch.cat([ids, gen.ids], 1), "mask": torch.cat([mask, gen.mask], 1),
+                   "completion_mask": gen.mask, "old_logp": gen.logprobs}
+        return rollout, rewards, stats
+
+    def sample_episodes(self, prompts: dict, key: torch.Tensor) -> tuple[dict, list[float], dict[str, float]]:
+        """One agent episode per row, G rows per prompt (algorithms.episodes: a read per turn), scored by the
+        agent's reward sources: the rollout's tensors (the model's own tokens as the completion mask), the summed
+        rewards and the figures (turns, tool calls and their success, cut episodes, host seconds per turn)."""
+        b, s = self.backend, self.settings
+        index = b.to_cpu(prompts["index"]).tolist()
+        rows = [self.records[i] for i in index for _ in range(s.num_generations)]
+        with b.autocast():
+            batch = self.episodes.run(self.model, rows, backend=b, sampling=s.sampling, seed=key)
+        rewards, values = self.episodes.score(batch.episodes)
+        g = s.num_generations
+        groups = torch.tensor(rewards).reshape(-1, g)
+        lengths = batch.own.sum(1).tolist() if batch.own.device.type == "cpu" else b.to_cpu(batch.own.sum(1)).tolist()
+        stats = {"reward": sum(rewards) / len(rewards), "reward_std": float(groups.std(1).mean()),
+                 "completion_tokens": sum(lengths) / len(lengths), **batch.figures,
+                 **{f"reward/{k}": _nanmean(v) for k, v in values.items()}}
+        self.last_samples = [{"prompt": e.prompt, "completion": e.completion, "reward": r}
+                             for e, r in zip(batch.episodes[::g], rewards[::g], strict=True)]
+        rollout = {"ids": batch.ids, "mask": batch.mask, "completion_mask": batch.own, "old_logp": batch.logprobs}
+        return rollout, rewards, stats
 
     def accumulate(self, rollout: dict, micro_batches: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The backward passes of one optimizer step over `rollout`, split into `micro_batches`: (loss, KL sum,
         clipped-token sum), device tensors. The gradients are the same for any split (the divisor is the step's)."""
         b, s = self.backend, self.settings
         rows = rollout["ids"].shape[0] // micro_batches
-        divisor = grpo_loss.step_divisor(s.loss, rollout["completion_mask"], s.max_new_tokens, b.all_reduce_mean)
+        divisor = grpo_loss.step_divisor(s.loss, rollout["completion_mask"], self.width, b.all_reduce_mean)
         total, kl, clipped = None, 0.0, 0.0
         for k in range(micro_batches):
             with b.autocast():
@@ -265,7 +299,7 @@ class GRPOTrainer(Trainer):
         divisor (`grpo_loss.step_divisor`) spans every micro-batch of the step."""
         s = self.settings
         logp = self.replayed(rows_completion_logps, self.model, rollout["ids"], rollout["mask"], rows.start,
-                             rows.stop, s.max_new_tokens, s.temperature)
+                             rows.stop, self.width, s.temperature)
         # One iteration per rollout: logp_old is logp itself (detached), the ratio exactly 1, the update on-policy.
         old = logp.detach() if s.num_iterations == 1 else rollout["old_logp"][rows]
         ref = rollout["ref_logp"][rows] if "ref_logp" in rollout else None
@@ -311,7 +345,7 @@ class GRPOTrainer(Trainer):
     @torch.no_grad()
     def reference_logps(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The reference's log-probabilities of the completions: the adapter-disabled model under LoRA."""
-        n, t = self.settings.max_new_tokens, self.settings.temperature
+        n, t = self.width, self.settings.temperature
         if self.ref_model is not None:
             return completion_logps(self.ref_model, ids, mask, n, t)
         with self.raw_model.disable_adapter():
@@ -327,3 +361,8 @@ class GRPOTrainer(Trainer):
         super().load_progress_state(state)
         saved = state.get("grpo_rollout")
         self.rollout = None if saved is None else self.backend.to_device(saved)
+
+
+def _nanmean(values: list[float]) -> float:
+    kept = [v for v in values if not math.isnan(v)]
+    return sum(kept) / len(kept) if kept else math.nan

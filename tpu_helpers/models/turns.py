@@ -1,7 +1,7 @@
 """Multi-turn generation with fixed shapes: an episode's turns (the model's answers and the tool text between them)
 in one key/value cache of a fixed width, continued turn after turn without a new prefill of what came before.
 
-    shape = TurnShape(turn_tokens=48, tool_tokens=32, max_turns=3)
+    shape = TurnShape(turn_tokens=48, tool_tokens=32, max_turns=2)   # 3 answers at most
     run = Turns(model, prompt.ids, prompt.mask, shape, eos_token_id=stops, pad_token_id=pad, sampling=s, seed=key)
     run.first()                                   # the prompt pass, then turn 0's decode steps
     ids, mask = run.columns(0)                    # turn 0's tokens on the device: the host reads and parses them
@@ -49,12 +49,18 @@ from tpu_helpers.models.replay import kept_cache, replayed_prefill
 
 @dataclass(frozen=True)
 class TurnShape:
-    """An episode's budget: `max_turns` answers of at most `turn_tokens` tokens each, and between two answers at
-    most `tool_tokens` tokens of the template's tool text (the tool results and the next answer's header)."""
+    """An episode's budget: up to `max_turns` rounds of tool calls (TRL's max_tool_calling_iterations), so
+    max_turns + 1 answers of at most `turn_tokens` tokens each, and between two answers at most `tool_tokens` tokens
+    of the template's tool text (the tool results and the next answer's header)."""
 
     turn_tokens: int
     tool_tokens: int
     max_turns: int
+
+    @property
+    def answers(self) -> int:
+        """The most turns of the model's in an episode: one per round of tool calls, and the final answer."""
+        return self.max_turns + 1
 
     def __post_init__(self) -> None:
         for name in ("turn_tokens", "tool_tokens", "max_turns"):
@@ -69,7 +75,7 @@ class TurnShape:
     @property
     def width(self) -> int:
         """The episode's columns after the prompt: every turn's tokens and the tool text between them."""
-        return self.max_turns * self.turn_tokens + (self.max_turns - 1) * self.tool_tokens
+        return self.answers * self.turn_tokens + self.max_turns * self.tool_tokens
 
 
 def _continue(model: torch.nn.Module, cache: Any, chunk: torch.Tensor, start: torch.Tensor, st: tuple,
@@ -157,8 +163,8 @@ class Turns:
         masked from here on), each row's tool text (at most tool_tokens ids; ignored where `active` is False), and
         which rows go on; those that do not produce padding with mask 0 from here on."""
         s = self.shape
-        if not 1 <= turn < s.max_turns:
-            raise ValueError(f"turn={turn} must be between 1 and max_turns - 1 = {s.max_turns - 1}")
+        if not 1 <= turn <= s.max_turns:
+            raise ValueError(f"turn={turn} must be between 1 and max_turns = {s.max_turns}")
         C = s.tool_tokens
         prev = self.width + s.start(turn - 1)
         self.valid[:, prev:prev + s.turn_tokens] = last_mask.to("cpu", torch.bool)

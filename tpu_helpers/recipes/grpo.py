@@ -25,8 +25,16 @@ from typing import Any, ClassVar
 
 import torch
 
+from tpu_helpers.agents import Agent, ChatFormat, examples, load_environment, load_tools
+from tpu_helpers.algorithms.episodes import EpisodeRunner, answer_rewards, episode_prompts, final_text
 from tpu_helpers.algorithms.grpo import GRPOSettings, GRPOTrainer, score_completions
-from tpu_helpers.algorithms.rewards import DEFAULT_FORMAT, resolve_rewards
+from tpu_helpers.algorithms.rewards import (
+    BUILTIN,
+    DEFAULT_FORMAT,
+    resolve_reward,
+    resolve_rewards,
+    reward_names,
+)
 from tpu_helpers.config import ConfigError, settings_fields, settings_from
 from tpu_helpers.core.extras import require_extra
 from tpu_helpers.data.loaders import fixed_batches
@@ -35,6 +43,7 @@ from tpu_helpers.memory.grpo_plan import grpo_estimate
 from tpu_helpers.models import hf, lora
 from tpu_helpers.models.generation import check_generation_support, generate_ids
 from tpu_helpers.models.hf import eos_ids
+from tpu_helpers.models.turns import TurnShape
 from tpu_helpers.recipes.hf_job import HFJob, HFJobConfig, JobData
 from tpu_helpers.training.results import panels_figure
 
@@ -45,13 +54,20 @@ SFT = "sft"
 GRPO_FIGURE = "grpo.png"  # what save_results writes besides loss.png: the reward, completion length, KL and loss
 CURVES = (("reward", "mean reward"), ("completion_tokens", "completion tokens"), ("kl", "KL to the reference"),
           ("loss", "loss"))
+AGENT_CURVES = (("turns", "turns per episode"), ("tool_success", "tool-call success rate"))
+# The offline example environments' rows (agents.examples), as DATASET names in agent mode.
+EXAMPLE_ROWS = {"lockers": examples.locker_rows, "guessing": examples.guessing_rows,
+                "multiply": examples.multiply_rows}
+EXAMPLE_DEMOS = {"lockers": examples.locker_demonstrations, "guessing": examples.guessing_demonstrations,
+                 "multiply": examples.multiply_demonstrations}
 
 
 def curves_figure(curves: dict[str, list], *, pyplot: bool = False):
-    """Mean reward, completion tokens, KL and loss against step, from `GRPO.curves()` (or results.json's "curves").
-    `pyplot=True`: a pyplot figure (a notebook shows it); otherwise a standalone Figure pyplot does not track (for
-    files: nothing to close)."""
-    return panels_figure(curves, CURVES, width=14, pyplot=pyplot)
+    """Mean reward, completion tokens, KL and loss against step, from `GRPO.curves()` (or results.json's "curves"),
+    and for agents the turns per episode and the tool-call success rate. `pyplot=True`: a pyplot figure (a notebook
+    shows it); otherwise a standalone Figure pyplot does not track (for files: nothing to close)."""
+    panels = CURVES + tuple(p for p in AGENT_CURVES if any(v is not None for v in curves.get(p[0]) or ()))
+    return panels_figure(curves, panels, width=14 if len(panels) == len(CURVES) else 20, pyplot=pyplot)
 
 
 @dataclass
@@ -76,12 +92,40 @@ class GRPOConfig(HFJobConfig):
     log_every: int = 10
     save_every: int = 100
     out_dir: str = "runs/grpo"
+    # Agents (docs/guides/agents.md): with ENVIRONMENT or TOOLS each row is an episode of tool calls, each turn at
+    # most MAX_NEW_TOKENS tokens, and REWARDS score it (built-in names: its final answer's text; import paths:
+    # TRL-style reward functions; empty: the environment's get_reward).
+    environment: str | None = None  # module:Class or path/to/file.py:Class, one instance per episode (TRL's)
+    tools: str | None = None  # comma-separated module:function or path/to/file.py:function tools
+    max_turns: int = 2  # rounds of tool calls per episode (TRL's max_tool_calling_iterations)
+    tool_tokens: int = 48  # tokens of tool text between two turns; more ends the episode (cut)
+    mask_truncated: bool = False  # an episode cut by its budget adds no loss (TRL's mask_truncated_completions)
+    tool_timeout: float = 30.0  # seconds a tool call may take before it becomes an error message
 
     recipe: ClassVar[str] = "GRPO"
 
+    @property
+    def agentic(self) -> bool:
+        """Whether rows are agent episodes (ENVIRONMENT or TOOLS given)."""
+        return bool(self.environment or self.tools)
+
+    @property
+    def turn_shape(self) -> TurnShape | None:
+        """An episode's budget in agent mode (None otherwise)."""
+        return TurnShape(self.max_new_tokens, self.tool_tokens, self.max_turns) if self.agentic else None
+
+    @property
+    def completion_tokens(self) -> int:
+        """The columns after the prompt: MAX_NEW_TOKENS, or an episode's whole width in agent mode."""
+        return self.turn_shape.width if self.agentic else self.max_new_tokens
+
     def __post_init__(self) -> None:
+        if self.agentic:
+            self.turn_shape  # noqa: B018 (checks MAX_TURNS, TOOL_TOKENS)
+            if not (isinstance(self.tool_timeout, (int, float)) and self.tool_timeout > 0):
+                raise ConfigError(f"TOOL_TIMEOUT={self.tool_timeout!r} must be a number of seconds > 0")
         if isinstance(self.max_prompt_len, int) and isinstance(self.max_new_tokens, int):
-            self.seq_len = self.max_prompt_len + self.max_new_tokens
+            self.seq_len = self.max_prompt_len + self.completion_tokens
         super().__post_init__()
         self.grpo = settings_from(self, GRPOSettings)  # checked and parsed once; the trainer takes it whole
         self.grpo.check_split(self.batch_size, self.grad_accum)
@@ -91,7 +135,26 @@ class GRPOConfig(HFJobConfig):
         if self.start_from not in (None, SFT) and not Path(self.start_from).expanduser().is_dir():
             raise ConfigError(f"START_FROM={self.start_from!r} is not {SFT!r}, None, nor a directory (a PEFT adapter, "
                               "a save_pretrained model, or a fine-tuning run's OUT_DIR)")
-        resolve_rewards(self.rewards, format_pattern=self.format_pattern)  # an unknown name fails here
+        if self.agentic:
+            agent_rewards(self.rewards, self.format_pattern)  # an unknown name fails here
+            load_tools(self.tools) if self.tools else None
+            load_environment(self.environment) if self.environment else None
+        else:
+            resolve_rewards(self.rewards, format_pattern=self.format_pattern)  # an unknown name fails here
+
+
+def agent_rewards(rewards: str | None, format_pattern: str) -> dict:
+    """REWARDS in agent mode: built-in names score the final answer's text (`algorithms.episodes.answer_rewards`),
+    import paths are TRL-style reward functions called as they are; empty: none (the environment's get_reward)."""
+    if not rewards or not str(rewards).strip():
+        return {}
+    out: dict = {}
+    for item in reward_names(rewards):
+        name, fn = resolve_reward(item, format_pattern=format_pattern)
+        if name in out:
+            raise ConfigError(f"REWARDS names {name!r} twice")
+        out.update(answer_rewards({name: fn}) if name in BUILTIN or name == "format" else {name: fn})
+    return out
 
 
 def check_context(config: Any, max_prompt_len: int, max_new_tokens: int) -> None:
@@ -117,14 +180,14 @@ class GRPO(HFJob):
     # ---- 1. memory plan -------------------------------------------------------------------------------------------
     def model_config(self) -> Any:
         config = super().model_config()
-        check_context(config, self.config.max_prompt_len, self.config.max_new_tokens)
+        check_context(config, self.config.max_prompt_len, self.config.completion_tokens)
         return config
 
     def estimate(self, model_config: Any, model: torch.nn.Module):
         """One chip's memory for generating B x G answers and the optimizer step over them."""
         cfg = self.config
         kwargs = dict(self.plan_options(), num_generations=cfg.num_generations, max_prompt_len=cfg.max_prompt_len,
-                      max_new_tokens=cfg.max_new_tokens, kl_beta=cfg.kl_beta)
+                      max_new_tokens=cfg.completion_tokens, kl_beta=cfg.kl_beta)
         return lambda prompts: grpo_estimate(model_config, prompts, model=model, **kwargs)
 
     # ---- 2. the start model and the policy ------------------------------------------------------------------------
@@ -176,7 +239,7 @@ class GRPO(HFJob):
         return job.export()["merged"]
 
     def prepare_model(self, model: torch.nn.Module) -> None:
-        check_context(model.config, self.config.max_prompt_len, self.config.max_new_tokens)
+        check_context(model.config, self.config.max_prompt_len, self.config.completion_tokens)
         check_generation_support(model)  # every step generates: an unserved model is refused as it loads
 
     @cached_property
@@ -192,6 +255,8 @@ class GRPO(HFJob):
         """Prompts of DATASET left-padded to MAX_PROMPT_LEN (stats: kept and skipped), no validation rows, and the
         held-out prompts with answers (the generated sums' test split)."""
         cfg = self.config
+        if cfg.agentic:
+            return self._load_episodes()
         records = self.read_records(load_prompt_records)
         data, stats = build_prompt_dataset(self.tokenizer, records, max_prompt_len=cfg.max_prompt_len,
                                            prompt_field=cfg.prompt_field, answer_field=cfg.answer_field,
@@ -199,9 +264,38 @@ class GRPO(HFJob):
         held = load_prompt_records(SUMS, split="test") if cfg.dataset == SUMS else records[:64]
         return JobData(data, None, stats, held, records)
 
+    def _load_episodes(self) -> JobData:
+        """Agent mode: DATASET's rows (an example environment's name, or any source of rows with what reset needs),
+        each rendered as its episode's prompt to be kept or left out by MAX_PROMPT_LEN, and the held-out rows."""
+        cfg = self.config
+        if cfg.dataset in EXAMPLE_ROWS:
+            make = EXAMPLE_ROWS[cfg.dataset]
+            records = make(cfg.max_records or 2000, seed=cfg.seed, split="train")
+            held = make(64, seed=cfg.seed, split="test")
+        else:
+            records = self.read_records(load_prompt_records)
+            held = records[:64]
+        data, stats = episode_prompts(self.episode_runner, records, max_prompt_len=cfg.max_prompt_len)
+        return JobData(data, None, stats, held, records)
+
     @cached_property
     def rewards(self) -> dict:
+        if self.config.agentic:
+            return agent_rewards(self.config.rewards, self.config.format_pattern)
         return resolve_rewards(self.config.rewards, format_pattern=self.config.format_pattern)
+
+    @cached_property
+    def episode_runner(self) -> EpisodeRunner | None:
+        """Agent mode's episodes: the tools and environment loaded, the model's chat format, the turn shape."""
+        cfg = self.config
+        if not cfg.agentic:
+            return None
+        agent = Agent(tools=load_tools(cfg.tools) if cfg.tools else (),
+                      environment_factory=load_environment(cfg.environment) if cfg.environment else None,
+                      reward_funcs=self.rewards, timeout_s=cfg.tool_timeout)
+        tok = self.tokenizer
+        return EpisodeRunner(agent, ChatFormat(tok), cfg.turn_shape, prompt_tokens=cfg.max_prompt_len,
+                             stop_ids=eos_ids(tok), pad_token_id=tok.pad_token_id, mask_truncated=cfg.mask_truncated)
 
     # ---- 4. samples -----------------------------------------------------------------------------------------------
     def samples(self, n: int | None = None) -> dict:
@@ -210,6 +304,8 @@ class GRPO(HFJob):
         graphs compiled."""
         cfg, b = self.config, self.backend
         records = self.held_out if n is None else self.held_out[:n]
+        if cfg.agentic:
+            return self._episode_samples(records)
         held, _ = build_prompt_dataset(self.tokenizer, records, max_prompt_len=cfg.max_prompt_len,
                                        prompt_field=cfg.prompt_field, answer_field=cfg.answer_field,
                                        system_prompt=cfg.system_prompt)
@@ -238,6 +334,32 @@ class GRPO(HFJob):
                 "rewards": {k: sum(v) / len(v) for k, v in scored["rewards"].items()}, "rows": table,
                 "compilations": b.metrics().get("compilations", 0) - before}
 
+    def _episode_samples(self, records: list[dict]) -> dict:
+        """Held-out episodes in the training step's shapes: mean reward, turns, tool calls and their success, each
+        reward's mean, the rows (prompt, transcript, final answer, reward) and graphs compiled."""
+        cfg, b = self.config, self.backend
+        runner = self.episode_runner
+        rows = cfg.grpo.rows(cfg.batch_size) * max(1, b.num_replicas // b.world_size)
+        model = self._model_on_device()
+        before = b.metrics().get("compilations", 0)
+        episodes, figures = [], []
+        for idx, real in fixed_batches(len(records), rows):
+            key = torch.tensor([cfg.seed, -1 - idx[0], b.rank], dtype=torch.long).to(b.device)
+            with b.autocast():
+                batch = runner.run(model, [records[i] for i in idx], backend=b, sampling=cfg.grpo.sampling, seed=key)
+            episodes += batch.episodes[:real]
+            figures.append((real, batch.figures))
+        total, values = runner.score(episodes)
+        table = [{"prompt": e.prompt[-1]["content"], "answer": e.row.get(cfg.answer_field),
+                  "completion": final_text(e.completion), "transcript": transcript(e.completion), "reward": t}
+                 for e, t in zip(episodes, total, strict=True)]
+        mean = {k: sum(r * f[k] for r, f in figures) / len(records) for k in ("turns", "tool_calls", "truncated")}
+        calls = sum(e.stats.calls for e in episodes)
+        success = 1.0 - sum(e.stats.failed for e in episodes) / calls if calls else float("nan")
+        return {"reward": sum(total) / len(total), **mean, "tool_success": success,
+                "rewards": {k: sum(v) / len(v) for k, v in values.items()}, "rows": table,
+                "compilations": b.metrics().get("compilations", 0) - before}
+
     @staticmethod
     def compare(before: dict, after: dict, n: int | None = None) -> list[dict]:
         """The same held-out prompts' completions and rewards before and after training, side by side."""
@@ -249,20 +371,23 @@ class GRPO(HFJob):
     # ---- 5. training ----------------------------------------------------------------------------------------------
     def run_identity(self) -> dict:
         cfg = self.config
+        agent = {"environment": cfg.environment, "tools": cfg.tools, "max_turns": cfg.max_turns,
+                 "tool_tokens": cfg.tool_tokens} if cfg.agentic else {}
         return {**super().run_identity(), "start_from": str(cfg.start_from), "rewards": cfg.rewards,
                 "num_generations": cfg.num_generations, "max_prompt_len": cfg.max_prompt_len,
-                "max_new_tokens": cfg.max_new_tokens}
+                "max_new_tokens": cfg.max_new_tokens, **agent}
 
     def make_trainer(self) -> GRPOTrainer:
         return GRPOTrainer(self.model, self.train_data, tokenizer=self.tokenizer, records=self.records,
                            rewards=self.rewards, settings=self.config.grpo, ref_model=self.reference,
-                           **self.trainer_options())
+                           episodes=self.episode_runner, **self.trainer_options())
 
     # ---- 6. results -----------------------------------------------------------------------------------------------
     def curves(self) -> dict[str, list]:
         """Per log step: step, reward, completion length, KL and loss (from the run's history)."""
         rows = self.history.train
-        keys = ("step", "reward", "completion_tokens", "kl", "loss")
+        keys = ("step", "reward", "completion_tokens", "kl", "loss") + \
+            (tuple(k for k, _ in AGENT_CURVES) if self.config.agentic else ())
         return {k: [r.get(k) for r in rows] for k in keys}
 
     def plot(self):
@@ -287,3 +412,19 @@ class GRPO(HFJob):
         reward = {"before": before["reward"] if before else None, "after": after["reward"] if after else None}
         return super().results(before=before, after=after, reward=reward, curves=self.curves(),
                                data=self.data_stats, generation_seconds=sum(self.trainer.rollout_seconds), **extra)
+
+
+def transcript(completion: list[dict]) -> str:
+    """An episode's messages after the prompt as readable lines: the model's text and tool calls, the tool results."""
+    import json
+
+    lines = []
+    for m in completion:
+        if m.get("role") == "assistant":
+            text = str(m.get("content") or "").strip()
+            calls = [c.get("function", c) for c in m.get("tool_calls") or ()]
+            lines += [f"assistant: {text}"] if text else []
+            lines += [f"call {c.get('name')}({json.dumps(c.get('arguments'))})" for c in calls]
+        else:
+            lines.append(f"{m.get('role')} {m.get('name') or ''}: {m.get('content')}".replace("  ", " "))
+    return "\n".join(lines)

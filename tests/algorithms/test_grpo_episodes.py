@@ -1,0 +1,161 @@
+"""GRPO on agent episodes (algorithms/episodes.py, the recipe's agent mode): each episode's slots hold its
+conversation (prompt, the model's turns, the tool text) and the loss mask only the model's tokens; every loss type
+trains on them; a strict XLA:CPU run compiles nothing after its first step; a reward failing on one episode is
+counted and the others scored.
+
+The tiny offline model answers at random, so two things are scripted here and nothing else: which tokens end a turn
+(a third of the vocabulary, so turns end after a few tokens or run out of them) and what a turn's text parses to
+(a call to the real `multiply` tool when the turn's first token is even, else a final answer). The turns, the cache,
+the tool runs, the template's tool text, the rewards and the loss are the package's own."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from tests.support import StepCounters
+from tpu_helpers.agents import ChatFormat, Parsed
+from tpu_helpers.algorithms.episodes import EpisodeRunner
+from tpu_helpers.recipes.grpo import GRPO, GRPOConfig
+
+TOOLS = "tpu_helpers.agents.examples:multiply"
+
+
+@pytest.fixture(scope="module")
+def long_tiny_dir(tmp_path_factory, tiny_lm_dir):
+    """The tiny Qwen2 with a context of 1024 positions: the fallback's tool schemas take ~580 of its tokens."""
+    target = tmp_path_factory.mktemp("tiny_long") / "model"
+    shutil.copytree(tiny_lm_dir, target)
+    config = json.loads((target / "config.json").read_text())
+    config["max_position_embeddings"] = 1024
+    (target / "config.json").write_text(json.dumps(config))
+    return str(target)
+
+
+def _scripted_parse(self, ids, *, prefix=None, tools=None):
+    ids = list(ids)
+    if ids and ids[0] % 2 == 0:
+        return Parsed({"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "multiply", "arguments": {"a": 3, "b": ids[0] % 7}}}]})
+    return Parsed({"role": "assistant", "content": "12"})
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    monkeypatch.setattr(ChatFormat, "parse", _scripted_parse)
+    real_init = EpisodeRunner.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        vocab = len(self.chat.tokenizer)
+        self.stop_ids = [t for t in range(vocab) if t % 3 == 0]
+
+    monkeypatch.setattr(EpisodeRunner, "__init__", init)
+
+
+def _job(tmp_path, model_dir, device="cpu", **overrides):
+    base = dict(device=device, model=model_dir, start_from=None, steps=3, batch_size=2, num_generations=2,
+                max_prompt_len=600, max_new_tokens=6, tool_tokens=48, max_turns=2, lr=1e-2, warmup_steps=1,
+                log_every=1, save_every=3, out_dir=str(tmp_path / "run"), max_records=16, lora_r=4, dataset="multiply",
+                tools=TOOLS, rewards="answer,tests.algorithms.test_grpo_episodes:first_digit",
+                xla_checks="strict" if device == "xla" else "off")
+    return GRPO(GRPOConfig(**{**base, **overrides}), progress=False)
+
+
+def first_digit(completions, **kwargs):
+    """A TRL-style reward that varies with the random turns: the parity of the episode's length in messages."""
+    return [float(len(c) % 2) for c in completions]
+
+
+def test_an_episodes_slots_hold_its_conversation_and_the_loss_mask_only_the_models_tokens(tmp_path, long_tiny_dir,
+                                                                                           scripted):
+    job = _job(tmp_path, long_tiny_dir)
+    runner, tok, b = job.episode_runner, job.tokenizer, job.backend
+    rows = job.records[:8]
+    batch = runner.run(job.model, rows, backend=b, sampling=job.config.grpo.sampling,
+                       seed=torch.tensor([0, 0, 0]))
+    assert max(batch.turns) == 3 and min(batch.turns) == 1, batch.turns  # answered at once, and after two calls
+    assert batch.figures["tool_calls"] > 0 and batch.figures["tool_success"] == 1.0
+    width = job.config.max_prompt_len
+    for i, e in enumerate(batch.episodes):
+        used = batch.mask[i].bool()
+        ids = batch.ids[i][used].tolist()
+        prompt = runner.chat.prompt_ids(e.prompt, tools=e.schemas)
+        assert ids[:len(prompt)] == prompt
+        own = batch.own[i].bool()
+        assert used[width:][own].all()  # the model's tokens are all in use...
+        model_tokens = batch.ids[i, width:][own].tolist()
+        # ... and the slots in use after the prompt are the model's turns and, between them, the template's text
+        # for the tool results: exactly continuation_ids of the conversation at that point.
+        rest = ids[len(prompt):]
+        calls = [m for m in e.completion if m["role"] == "assistant" and m.get("tool_calls")]
+        tool_text = sum(len(runner.chat.continuation_ids(e.messages[:e.messages.index(c) + 2], tools=e.schemas))
+                        for c in calls if e.messages.index(c) + 1 < len(e.messages))
+        assert len(rest) == len(model_tokens) + tool_text
+        assert torch.equal(batch.logprobs[i][~own], torch.zeros_like(batch.logprobs[i][~own]))
+    cut = [t for t in batch.truncated]
+    assert any(cut) and not all(cut)
+
+
+@pytest.mark.parametrize("loss_type,importance", [("grpo", "token"), ("bnpo", "sequence"), ("dr_grpo", "token"),
+                                                  ("dapo", "token")])
+def test_every_loss_type_trains_on_episodes_on_policy_at_its_first_step(tmp_path, long_tiny_dir, scripted,
+                                                                        loss_type, importance):
+    job = _job(tmp_path, long_tiny_dir, loss_type=loss_type, importance=importance, kl_beta=0.1,
+               mask_truncated=True)
+    start = {k: v.detach().clone() for k, v in job.model.named_parameters() if v.requires_grad}
+    job.train()
+    first = job.history.train[0]
+    assert first["kl"] == 0.0 and first["clip_fraction"] == 0.0  # the episode's forward gives the sampled log-probs
+    assert all(math.isfinite(r["loss"]) for r in job.history.train)
+    assert any(r["turns"] > 1 for r in job.history.train) and "tool_success" in first and "host_s_per_turn" in first
+    moved = [k for k, v in job.model.named_parameters() if v.requires_grad and not torch.equal(v, start[k])]
+    assert moved
+
+
+@pytest.mark.xla
+def test_strict_xla_agent_grpo_compiles_nothing_after_warm_up(tmp_path, long_tiny_dir, scripted):
+    from tests.support import XLA_BACKEND
+
+    counters = StepCounters()
+    job = GRPO(_job(tmp_path, long_tiny_dir, "xla", steps=4).config, backend=XLA_BACKEND, progress=False,
+               callbacks=[counters])
+    report = job.train()  # strict: a recompilation after warm-up raises
+    steps = counters.steps
+    # Step 2 compiles the optimizer's steady-state update, as in single-turn GRPO (tests/algorithms/test_grpo.py);
+    # the turns, whatever each episode's length, compile nothing after the first step's episodes.
+    assert job.history.train[0]["turns"] > 1
+    assert all(s["compilations"] == 0 for k, s in steps.items() if k > 2), steps
+    assert report.xla["cpu_fallback_ops"] == {}
+    print(f"agent GRPO strict on XLA:CPU: compilations per step {[steps[k]['compilations'] for k in sorted(steps)]}, "
+          f"turns {[r['turns'] for r in job.history.train]}")
+
+
+def failing_on_long(completions, **kwargs):
+    """Raises on episodes of more than one message: one bad episode must not sink the batch."""
+    out = []
+    for c in completions:
+        if len(c) > 1:
+            raise ValueError("cannot score a long episode")
+        out.append(1.0)
+    return out
+
+
+def test_a_reward_that_fails_on_some_episodes_is_counted_and_the_others_scored(tmp_path, long_tiny_dir, scripted):
+    job = _job(tmp_path, long_tiny_dir, rewards="tests.algorithms.test_grpo_episodes:failing_on_long")
+    runner = job.episode_runner
+    batch = runner.run(job.model, job.records[:8], backend=job.backend, sampling=job.config.grpo.sampling,
+                       seed=torch.tensor([1, 0, 0]))
+    with pytest.warns(UserWarning, match="reward 'tests.algorithms.test_grpo_episodes:failing_on_long' raised "
+                                         "ValueError on an episode"):
+        total, values = runner.score(batch.episodes)
+    name = "tests.algorithms.test_grpo_episodes:failing_on_long"
+    long = [len(e.completion) > 1 for e in batch.episodes]
+    assert any(long) and not all(long)
+    assert [math.isnan(v) for v in values[name]] == long
+    assert total == [0.0 if lg else 1.0 for lg in long]
+    assert runner.warnings["reward_failed"] == sum(long)
