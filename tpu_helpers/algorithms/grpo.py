@@ -248,7 +248,7 @@ class GRPOTrainer(Trainer):
         ids = prompts["input_ids"].repeat_interleave(s.num_generations, 0)
         mask = prompts["attention_mask"].repeat_interleave(s.num_generations, 0)
         with b.autocast():
-            gen = generate_ids(self.model, ids, mask, max_new_tokens=s.max_new_tokens, eos_token_id=self.stop_ids,
+            gen = generate_ids(self.sampling_model, ids, mask, max_new_tokens=s.max_new_tokens, eos_token_id=self.stop_ids,
                                pad_token_id=self.tokenizer.pad_token_id, sampling=s.sampling, seed=key,
                                sync=b.sync, replay=b.compile_step, loop=b.compile_loop)
         host = b.to_cpu({"ids": gen.ids, "index": prompts["index"]})  # the step's one read
@@ -265,7 +265,7 @@ class GRPOTrainer(Trainer):
         index = b.to_cpu(prompts["index"]).tolist()
         rows = [self.records[i] for i in index for _ in range(s.num_generations)]
         with b.autocast():
-            batch = self.episodes.run(self.model, rows, backend=b, sampling=s.sampling, seed=key)
+            batch = self.episodes.run(self.sampling_model, rows, backend=b, sampling=s.sampling, seed=key)
         rewards, values = self.episodes.score(batch.episodes)
         g = s.num_generations
         groups = torch.tensor(rewards).reshape(-1, g)
@@ -349,7 +349,7 @@ class GRPOTrainer(Trainer):
         if self.ref_model is not None:
             return completion_logps(self.ref_model, ids, mask, n, t)
         with self.raw_model.disable_adapter():
-            return completion_logps(self.model, ids, mask, n, t)
+            return completion_logps(self.sampling_model, ids, mask, n, t)
 
     # ---- checkpoints ------------------------------------------------------------------------------------------------
     def progress_state(self) -> dict:

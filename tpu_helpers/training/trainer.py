@@ -92,6 +92,13 @@ class Trainer:
 
     # ---- construction (override to customise) --------------------------------------------------------------------
     @property
+    def sampling_model(self) -> torch.nn.Module:
+        """The placed model for passes without gradients (generation): a DistributedDataParallel wrapper's module,
+        since DDP's forward only adds the gradients' all-reduce and passes no attribute (`config`) through."""
+        model = self.model
+        return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+    @property
     def loader_batch_size(self) -> int:
         """Rows per loader batch: this host's chips' share under SPMD (all of it on one host), else per chip."""
         b = self.backend
