@@ -40,8 +40,9 @@ def _fresh(model, tok, contexts, eos, n):
 
 
 def _turn_tokens(turns, k):
-    ids, mask = turns.columns(k)
-    return [row[:int(m.sum())] for row, m in zip(ids.tolist(), mask, strict=True)], mask
+    outputs = tuple(t.cpu() for t in turns.outputs())
+    ids, mask = turns.columns(k, outputs)
+    return [row[:int(m.sum())] for row, m in zip(ids.tolist(), mask, strict=True)], outputs
 
 
 def test_each_turn_continues_the_conversation_as_a_fresh_generation_would(model_and_tok):
@@ -55,20 +56,20 @@ def test_each_turn_continues_the_conversation_as_a_fresh_generation_would(model_
                   loop=False)
     turns.first()
     contexts = [list(x) for x in prompts]
-    got, mask = _turn_tokens(turns, 0)
+    got, outputs = _turn_tokens(turns, 0)
     assert got == _fresh(model, tok, contexts, eos, SHAPE.turn_tokens)
     assert any(len(g) < SHAPE.turn_tokens for g in got) and any(len(g) == SHAPE.turn_tokens for g in got)
     tools = [[5, 6, 7], [8], [9, 10, 11, 12, 13], []]  # the last row's episode ends here
     active = [True, True, True, False]
     for c, g, t in zip(contexts, got, tools, strict=True):
         c += g + t
-    turns.next(1, mask, tools, active)
-    got1, mask1 = _turn_tokens(turns, 1)
+    turns.next(1, outputs, tools, active)
+    got1, outputs1 = _turn_tokens(turns, 1)
     want = _fresh(model, tok, contexts[:3], eos, SHAPE.turn_tokens)
     assert got1[:3] == want and got1[3] == []
     for c, g in zip(contexts, got1, strict=True):
         c += g
-    turns.finish(1, mask1)
+    turns.finish(1, outputs1)
     ids, valid, out = turns.episode()
     # The slots in use, in order, are each row's conversation, compacted.
     for row, m, c in zip(ids.tolist(), valid.tolist(), contexts, strict=True):
@@ -90,14 +91,9 @@ def _episode(model, tok, p, device, tools, eos, **hooks):
     turns = Turns(model, p.ids.to(device), p.mask.to(device), SHAPE, eos_token_id=eos, pad_token_id=tok.pad_token_id,
                   **hooks)
     turns.first()
-    _, mask = turns.columns(0)
-    mask = mask.cpu()
-    turns.next(1, mask, tools, [bool(t) for t in tools])
-    _, mask = turns.columns(1)
-    mask = mask.cpu()
-    turns.next(2, mask, tools, [bool(t) for t in tools])
-    _, mask = turns.columns(2)
-    turns.finish(2, mask.cpu())
+    turns.next(1, tuple(t.cpu() for t in turns.outputs()), tools, [bool(t) for t in tools])
+    turns.next(2, tuple(t.cpu() for t in turns.outputs()), tools, [bool(t) for t in tools])
+    turns.finish(2, tuple(t.cpu() for t in turns.outputs()))
     ids, valid, out = turns.episode()
     return ids.cpu(), valid.cpu(), out.logprobs.cpu()
 

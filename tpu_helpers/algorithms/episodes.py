@@ -91,7 +91,8 @@ class EpisodeRunner:
         host_s = 0.0
         turns.first()
         for k in range(s.answers):
-            ids_k, mask_k = b.to_cpu(turns.columns(k))  # the turn's one read
+            outputs = b.to_cpu(turns.outputs())  # the turn's one read
+            ids_k, mask_k = turns.columns(k, outputs)
             t0 = time.perf_counter()
             tool_ids: list[list[int]] = [[] for _ in range(n)]
             for i, e in enumerate(episodes):
@@ -123,9 +124,9 @@ class EpisodeRunner:
                 tool_ids[i] = more
             host_s += time.perf_counter() - t0
             if k == s.max_turns or not any(active):
-                turns.finish(k, mask_k)
+                turns.finish(k, outputs)
                 break
-            turns.next(k + 1, mask_k, tool_ids, active)
+            turns.next(k + 1, outputs, tool_ids, active)
         ids, mask, out = turns.episode()
         own = out.mask
         if self.mask_truncated and any(truncated):

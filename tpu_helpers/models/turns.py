@@ -4,8 +4,8 @@ in one key/value cache of a fixed width, continued turn after turn without a new
     shape = TurnShape(turn_tokens=48, tool_tokens=32, max_turns=2)   # 3 answers at most
     run = Turns(model, prompt.ids, prompt.mask, shape, eos_token_id=stops, pad_token_id=pad, sampling=s, seed=key)
     run.first()                                   # the prompt pass, then turn 0's decode steps
-    ids, mask = run.columns(0)                    # turn 0's tokens on the device: the host reads and parses them
-    run.next(1, tool_ids, active)                 # each row's tool text (<= tool_tokens ids); turn 1
+    outputs = backend.to_cpu(run.outputs())      # the episode's columns so far: the host parses turn 0's
+    run.next(1, outputs, tool_ids, active)        # each row's tool text (<= tool_tokens ids); turn 1
     out = run.result()                            # Generated over the episode's columns, and run.valid
 
 Layout (docs/guides/agents.md): the cache holds the P prompt slots, then per turn `turn_tokens` slots of the model's
@@ -97,8 +97,8 @@ def _continue(model: torch.nn.Module, cache: Any, chunk: torch.Tensor, start: to
 
 class Turns:
     """One batch of episodes in a cache of P + shape.width slots (see the module docstring). The host calls
-    `first()`, then for each later turn `next(turn, tool_ids, active)` with what it parsed and ran; `columns(turn)`
-    are a turn's tokens and mask on the device, `result()` the episode's, `valid` its slots in use."""
+    `first()`, reads `outputs()`, then for each later turn `next(turn, outputs, tool_ids, active)` with what it
+    parsed and ran, and `finish(last_turn, outputs)`; `episode()` gives the ids and mask, `valid` its slots in use."""
 
     @torch.no_grad()
     def __init__(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -151,17 +151,27 @@ class Turns:
                                    self.sync, self.replay, self.loop)
         self._eval(run)
 
-    def columns(self, turn: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Turn `turn`'s tokens and their mask (1 up to and with the end of turn), (B, turn_tokens) on the device."""
+    def outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The episode's columns so far: the model's tokens and their mask, (B, shape.width) on the device. The host
+        reads them whole after each turn: a slice per turn would be a graph per turn on XLA."""
+        return self.st[2], self.st[4]
+
+    def columns(self, turn: int, outputs: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Turn `turn`'s tokens and their mask (1 up to and with the end of turn), (B, turn_tokens), sliced from
+        `outputs` (as read by the host) or from the device's."""
+        ids, mask = outputs if outputs is not None else self.outputs()
         a = self.shape.start(turn)
-        return self.st[2][:, a:a + self.shape.turn_tokens], self.st[4][:, a:a + self.shape.turn_tokens]
+        return ids[:, a:a + self.shape.turn_tokens], mask[:, a:a + self.shape.turn_tokens]
 
     @torch.no_grad()
-    def next(self, turn: int, last_mask: torch.Tensor, tool_ids: Sequence[Sequence[int]],
+    def next(self, turn: int, outputs: tuple[torch.Tensor, torch.Tensor], tool_ids: Sequence[Sequence[int]],
              active: Sequence[bool]) -> None:
-        """Turn `turn` (>= 1): the previous turn's mask as the host read it (B, turn_tokens; its unused slots are
+        """Turn `turn` (>= 1): `outputs()` as the host read them after the previous turn (its unused slots are
         masked from here on), each row's tool text (at most tool_tokens ids; ignored where `active` is False), and
         which rows go on; those that do not produce padding with mask 0 from here on."""
+        last_ids, last_mask = self.columns(turn - 1, outputs)
+        self.last_tokens = last_ids[:, -1].to("cpu")
         s = self.shape
         if not 1 <= turn <= s.max_turns:
             raise ValueError(f"turn={turn} must be between 1 and max_turns = {s.max_turns}")
@@ -170,8 +180,7 @@ class Turns:
         self.valid[:, prev:prev + s.turn_tokens] = last_mask.to("cpu", torch.bool)
         chunk = torch.full((self.batch, C + 1), self.pad, dtype=torch.long)
         tool_valid = torch.zeros((self.batch, C), dtype=torch.bool)
-        ids_prev, _ = self.columns(turn - 1)
-        last = ids_prev[:, -1].to("cpu")
+        last = self.last_tokens
         chunk[:, 0] = last
         for i, (ids, on) in enumerate(zip(tool_ids, active, strict=True)):
             ids = list(ids) if on else []
@@ -208,9 +217,11 @@ class Turns:
                                    self.sync, self.replay, self.loop)
         self._eval(run)
 
-    def finish(self, last_turn: int, last_mask: torch.Tensor) -> None:
-        """Mark the slots of the turns not run (after `last_turn`) and the unused ones of `last_turn` as masked."""
+    def finish(self, last_turn: int, outputs: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Mark the slots of the turns not run (after `last_turn`) and the unused ones of `last_turn` as masked
+        (`outputs` as the host read them after `last_turn`)."""
         s = self.shape
+        _, last_mask = self.columns(last_turn, outputs)
         prev = self.width + s.start(last_turn)
         self.valid[:, prev:prev + s.turn_tokens] = last_mask.to("cpu", torch.bool)
         self.valid[:, prev + s.turn_tokens:] = False
@@ -221,6 +232,7 @@ class Turns:
         out = self.result()
         tools = self.tool_mask.to(self.device)
         ids = torch.cat([self.input_ids, torch.where(tools, self.tool_ids.to(self.device), out.ids)], 1)
+        self.sync()  # the ids in a graph of their own, the same every batch, not in whatever reads them first
         return ids, self.valid.to(device=self.device, dtype=torch.long), out
 
     def result(self) -> Generated:
