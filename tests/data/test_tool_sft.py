@@ -39,6 +39,7 @@ def multiply(a: int, b: int) -> int:
 
 
 SCHEMAS = [tool_schema(multiply)]
+PLAIN = {"messages": [{"role": "user", "content": "2 + 3 ="}, {"role": "assistant", "content": "5"}]}
 CALL = '<tool_call>\n{"name": "multiply", "arguments": {"a": 3, "b": 4}}\n</tool_call>'
 
 
@@ -124,7 +125,7 @@ def test_the_tiny_models_template_and_a_record_without_tools_use_the_fallback(ti
 def test_plain_chat_records_keep_their_encoding(tiny_lm_dir):
     # The plain encoding trains the template's newline after <|im_end|> too; tool conversations follow the episode.
     tok = AutoTokenizer.from_pretrained(tiny_lm_dir)
-    plain = {"messages": [{"role": "user", "content": "2 + 3 ="}, {"role": "assistant", "content": "5"}]}
+    plain = PLAIN
     with_nones = {"messages": [{**m, "tool_calls": None, "name": None} for m in plain["messages"]], "tools": None}
     ids, labels = encode_record(tok, plain)
     assert trained_runs(tok, ids, labels) == ["5<|im_end|>\n"]
@@ -189,7 +190,7 @@ def test_jsonl_and_parquet_with_tools_as_a_string_column(tmp_path, tiny_lm_dir):
     import datasets
 
     tok = AutoTokenizer.from_pretrained(tiny_lm_dir)
-    plain = {"messages": [{"role": "user", "content": "2 + 3 ="}, {"role": "assistant", "content": "5"}]}
+    plain = PLAIN
     records = [trl_record(arguments_as_string=False), trl_record(), plain]
     jsonl = tmp_path / "tools.jsonl"
     jsonl.write_text("\n".join(json.dumps(r) for r in records))
@@ -303,3 +304,10 @@ def test_bad_tool_records_name_the_record_and_what_is_allowed(record, match, tin
     with pytest.raises(ConfigError, match=match) as err:
         build_sft_datasets(tok, [GOOD, record, GOOD], seq_len=700)
     assert "Accepted: {\"messages\": [...], \"tools\": [JSON schemas]}" in str(err.value)
+
+
+def test_a_template_chatformat_refuses_names_the_record(tiny_lm_dir):
+    # Qwen3's own template drops an earlier answer's think block once a later turn follows: not prefix-preserving.
+    tok = family_tokenizer("qwen3", tiny_lm_dir)
+    with pytest.raises(ConfigError, match=r"^record 2: the chat template is not prefix-preserving"):
+        tokenize_records(tok, [PLAIN, PLAIN, trl_record()], seq_len=700)

@@ -269,7 +269,10 @@ def encode_record(tokenizer: Any, record: dict, *, where: str = "record") -> tup
     check_chat_template(tokenizer)
     tooled = tool_conversation(record, where=where) if form == "chat" else None
     if tooled is not None:
-        return encode_tool_conversation(tokenizer, *tooled)
+        try:
+            return encode_tool_conversation(tokenizer, *tooled)
+        except ConfigError as err:  # the template's (not prefix-preserving, no end-of-turn token): name the record
+            raise ConfigError(f"{where}: {err}") from None
     messages = _as_messages(record)
 
     def render(chat: list[dict], prompt: bool = False) -> list[int]:
