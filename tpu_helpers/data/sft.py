@@ -8,6 +8,11 @@ Three record forms are recognised: chat (`messages`: a list of {role, content}),
 `response`, `instruction` + `output`, `question` + `answer`) and plain text (`text`). Chat and pairs are rendered
 with the tokenizer's chat template; only assistant tokens (and the end-of-turn token that closes them, plus what
 the template closes a chat with after the last answer, e.g. Phi-3's EOS) are trained.
+
+A chat record about tools, TRL's SFT form `{"messages": [...], "tools": [JSON schemas]}` (assistant `tool_calls`,
+`tool` messages; `tools` may be a JSON string, as TRL's data sets hold it), is rendered by
+`agents.ChatFormat(tokenizer).render(messages, tools=tools)`, the ids an RL episode gathers: labels on the
+assistant's own tokens (its text and calls up to its end-of-turn token), -100 on system, user and tool text.
 Every row is padded to `seq_len`, so every batch has one shape and nothing recompiles on XLA.
 
 `instruction_records` generates the offline default task set (next/previous letter, adding small numbers) whose
@@ -17,7 +22,9 @@ held-out exact-match accuracy (`exact_match`) a tiny model visibly improves in a
 from __future__ import annotations
 
 import hashlib
+import json
 import random
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -112,11 +119,132 @@ def record_form(record: dict, *, where: str = "record") -> str:
 
 def _as_messages(record: dict) -> list[dict]:
     if "messages" in record:
-        return [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
+        return [{"role": m["role"], "content": m["content"]} for m in record["messages"]]  # a plain chat record
     for p, r in PAIR_FIELDS:
         if p in record and r in record:
             return [{"role": "user", "content": str(record[p])}, {"role": "assistant", "content": str(record[r])}]
     raise AssertionError("record_form accepted a record _as_messages cannot read")
+
+
+# ---- tool conversations (TRL's SFT form) ---------------------------------------------------------------------------
+TOOL_FORM = ('{"messages": [...], "tools": [JSON schemas]}: assistant messages may carry "tool_calls" (a list of '
+             '{"type": "function", "function": {"name": str, "arguments": object or JSON string}}), "tool" messages '
+             'carry "content" (and "name" / "tool_call_id"); "tools" is a list of {"type": "function", "function": '
+             '{...}} schemas or that list as a JSON string')
+_MESSAGE_KEYS = ("role", "content", "tool_calls", "name", "tool_call_id")
+
+
+def _drop_none(value: Any) -> Any:
+    """`value` without None-valued keys at any depth: what an Arrow table fills in for keys other rows have."""
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_none(v) for v in value]
+    return value
+
+
+def _tool_schemas(record: dict, where: str) -> list[dict] | None:
+    tools = record.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools) if tools.strip() else None
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{where} field 'tools' is a string that is not JSON ({err}); give a list of tool "
+                              f"schemas or that list as a JSON string. Accepted: {TOOL_FORM}") from None
+    if tools is None:
+        return None
+    ok = isinstance(tools, list) and all(
+        isinstance(t, dict) and isinstance(t.get("function", t), dict) and isinstance(t.get("function", t).get("name"), str)
+        for t in tools)
+    if not ok:
+        raise ConfigError(f"{where} field 'tools' is {str(tools)[:200]!r}, not a list of tool schemas (each a dict "
+                          f"with a function name). Accepted: {TOOL_FORM}")
+    return [_drop_none(t) for t in tools] or None
+
+
+def _tool_call(call: Any, where: str) -> dict:
+    """One tool call in the form an episode's parsed answer holds: {"type": "function", "function": {"name",
+    "arguments": dict}} (and its "id" when it has one); arguments given as a JSON string are decoded."""
+    function = call.get("function", call) if isinstance(call, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    arguments = function.get("arguments", {}) if isinstance(function, dict) else None
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            arguments = None
+    if not isinstance(name, str) or not name or not isinstance(arguments, dict):
+        raise ConfigError(f"{where} is {str(call)[:200]!r}, not a tool call: each needs a function name and "
+                          f"arguments that are a JSON object (a dict or its JSON string). Accepted: {TOOL_FORM}")
+    out: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    if isinstance(call, dict) and call.get("id") is not None:
+        out["id"] = call["id"]
+    return out
+
+
+def _tool_message(m: Any, where: str) -> dict:
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise ConfigError(f"{where} is {str(m)[:200]!r}, not a message with a role. Accepted: {TOOL_FORM}")
+    out = {k: m[k] for k in _MESSAGE_KEYS if m.get(k) is not None}
+    role = out["role"]
+    if role == "tool":
+        if "content" not in out:
+            raise ConfigError(f"{where} (tool) has no content: a tool message carries the tool's result as "
+                              f"'content' (a string). Accepted: {TOOL_FORM}")
+        if not isinstance(out["content"], str):  # a result written as JSON data
+            out["content"] = json.dumps(out["content"], ensure_ascii=False)
+    calls = out.pop("tool_calls", None)
+    if calls is not None:
+        if role != "assistant" or not isinstance(calls, list):
+            raise ConfigError(f"{where} ({role}) has tool_calls={str(calls)[:200]!r}: only an assistant message "
+                              f"carries tool calls, as a list. Accepted: {TOOL_FORM}")
+        if calls:
+            out["tool_calls"] = [_tool_call(c, f"{where} tool_calls[{j}]") for j, c in enumerate(calls)]
+    if role != "tool" and not isinstance(out.get("content", ""), str):
+        raise ConfigError(f"{where} ({role}) has content {str(out['content'])[:200]!r}, not a string")
+    if role == "assistant" or "content" not in out:
+        out["content"] = out.get("content", "")  # a turn of calls alone: "" as an episode's parsed answer has
+    return out
+
+
+def tool_conversation(record: dict, *, where: str = "record") -> tuple[list[dict], list[dict] | None] | None:
+    """(messages, tool schemas) of a chat record about tools, normalised (see TOOL_FORM); None for a plain chat
+    record (no tool calls, no tool messages and no tools), which keeps the plain encoding."""
+    if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
+        return None
+    tools = _tool_schemas(record, where)
+    raw = record["messages"]
+    if tools is None and not any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool")
+                                 for m in raw):
+        return None
+    messages = [_tool_message(m, f"{where} messages[{i}]") for i, m in enumerate(raw)]
+    return messages, tools
+
+
+_FORMATS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def chat_format(tokenizer: Any) -> Any:
+    """The tokenizer's `agents.ChatFormat`, made once per tokenizer and chat template (it probes the template)."""
+    from tpu_helpers.agents.chat import ChatFormat
+
+    template = getattr(tokenizer, "chat_template", None)
+    try:
+        cached = _FORMATS.get(tokenizer)
+    except TypeError:  # not weakly referenceable: no cache
+        return ChatFormat(tokenizer)
+    if cached is not None and cached[0] == template:
+        return cached[1]
+    fmt = ChatFormat(tokenizer)
+    _FORMATS[tokenizer] = (template, fmt)
+    return fmt
+
+
+def encode_tool_conversation(tokenizer: Any, messages: list[dict],
+                             tools: list[dict] | None) -> tuple[list[int], list[int]]:
+    """Ids and labels of a tool conversation: `ChatFormat.render`'s ids, labels where its mask is 1."""
+    rendered = chat_format(tokenizer).render(messages, tools)
+    return list(rendered.ids), [t if k else -100 for t, k in zip(rendered.ids, rendered.mask, strict=True)]
 
 
 def check_chat_template(tokenizer: Any, name: str = "tokenizer") -> None:
@@ -130,15 +258,21 @@ def _ids(tokenizer: Any, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def encode_record(tokenizer: Any, record: dict) -> tuple[list[int], list[int]]:
+def encode_record(tokenizer: Any, record: dict, *, where: str = "record") -> tuple[list[int], list[int]]:
     """Token ids and labels of one record (labels -100 where nothing is trained), not yet padded."""
-    form = record_form(record)
+    form = record_form(record, where=where)
     if form == "text":
         ids = _ids(tokenizer, str(record["text"]))
         if tokenizer.eos_token_id is not None:
             ids = ids + [tokenizer.eos_token_id]
         return ids, list(ids)
     check_chat_template(tokenizer)
+    tooled = tool_conversation(record, where=where) if form == "chat" else None
+    if tooled is not None:
+        try:
+            return encode_tool_conversation(tokenizer, *tooled)
+        except ConfigError as err:  # the template's (not prefix-preserving, no end-of-turn token): name the record
+            raise ConfigError(f"{where}: {err}") from None
     messages = _as_messages(record)
 
     def render(chat: list[dict], prompt: bool = False) -> list[int]:
@@ -227,8 +361,7 @@ def tokenize_records(tokenizer: Any, records: Sequence[dict], seq_len: int, *,
     examples: list[tuple[list[int], list[int]]] = []
     stats = {"records": len(records), "truncated": 0, "dropped": 0}
     for k, record in enumerate(records):
-        record_form(record, where=f"record {k}")
-        ids, lab = encode_record(tokenizer, record)
+        ids, lab = encode_record(tokenizer, record, where=f"record {k}")
         if len(ids) > seq_len:
             stats["truncated"] += 1
             ids, lab = ids[:seq_len], lab[:seq_len]
@@ -256,7 +389,11 @@ def tokenize_records(tokenizer: Any, records: Sequence[dict], seq_len: int, *,
 
 def build_sft_datasets(tokenizer: Any, records: Sequence[dict], *, seq_len: int, val_fraction: float = 0.05,
                        seed: int = 0, pack: bool = False) -> tuple[SFTDataset, SFTDataset, dict]:
-    """Shuffle (seeded), split and tokenize; returns (train, val, stats)."""
+    """Check every record (errors name its index in `records`), shuffle (seeded), split and tokenize; returns
+    (train, val, stats)."""
+    for k, record in enumerate(records):
+        if record_form(record, where=f"record {k}") == "chat":
+            tool_conversation(record, where=f"record {k}")
     order = list(range(len(records)))
     random.Random(seed).shuffle(order)
     n_val = max(1, int(len(order) * val_fraction))
@@ -267,10 +404,27 @@ def build_sft_datasets(tokenizer: Any, records: Sequence[dict], *, seq_len: int,
     return train, val, stats
 
 
-def prompts_and_answers(records: Sequence[dict]) -> tuple[list[list[dict]], list[str]]:
-    """Split chat/pair records into (messages up to the last assistant turn, that turn's text)."""
-    prompts, answers = [], []
-    for record in records:
+def prompts_and_answers(records: Sequence[dict], tokenizer: Any = None) -> tuple[list[list[dict] | str], list[str]]:
+    """Split chat/pair records into (messages up to the last assistant turn, that turn's text).
+
+    A tool conversation (given `tokenizer`) gives its prompt as text, the conversation up to its last assistant turn
+    rendered by `ChatFormat` with the generation prompt, and its answer as that turn's text as the model writes it
+    (calls included) without the end-of-turn token; without `tokenizer` it is an error."""
+    prompts: list[list[dict] | str] = []
+    answers = []
+    for k, record in enumerate(records):
+        tooled = tool_conversation(record, where=f"record {k}")
+        if tooled is not None:
+            if tokenizer is None:
+                raise ConfigError(f"record {k} is a tool conversation: its prompt is rendered through the "
+                                  "tokenizer's ChatFormat; pass tokenizer=")
+            messages, tools = tooled
+            fmt = chat_format(tokenizer)
+            last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+            prompts.append("".join(text for text, _ in fmt.pieces(messages[:last], tools, generation_prompt=True)))
+            own = [text for text, mine in fmt.pieces(messages[:last + 1], tools) if mine][-1]
+            answers.append(own.removesuffix(fmt.end))
+            continue
         messages = _as_messages(record)
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
         prompts.append(messages[:last])

@@ -52,6 +52,11 @@ require_extra("hf", "fine-tuning (tpu_helpers.recipes.finetune)")
 _WHAT = {"lora": "LoRA fine-tuning", "full": "full fine-tuning", "distill": "distillation"}
 
 
+def _tail(text: str, n: int = 200) -> str:
+    """A rendered prompt's end (a tool conversation's last messages and the generation prompt), for the samples."""
+    return text if len(text) <= n else "..." + text[-n:]
+
+
 @dataclass
 @settings_fields(DistillSettings, prefix="distill_")  # DISTILL_TEMPERATURE, ...: declared there
 class FinetuneConfig(HFJobConfig):
@@ -194,14 +199,14 @@ class Finetune(HFJob):
         if not self.held_out:
             return {"exact_match": None, "rows": [], "compilations": 0}
         records = self.held_out if n is None else self.held_out[:n]
-        prompts, answers = prompts_and_answers(records)
+        prompts, answers = prompts_and_answers(records, self.tokenizer)  # a tool conversation's prompt: its text
         model = self._model_on_device()
         before = self.backend.metrics().get("compilations", 0)
         preds = hf.generate(model, self.tokenizer, prompts, device=self.backend.device, sync=self.backend.sync,
                             max_new_tokens=self.config.max_new_tokens, prompt_len=self.config.seq_len // 2,
                             replay=self.backend.compile_step, loop=self.backend.compile_loop)
         compiles = self.backend.metrics().get("compilations", 0) - before
-        rows = [{"prompt": p[-1]["content"], "answer": a, "prediction": y}
+        rows = [{"prompt": p[-1]["content"] if isinstance(p, list) else _tail(p), "answer": a, "prediction": y}
                 for p, a, y in zip(prompts, answers, preds, strict=True)]
         return {"exact_match": exact_match(preds, answers), "rows": rows, "compilations": compiles}
 
