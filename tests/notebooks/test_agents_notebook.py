@@ -90,3 +90,19 @@ def test_every_target_preset_is_a_valid_agent_configuration(notebooks, target):
     config = config_from_parameters(TARGETS[target].params_for(NAME, declared), base=GRPOConfig())
     assert config.agentic and config.num_generations >= 2
     assert config.seq_len == config.max_prompt_len + config.turn_shape.width
+
+
+def test_the_runner_shows_the_agent_figures_and_answers_without_a_reference(tmp_path):
+    """An agent run's highlights: reward, turns and tool-call success before -> after ("-" where no tool call was
+    made), and an episode whose answer only its environment knows shows no reference in parentheses."""
+    from tpu_helpers.launch.runner import RunResult
+
+    rows = [{"prompt": "Code of the red locker? Lockers: red, blue.", "answer": None, "completion": c}
+            for c in ("4", "7312")]
+    results = {"reward": {"before": 0.0, "after": 0.5}, "turns": {"before": 1.0, "after": 1.75},
+               "tool_success": {"before": None, "after": 0.875},
+               "samples_before": {"rows": rows[:1]}, "samples_after": {"rows": rows[1:]}}
+    assert highlights(RunResult("x.ipynb", tmp_path, True, 1.0, results=results)) == [
+        "held-out reward: 0.00 -> 0.50", "held-out turns per episode: 1.00 -> 1.75",
+        "held-out tool-call success: - -> 0.88", "held-out answers, before -> after:",
+        "  'Code of the red locker? Lockers: red, blue.': '4' -> '7312'"]
