@@ -61,7 +61,7 @@ def start_xla() -> None:
 # Short names for the notebooks the tests execute (microsoft/recommenders style).
 NOTEBOOKS = {name: ROOT / "notebooks" / f"{name}.ipynb" for name in (
     "quickstart", "colab_tpu", "tpuvm_v5e8", "gpu_fallback", "xla_debugging", "batch_size_tuning", "finetune_llm",
-    "grpo_llm", "preference_llm")}
+    "grpo_llm", "preference_llm", "agents_llm")}
 
 
 def tiny_config(tmp_path: Path, **overrides) -> TrainConfig:

@@ -139,7 +139,7 @@ def test_setup_notebook_installs_only_what_that_notebook_lacks_and_says_so(tmp_p
     report = platform.setup_notebook("finetune_llm", installer=pip)
     assert pip.calls == [["peft>=0.17"]] and set(report.installed) == {"peft"}
     assert platform.setup_notebook("quickstart", installer=pip).present == {"tqdm": real("tqdm")}
-    with pytest.raises(ValueError, match=r"notebook='finetune' is not one of \['batch_size_tuning', "):
+    with pytest.raises(ValueError, match=r"notebook='finetune' is not one of \['agents_llm', 'batch_size_tuning', "):
         platform.setup_notebook("finetune")
     reqs = tmp_path / "reqs.txt"
     reqs.write_text("tqdm>=1\n")

@@ -268,8 +268,9 @@ def _figure(value: Any) -> str:
 def highlights(result: RunResult, *, answers: int = 4) -> list[str]:
     """What a finished run of a Hugging Face notebook shows on the terminal (`python -m tpu_helpers run`): its
     held-out figure before and after training, as "held-out reward: 0.09 -> 0.84" (GRPO's mean reward; fine-tuning's
-    exact match; DPO's preference accuracy), `answers` held-out answers before -> after, and the figures it saved
-    (`*.png` in the run directory). Nothing for a notebook whose results hold none of these."""
+    exact match; DPO's preference accuracy), for agents also the turns per episode and the tool-call success rate,
+    `answers` held-out answers before -> after (an episode's final answer), and the figures it saved (`*.png` in the
+    run directory). Nothing for a notebook whose results hold none of these."""
     res = result.results or {}
     before, after = res.get("samples_before") or {}, res.get("samples_after") or {}
     lines = []
@@ -278,6 +279,10 @@ def highlights(result: RunResult, *, answers: int = 4) -> list[str]:
         if isinstance(pair, dict) and {"before", "after"} <= set(pair):
             was, now = (v.get("accuracy") if isinstance(v, dict) else v for v in (pair["before"], pair["after"]))
             lines.append(f"{name}: {_figure(was)} -> {_figure(now)}")
+    for key, name in (("turns", "held-out turns per episode"), ("tool_success", "held-out tool-call success")):
+        pair = res.get(key)  # the agents notebook's (GRPO on episodes); a rate of None: no tool call made
+        if isinstance(pair, dict) and {"before", "after"} <= set(pair):
+            lines.append(f"{name}: {_figure(pair['before'])} -> {_figure(pair['after'])}")
     if "exact_match" in before and "exact_match" in after:
         lines.append(f"held-out exact match: {_figure(before['exact_match'])} -> {_figure(after['exact_match'])}")
     rows = list(zip(before.get("rows") or [], after.get("rows") or [], strict=False))[:answers]
@@ -285,7 +290,8 @@ def highlights(result: RunResult, *, answers: int = 4) -> list[str]:
         lines.append("held-out answers, before -> after:")
     for was, now in rows:
         said = [r.get("completion", r.get("prediction")) for r in (was, now)]
-        lines.append(f"  {was.get('prompt')!r} ({was.get('answer', was.get('chosen'))}): {said[0]!r} -> {said[1]!r}")
+        answer = was.get("answer", was.get("chosen"))  # None for an episode whose answer only its environment knows
+        lines.append(f"  {was.get('prompt')!r}{'' if answer is None else f' ({answer})'}: {said[0]!r} -> {said[1]!r}")
     lines += [f"figure: {path}" for path in sorted(Path(result.directory).glob("*.png"))]
     return lines
 

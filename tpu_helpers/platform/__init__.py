@@ -42,6 +42,7 @@ KAGGLE_WORKING = "/kaggle/working"
 NOTEBOOK_NEEDS: dict[str, tuple[str, ...]] = {
     "finetune_llm": ("transformers", "peft", "tokenizers", "safetensors", "datasets", "tqdm"),
     "grpo_llm": ("transformers", "peft", "tokenizers", "safetensors", "datasets", "tqdm"),
+    "agents_llm": ("transformers", "peft", "tokenizers", "safetensors", "datasets", "tqdm"),
     "preference_llm": ("transformers", "peft", "tokenizers", "safetensors", "datasets", "tqdm"),
     "batch_size_tuning": ("ipywidgets", "tqdm"),
     "colab_tpu": ("datasets", "tqdm"),

@@ -72,6 +72,26 @@ _GRPO = {
     "kaggle-v5e-8": {**_GRPO_QWEN, "BATCH_SIZE": 4, "OUT_DIR": "/kaggle/working/runs/grpo"},
 }
 
+# The agents notebook (GRPO on tool-calling episodes of the offline Lockers environment): on CPU and XLA:CPU the offline
+# SmolLM2-135M-Instruct (the tiny Qwen2's 256 positions cannot hold the tool schemas), few short episodes; on a TPU
+# chip or GPU Qwen2.5-0.5B-Instruct (its own tool-calling template) with LoRA, longer turns, checkpointing.
+_AGENT_ENV = {"DATASET": "lockers", "ENVIRONMENT": "tpu_helpers.agents.examples:Lockers", "TOOLS": None,
+           "REWARDS": "tpu_helpers.agents.examples:locker_reward", "START_FROM": None, "METHOD": "lora"}
+_AGENT_CPU = {**_AGENT_ENV, "MODEL": "smollm2-135m", "MAX_PROMPT_LEN": 256, "MAX_NEW_TOKENS": 32, "TOOL_TOKENS": 32,
+               "MAX_TURNS": 2, "BATCH_SIZE": 2, "NUM_GENERATIONS": 4, "STEPS": 20, "LR": 5e-4, "WARMUP_STEPS": 2,
+               "LOG_EVERY": 2, "SAVE_EVERY": 10, "NUM_SAMPLES": 8}
+_AGENT_QWEN = {**_AGENT_ENV, "MODEL": "Qwen/Qwen2.5-0.5B-Instruct", "MAX_PROMPT_LEN": 512, "MAX_NEW_TOKENS": 64,
+                "TOOL_TOKENS": 32, "MAX_TURNS": 2, "NUM_GENERATIONS": 8, "STEPS": 300, "LR": 1e-4, "WARMUP_STEPS": 10,
+                "LOG_EVERY": 10, "SAVE_EVERY": 100, "NUM_SAMPLES": 64, "GRADIENT_CHECKPOINTING": True}
+_AGENT = {
+    "cpu": _AGENT_CPU, "xla-cpu": _AGENT_CPU, "xla-cpu-8": _AGENT_CPU,
+    "gpu": {**_AGENT_QWEN, "BATCH_SIZE": 8},
+    "colab-v5e-1": {**_AGENT_QWEN, "BATCH_SIZE": 4},
+    "colab-v6e-1": {**_AGENT_QWEN, "BATCH_SIZE": 8},
+    "tpuvm-v5e-8": {**_AGENT_QWEN, "BATCH_SIZE": 4},
+    "kaggle-v5e-8": {**_AGENT_QWEN, "BATCH_SIZE": 4, "OUT_DIR": "/kaggle/working/runs/agents"},
+}
+
 _PREF_CPU = {"MODEL": "tiny", "DATASET": "instructions", "ALGORITHM": "dpo", "METHOD": "lora", "STEPS": 100,
              "BATCH_SIZE": 8, "SEQ_LEN": 32, "LR": 5e-3, "WARMUP_STEPS": 10}
 # DPO of the instruct model on UltraFeedback's preference pairs: LoRA, so the reference costs no second copy.
@@ -112,3 +132,5 @@ for _name, _params in _GRPO.items():
     TARGETS[_name].notebooks["grpo_llm"] = _params
 for _name, _params in _PREF.items():
     TARGETS[_name].notebooks["preference_llm"] = _params
+for _name, _params in _AGENT.items():
+    TARGETS[_name].notebooks["agents_llm"] = _params

@@ -401,15 +401,24 @@ class GRPO(HFJob):
         return {**super().figures(), GRPO_FIGURE: curves_figure(self.curves())}
 
     def tracked_results(self, results: dict) -> dict:
-        """The held-out completions before and after as tables, and their mean rewards, for the trackers."""
+        """The held-out completions before and after as tables, and their mean rewards (agents: also the turns per
+        episode and the tool-call success), for the trackers."""
         tracked = super().tracked_results(results)
         for when, value in (results.get("reward") or {}).items():
             if value is not None:
                 tracked["values"][f"samples/reward_{when}"] = value
+        for key, _ in AGENT_CURVES:  # agent mode: the held-out turns per episode and tool-call success rate
+            for when, value in (results.get(key) or {}).items():
+                if value is not None:
+                    tracked["values"][f"samples/{key}_{when}"] = value
         return tracked
 
     def results(self, *, before: dict | None = None, after: dict | None = None, **extra: Any) -> dict:
         reward = {"before": before["reward"] if before else None, "after": after["reward"] if after else None}
+        if self.config.agentic:  # turns and tool-call success, before -> after (None: no tool call made)
+            for key, _ in AGENT_CURVES:
+                extra.setdefault(key, {w: s[key] if s and s[key] == s[key] else None
+                                       for w, s in (("before", before), ("after", after))})
         return super().results(before=before, after=after, reward=reward, curves=self.curves(),
                                data=self.data_stats, generation_seconds=sum(self.trainer.rollout_seconds), **extra)
 
