@@ -61,20 +61,20 @@ def _job(tmp_path, model_dir, device="cpu", **overrides):
     base = dict(device=device, model=model_dir, start_from=None, steps=3, batch_size=2, num_generations=2,
                 max_prompt_len=600, max_new_tokens=6, tool_tokens=48, max_turns=2, lr=1e-2, warmup_steps=1,
                 log_every=1, save_every=3, out_dir=str(tmp_path / "run"), max_records=16, lora_r=4, dataset="multiply",
-                tools=TOOLS, rewards="answer,tests.algorithms.test_grpo_episodes:first_digit",
+                tools=TOOLS, rewards="answer,tests.algorithms.test_grpo_episodes:odd_turns",
                 xla_checks="strict" if device == "xla" else "off")
     return GRPO(GRPOConfig(**{**base, **overrides}), progress=False)
 
 
-def first_digit(completions, **kwargs):
-    """A TRL-style reward that varies with the random turns: the parity of the episode's length in messages."""
-    return [float(len(c) % 2) for c in completions]
+def odd_turns(completions, **kwargs):
+    """A TRL-style reward that varies with the random turns: 1 for an odd number of the model's turns."""
+    return [float(sum(m["role"] == "assistant" for m in c) % 2) for c in completions]
 
 
 def test_an_episodes_slots_hold_its_conversation_and_the_loss_mask_only_the_models_tokens(tmp_path, long_tiny_dir,
                                                                                            scripted):
     job = _job(tmp_path, long_tiny_dir)
-    runner, tok, b = job.episode_runner, job.tokenizer, job.backend
+    runner, b = job.episode_runner, job.backend
     rows = job.records[:8]
     batch = runner.run(job.model, rows, backend=b, sampling=job.config.grpo.sampling,
                        seed=torch.tensor([0, 0, 0]))
@@ -159,3 +159,17 @@ def test_a_reward_that_fails_on_some_episodes_is_counted_and_the_others_scored(t
     assert [math.isnan(v) for v in values[name]] == long
     assert total == [0.0 if lg else 1.0 for lg in long]
     assert runner.warnings["reward_failed"] == sum(long)
+
+
+@pytest.mark.parametrize("method", ["full", "qlora"])
+def test_full_fine_tuning_and_qlora_train_on_episodes(tmp_path, long_tiny_dir, scripted, method):
+    # full: the reference is a frozen copy (kl_beta > 0); qlora: LoRA on an NF4 base, the reference the base.
+    extra = dict(method="full", lr=1e-3) if method == "full" else dict(quantize_base="nf4", quantize_group_size=32)
+    job = _job(tmp_path, long_tiny_dir, kl_beta=0.1, steps=2, **extra)
+    start = {k: v.detach().clone() for k, v in job.model.named_parameters() if v.requires_grad}
+    job.train()
+    first = job.history.train[0]
+    assert first["kl"] == 0.0 and first["clip_fraction"] == 0.0 and job.history.train[-1]["kl"] > 0
+    assert (job.reference is not None) == (method == "full")
+    moved = [k for k, v in job.model.named_parameters() if v.requires_grad and not torch.equal(v, start[k])]
+    assert moved

@@ -54,5 +54,5 @@ torch.manual_seed(0)
 result = {"rank": rank, "single": run("single", rewards="tests.algorithms.test_grpo:odd_first_character"),
           "agent": run("agent", model=long_model, max_prompt_len=600, max_new_tokens=6, tool_tokens=48, max_turns=2,
                        dataset="multiply", tools="tpu_helpers.agents.examples:multiply",
-                       rewards="tests.algorithms.test_grpo_episodes:first_digit")}
+                       rewards="tests.algorithms.test_grpo_episodes:odd_turns")}
 (base / f"result-{rank}.json").write_text(json.dumps(result))

@@ -63,6 +63,7 @@ class EpisodeRunner:
         self.pad = pad_token_id
         self.mask_truncated = mask_truncated
         self.warnings: Counter = Counter()  # what went wrong in episodes, counted over the run
+        self.warmed = False  # whether a batch ran every turn (see `run`)
 
     def _warn(self, kind: str, message: str) -> None:
         if not self.warnings[kind]:
@@ -123,10 +124,13 @@ class EpisodeRunner:
                     continue
                 tool_ids[i] = more
             host_s += time.perf_counter() - t0
-            if k == s.max_turns or not any(active):
+            # The first batch runs every turn even when its episodes all ended sooner (the later turns then produce
+            # nothing): each turn's graphs compile in the warm-up step, not in whichever later step first needs them.
+            if k == s.max_turns or not (any(active) or not self.warmed):
                 turns.finish(k, outputs)
                 break
             turns.next(k + 1, outputs, tool_ids, active)
+        self.warmed = True
         ids, mask, out = turns.episode()
         own = out.mask
         if self.mask_truncated and any(truncated):

@@ -18,6 +18,7 @@ docs/algorithms/grpo.md.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -51,6 +52,7 @@ from tpu_helpers.training.results import panels_figure
 require_extra("hf", "GRPO (tpu_helpers.recipes.grpo)")
 
 SFT = "sft"
+SFT_DEMONSTRATIONS = 256  # START_FROM "sft" in agent mode: the example environment's demonstrations fine-tuned on
 GRPO_FIGURE = "grpo.png"  # what save_results writes besides loss.png: the reward, completion length, KL and loss
 CURVES = (("reward", "mean reward"), ("completion_tokens", "completion tokens"), ("kl", "KL to the reference"),
           ("loss", "loss"))
@@ -80,7 +82,7 @@ class GRPOConfig(HFJobConfig):
 
     dataset: str = SUMS  # "sums" (generated, offline), a local .jsonl/.json/.csv/.parquet, or a hub name
     start_from: str | None = SFT  # None | "sft" (brief SFT here first) | adapter dir | model dir | fine-tuning OUT_DIR
-    sft_steps: int = 150  # START_FROM "sft": steps of full fine-tuning on the generated instruction task
+    sft_steps: int = 150  # START_FROM "sft": fine-tuning steps (the instruction task; agents: the demonstrations)
     system_prompt: str | None = None
     rewards: str = "answer"  # comma-separated built-in names (answer, format, number, length, overlong) or paths
     format_pattern: str = DEFAULT_FORMAT  # the regex of the "format" reward
@@ -229,11 +231,41 @@ class GRPO(HFJob):
         out = Path(cfg.out_dir) / SFT
         if (out / "merged" / "config.json").is_file():
             return str(out / "merged")
+        if cfg.agentic:
+            return self._warm_start_on_demonstrations(out)
         sft = FinetuneConfig(model=cfg.model, dataset="instructions", method="full", steps=cfg.sft_steps,
                              batch_size=16, seq_len=48, lr=3e-3, warmup_steps=min(20, cfg.sft_steps // 5),
                              eval_every=cfg.sft_steps, log_every=max(1, cfg.sft_steps // 10), save_every=cfg.sft_steps,
                              out_dir=str(out), device=cfg.device, precision=cfg.precision, sharding=cfg.sharding,
                              xla_checks=cfg.xla_checks, seed=cfg.seed, max_records=2000, export_merged=True)
+        job = Finetune(sft, backend=self.backend, progress=self.progress)
+        job.train()
+        return job.export()["merged"]
+
+    def _warm_start_on_demonstrations(self, out: Path) -> str:
+        """START_FROM "sft" in agent mode: MODEL fine-tuned with LoRA (merged after) for SFT_STEPS steps on the
+        example environment's demonstrations (`agents.examples`: its own tool results, the prompts the episodes
+        render), written to OUT_DIR/sft/demonstrations.jsonl; another seed than the GRPO rows', so SFT and RL see
+        other episodes."""
+        from tpu_helpers.core.atomic_io import atomic_write_text
+        from tpu_helpers.recipes.finetune import Finetune, FinetuneConfig
+
+        cfg = self.config
+        if cfg.dataset not in EXAMPLE_DEMOS:
+            raise ConfigError(f"START_FROM={SFT!r} with an environment fine-tunes on an example environment's "
+                              f"demonstrations (DATASET one of {sorted(EXAMPLE_DEMOS)}), not DATASET="
+                              f"{cfg.dataset!r}: fine-tune on your own tool conversations with notebooks/"
+                              "finetune_llm.ipynb (TRL's SFT form) and give its OUT_DIR as START_FROM")
+        demos = EXAMPLE_DEMOS[cfg.dataset](SFT_DEMONSTRATIONS, seed=cfg.seed + 1)
+        path = out / "demonstrations.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, "".join(json.dumps(d) + "\n" for d in demos))
+        sft = FinetuneConfig(model=cfg.model, dataset=str(path), method="lora", lora_r=16, lora_alpha=32,
+                             steps=cfg.sft_steps, batch_size=8, seq_len=cfg.max_prompt_len + cfg.completion_tokens,
+                             lr=2e-3, warmup_steps=min(5, cfg.sft_steps // 5), eval_every=cfg.sft_steps,
+                             log_every=max(1, cfg.sft_steps // 10), save_every=cfg.sft_steps, out_dir=str(out),
+                             device=cfg.device, precision=cfg.precision, sharding=cfg.sharding,
+                             xla_checks=cfg.xla_checks, seed=cfg.seed, export_merged=True)
         job = Finetune(sft, backend=self.backend, progress=self.progress)
         job.train()
         return job.export()["merged"]
