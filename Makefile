@@ -27,7 +27,8 @@ XDIST := -n $(WORKERS) --dist loadfile
 FAST := not slow and not notebooks and not browser and not xla
 STACKS ?= colab kaggle core latest
 
-.PHONY: setup browser run pretrain-demo test test-fast test-real test-stacks test-real-stacks lock lint clean-runs print-venv docs
+.PHONY: setup browser run pretrain-demo test test-fast test-real test-stacks test-real-stacks lock lint clean-runs \
+	print-venv docs
 
 setup: $(STAMP)
 
