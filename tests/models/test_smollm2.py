@@ -112,6 +112,43 @@ def test_an_interrupted_build_is_not_taken_as_complete_and_a_complete_one_is_reu
     assert (target / "model.safetensors").stat().st_mtime_ns == before
 
 
+def test_builds_asked_for_at_once_make_one_and_all_get_it_complete(tmp_path, monkeypatch, fake_package,
+                                                                   tiny_lm_dir):
+    """Two pytest-xdist workers start `make test-real` on an empty cache: one builds under the lock while the other
+    waits, and neither sees a directory that is not complete (nor has a complete one removed under it)."""
+    import threading
+
+    cache = tmp_path / "cache"
+    inner = FakeLoader(tiny_lm_dir)
+    started, one_load = threading.Event(), threading.Lock()
+
+    def slow_loader(path):  # the second caller arrives while the build is under way
+        started.set()
+        time.sleep(0.5)
+        with one_load:  # transformers' loading is not thread-safe (worker processes load apart)
+            return inner(path)
+
+    monkeypatch.setattr(smollm2, "load_gguf", slow_loader)
+    got, errors = [], []
+
+    def ask():
+        try:
+            path = smollm2.smollm2_dir(cache)
+            got.append((path, smollm2.is_complete(path)))
+        except BaseException as e:  # noqa: BLE001  (re-raised below, in the test's thread)
+            errors.append(e)
+
+    first = threading.Thread(target=ask)
+    first.start()
+    assert started.wait(60)
+    second = threading.Thread(target=ask)
+    second.start()
+    first.join(120)
+    second.join(120)
+    assert errors == [] and got == [(cache / smollm2.DIR_NAME, True)] * 2
+    assert inner.calls == 1 and _temps(cache) == []
+
+
 def _without(monkeypatch, *modules):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in modules else real(name, *a))

