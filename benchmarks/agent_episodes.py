@@ -146,7 +146,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=8, help="episodes per batch")
     p.add_argument("--batches", type=int, default=3)
     p.add_argument("--prompt-tokens", type=int, default=256)
-    p.add_argument("--turn-tokens", type=int, default=24)
+    p.add_argument("--turn-tokens", type=int, default=40)
     p.add_argument("--tool-tokens", type=int, default=32)
     p.add_argument("--max-turns", type=int, default=2)
     p.add_argument("--stop-every", type=int, default=0, help="tokens id %% N == 0 end a turn (the tiny model)")
@@ -155,19 +155,20 @@ def main() -> None:
     args = p.parse_args()
     if args.child:
         return child(args)
-    if args.smoke:
+    if args.smoke:  # the tiny model, its tokenizer given a brief native tool template (the fallback's ~580 tokens)
+        sys.path.insert(0, str(ROOT))
+        import atexit
+        import shutil
+        import tempfile
+
+        from tests.algorithms.test_grpo_episodes import tool_tiny_copy
         from tpu_helpers.models.hf_tiny import tiny_model_dir
 
-        tiny = Path(os.environ.get("TMPDIR", "/tmp")) / "agent_episodes_tiny"
-        if not (tiny / "config.json").is_file():  # the tiny model with room for the tool schemas' ~580 tokens
-            import shutil
-
-            shutil.copytree(tiny_model_dir(), tiny, dirs_exist_ok=True)
-            config = json.loads((tiny / "config.json").read_text())
-            config["max_position_embeddings"] = 1024
-            (tiny / "config.json").write_text(json.dumps(config))
-        args.model, args.devices, args.rows, args.batches = str(tiny), "cpu,xla", 2, 2
-        args.prompt_tokens, args.turn_tokens, args.tool_tokens, args.stop_every = 600, 4, 48, 3
+        tiny = Path(tempfile.mkdtemp(prefix="agent_episodes_"))
+        atexit.register(shutil.rmtree, tiny, ignore_errors=True)
+        args.model = tool_tiny_copy(tiny_model_dir(), tiny / "model")
+        args.devices, args.rows, args.batches = "cpu,xla", 2, 2
+        args.prompt_tokens, args.turn_tokens, args.tool_tokens, args.stop_every = 128, 4, 24, 3
     print(f"{args.model}: {args.rows} Lockers episodes per batch, {args.batches} batches, up to {args.max_turns} "
           f"rounds of tool calls, {args.turn_tokens} tokens per turn, {args.tool_tokens} of tool text, prompts "
           f"{args.prompt_tokens} tokens")
@@ -178,8 +179,8 @@ def main() -> None:
             env["PJRT_DEVICE"] = "CPU"
         cmd = [sys.executable, __file__, "--child", device, *sys.argv[1:]]
         if args.smoke:
-            cmd += ["--model", args.model, "--rows", "2", "--batches", "2", "--prompt-tokens", "600",
-                    "--turn-tokens", "4", "--tool-tokens", "48", "--stop-every", "3"]
+            cmd += ["--model", args.model, "--rows", "2", "--batches", "2", "--prompt-tokens", "128",
+                    "--turn-tokens", "4", "--tool-tokens", "24", "--stop-every", "3"]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if proc.returncode or line is None:

@@ -29,6 +29,9 @@ NUMBER = r"[-+]?\d[\d,]*(?:\.\d+)?"
 # name: (arguments, patterns its output must match, one per figure line). `--smoke` where a script needed new
 # arguments to get small; the arguments it already takes otherwise.
 SMOKE: dict[str, tuple[list[str], list[str]]] = {
+    "agent_episodes": (["--smoke"], [rf"^cpu +package +{NUMBER} +{NUMBER} +{NUMBER} +-$",
+                                     rf"^cpu +hf +{NUMBER} +{NUMBER} +{NUMBER} +-$",
+                                     rf"^xla +package +{NUMBER} +{NUMBER} +{NUMBER} +\d+ then 0$"]),
     "attention_impl": (["--smoke"], [rf"^sdpa +\d+ +{NUMBER} +{NUMBER}$"]),
     "chunked_loss": (["--smoke"], [rf"^whole logits +{NUMBER} +{NUMBER}$", rf"^chunks of 32 +{NUMBER} +{NUMBER}$",
                                    rf"^saved {NUMBER} MiB",

@@ -10,14 +10,14 @@ import sys
 
 import pytest
 
-from tests.algorithms.test_grpo_episodes import long_tiny_dir  # noqa: F401 (the fixture)
+from tests.algorithms.test_grpo_episodes import tool_tiny_dir  # noqa: F401 (the fixture)
 from tests.support import ROOT, SCRIPTS
 
 
 @pytest.mark.slow
-def test_single_and_multi_turn_grpo_train_under_torchrun_ddp(tmp_path, long_tiny_dir):  # noqa: F811
+def test_single_and_multi_turn_grpo_train_under_torchrun_ddp(tmp_path, tool_tiny_dir):  # noqa: F811
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(SCRIPTS / "grpo_ddp.py"), str(tmp_path), long_tiny_dir]
+           str(SCRIPTS / "grpo_ddp.py"), str(tmp_path), tool_tiny_dir]
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -25,14 +25,28 @@ from tpu_helpers.recipes.grpo import GRPO, GRPOConfig
 TOOLS = "tpu_helpers.agents.examples:multiply"
 
 
+# A compact native tool template for the tiny model (ChatML with the tools' names only, calls as <tool_call> blocks,
+# results as tool messages): the fallback's schemas take ~580 of its tokens, more than its context of 256.
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\ntools: {% for t in tools %}{{ t.function.name }} {% endfor %}<|im_end|>\n"
+    "{% endif %}{%- for m in messages %}{%- if m.role == 'tool' %}<|im_start|>tool\n{{ m.content }}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>"
+    "{{ c.function | tojson }}</tool_call>{% endfor %}<|im_end|>\n{% endif %}{%- endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
 @pytest.fixture(scope="module")
-def long_tiny_dir(tmp_path_factory, tiny_lm_dir):
-    """The tiny Qwen2 with a context of 1024 positions: the fallback's tool schemas take ~580 of its tokens."""
-    target = tmp_path_factory.mktemp("tiny_long") / "model"
-    shutil.copytree(tiny_lm_dir, target)
-    config = json.loads((target / "config.json").read_text())
-    config["max_position_embeddings"] = 1024
-    (target / "config.json").write_text(json.dumps(config))
+def tool_tiny_dir(tmp_path_factory, tiny_lm_dir):
+    """The tiny Qwen2 whose tokenizer renders tools natively and briefly (TOOL_TEMPLATE)."""
+    return tool_tiny_copy(tiny_lm_dir, tmp_path_factory.mktemp("tiny_tools") / "model")
+
+
+def tool_tiny_copy(source, target) -> str:
+    shutil.copytree(source, target)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    config["chat_template"] = TOOL_TEMPLATE
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    (target / "chat_template.jinja").unlink(missing_ok=True)
     return str(target)
 
 
@@ -59,7 +73,7 @@ def scripted(monkeypatch):
 
 def _job(tmp_path, model_dir, device="cpu", **overrides):
     base = dict(device=device, model=model_dir, start_from=None, steps=3, batch_size=2, num_generations=2,
-                max_prompt_len=600, max_new_tokens=6, tool_tokens=48, max_turns=2, lr=1e-2, warmup_steps=1,
+                max_prompt_len=96, max_new_tokens=6, tool_tokens=24, max_turns=2, lr=1e-2, warmup_steps=1,
                 log_every=1, save_every=3, out_dir=str(tmp_path / "run"), max_records=16, lora_r=4, dataset="multiply",
                 tools=TOOLS, rewards="answer,tests.algorithms.test_grpo_episodes:odd_turns",
                 xla_checks="strict" if device == "xla" else "off")
@@ -71,9 +85,9 @@ def odd_turns(completions, **kwargs):
     return [float(sum(m["role"] == "assistant" for m in c) % 2) for c in completions]
 
 
-def test_an_episodes_slots_hold_its_conversation_and_the_loss_mask_only_the_models_tokens(tmp_path, long_tiny_dir,
+def test_an_episodes_slots_hold_its_conversation_and_the_loss_mask_only_the_models_tokens(tmp_path, tool_tiny_dir,
                                                                                            scripted):
-    job = _job(tmp_path, long_tiny_dir)
+    job = _job(tmp_path, tool_tiny_dir)
     runner, b = job.episode_runner, job.backend
     rows = job.records[:8]
     batch = runner.run(job.model, rows, backend=b, sampling=job.config.grpo.sampling,
@@ -103,9 +117,9 @@ def test_an_episodes_slots_hold_its_conversation_and_the_loss_mask_only_the_mode
 
 @pytest.mark.parametrize("loss_type,importance", [("grpo", "token"), ("bnpo", "sequence"), ("dr_grpo", "token"),
                                                   ("dapo", "token")])
-def test_every_loss_type_trains_on_episodes_on_policy_at_its_first_step(tmp_path, long_tiny_dir, scripted,
+def test_every_loss_type_trains_on_episodes_on_policy_at_its_first_step(tmp_path, tool_tiny_dir, scripted,
                                                                         loss_type, importance):
-    job = _job(tmp_path, long_tiny_dir, loss_type=loss_type, importance=importance, kl_beta=0.1,
+    job = _job(tmp_path, tool_tiny_dir, loss_type=loss_type, importance=importance, kl_beta=0.1,
                mask_truncated=True)
     start = {k: v.detach().clone() for k, v in job.model.named_parameters() if v.requires_grad}
     job.train()
@@ -118,11 +132,11 @@ def test_every_loss_type_trains_on_episodes_on_policy_at_its_first_step(tmp_path
 
 
 @pytest.mark.xla
-def test_strict_xla_agent_grpo_compiles_nothing_after_warm_up(tmp_path, long_tiny_dir, scripted):
+def test_strict_xla_agent_grpo_compiles_nothing_after_warm_up(tmp_path, tool_tiny_dir, scripted):
     from tests.support import XLA_BACKEND
 
     counters = StepCounters()
-    job = GRPO(_job(tmp_path, long_tiny_dir, "xla", steps=4).config, backend=XLA_BACKEND, progress=False,
+    job = GRPO(_job(tmp_path, tool_tiny_dir, "xla", steps=4).config, backend=XLA_BACKEND, progress=False,
                callbacks=[counters])
     report = job.train()  # strict: a recompilation after warm-up raises
     steps = counters.steps
@@ -145,8 +159,8 @@ def failing_on_long(completions, **kwargs):
     return out
 
 
-def test_a_reward_that_fails_on_some_episodes_is_counted_and_the_others_scored(tmp_path, long_tiny_dir, scripted):
-    job = _job(tmp_path, long_tiny_dir, rewards="tests.algorithms.test_grpo_episodes:failing_on_long")
+def test_a_reward_that_fails_on_some_episodes_is_counted_and_the_others_scored(tmp_path, tool_tiny_dir, scripted):
+    job = _job(tmp_path, tool_tiny_dir, rewards="tests.algorithms.test_grpo_episodes:failing_on_long")
     runner = job.episode_runner
     batch = runner.run(job.model, job.records[:8], backend=job.backend, sampling=job.config.grpo.sampling,
                        seed=torch.tensor([1, 0, 0]))
@@ -162,10 +176,10 @@ def test_a_reward_that_fails_on_some_episodes_is_counted_and_the_others_scored(t
 
 
 @pytest.mark.parametrize("method", ["full", "qlora"])
-def test_full_fine_tuning_and_qlora_train_on_episodes(tmp_path, long_tiny_dir, scripted, method):
+def test_full_fine_tuning_and_qlora_train_on_episodes(tmp_path, tool_tiny_dir, scripted, method):
     # full: the reference is a frozen copy (kl_beta > 0); qlora: LoRA on an NF4 base, the reference the base.
     extra = dict(method="full", lr=1e-3) if method == "full" else dict(quantize_base="nf4", quantize_group_size=32)
-    job = _job(tmp_path, long_tiny_dir, kl_beta=0.1, steps=2, **extra)
+    job = _job(tmp_path, tool_tiny_dir, kl_beta=0.1, steps=2, **extra)
     start = {k: v.detach().clone() for k, v in job.model.named_parameters() if v.requires_grad}
     job.train()
     first = job.history.train[0]
@@ -173,3 +187,19 @@ def test_full_fine_tuning_and_qlora_train_on_episodes(tmp_path, long_tiny_dir, s
     assert (job.reference is not None) == (method == "full")
     moved = [k for k, v in job.model.named_parameters() if v.requires_grad and not torch.equal(v, start[k])]
     assert moved
+
+
+@pytest.mark.xla
+def test_strict_xla_agent_grpo_on_an_eight_device_data_mesh_compiles_nothing_after_warm_up(tool_tiny_dir):
+    # A v5e-8, simulated, data placement: each turn's decode runs as one device loop, and the turns' reads of
+    # batch-sharded tokens compile nothing per step (strict: a recompilation after warm-up raises).
+    from tests.support import script_result
+    from tpu_helpers.backend import runtime_env
+
+    out = script_result("grpo_on_mesh", {"sharding": "data", "agent": tool_tiny_dir},
+                        env=runtime_env.xla_cpu_env(8), timeout=900)
+    print(f"agent GRPO strict on 8 simulated devices (data): {out['compilations']} compilations in "
+          f"{len(out['losses'])} steps, turns {out['turns']}")
+    assert out["replicas"] == 8 and out["problems"] == [], out
+    assert len(out["losses"]) == 6 and all(math.isfinite(x) for x in out["losses"]), out
+    assert out["looped"] == ["DeviceLoop"] and max(out["turns"]) > 1, out

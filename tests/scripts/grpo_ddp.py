@@ -2,7 +2,7 @@
 gloo on the CPU), single-turn and on agent episodes. Writes <DIR>/result-<rank>.json: each job's outcome, its
 history's rewards and losses, and a digest of the trained weights (the processes must end with the same ones).
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/scripts/grpo_ddp.py DIR LONG_MODEL_DIR
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/scripts/grpo_ddp.py DIR TOOL_MODEL_DIR
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from tpu_helpers.agents import ChatFormat, Parsed
 from tpu_helpers.recipes.grpo import GRPO, GRPOConfig
 
-base, long_model, rank = Path(sys.argv[1]), sys.argv[2], int(os.environ["RANK"])
+base, tool_model, rank = Path(sys.argv[1]), sys.argv[2], int(os.environ["RANK"])
 
 
 def scripted_parse(self, ids, *, prefix=None, tools=None):
@@ -52,7 +52,7 @@ def run(name: str, **overrides) -> dict:
 ChatFormat.parse = scripted_parse
 torch.manual_seed(0)
 result = {"rank": rank, "single": run("single", rewards="tests.algorithms.test_grpo:odd_first_character"),
-          "agent": run("agent", model=long_model, max_prompt_len=600, max_new_tokens=6, tool_tokens=48, max_turns=2,
+          "agent": run("agent", model=tool_model, max_prompt_len=96, max_new_tokens=6, tool_tokens=24, max_turns=2,
                        dataset="multiply", tools="tpu_helpers.agents.examples:multiply",
                        rewards="tests.algorithms.test_grpo_episodes:odd_turns")}
 (base / f"result-{rank}.json").write_text(json.dumps(result))

@@ -1,8 +1,8 @@
 """A GRPO run (the recipe, its tiny offline model with LoRA) on an 8-device SPMD mesh (CPU_NUM_DEVICES=8, the
 caller's) placed for the JSON argument's "sharding" (data, fsdp) with xla_checks="strict": a recompilation or an undeclared host read after the
 warm-up raises. Prints the rewards, losses, compilations, the detector's problems, whether the rollouts' decode
-ran as a device loop, and the report's device time per step. For tests/algorithms/test_grpo.py. With "agent" (a
-model directory with room for the tool schemas) the run is on agent episodes, scripted as
+ran as a device loop, and the report's device time per step. For tests/algorithms/test_grpo.py. With "agent" (the tiny
+model's directory with a tool template, tests/algorithms/test_grpo_episodes.py's tool_tiny_dir) the run is on agent episodes, scripted as
 tests/algorithms/test_grpo_episodes.py scripts them (tests/algorithms/test_grpo_episodes.py)."""
 
 import tempfile
@@ -19,7 +19,7 @@ if args.get("agent"):
     from tpu_helpers.agents import ChatFormat
 
     ChatFormat.parse = _scripted_parse
-    agent = dict(model=args["agent"], max_prompt_len=600, tool_tokens=48, max_turns=2, dataset="multiply", tools=TOOLS,
+    agent = dict(model=args["agent"], max_prompt_len=96, tool_tokens=24, max_turns=2, dataset="multiply", tools=TOOLS,
                  rewards="tests.algorithms.test_grpo_episodes:odd_turns")
 b = get_backend("xla", spmd=True, compile_cache_dir=None)
 cfg = GRPOConfig(**{**dict(device="xla", sharding=args["sharding"], start_from=None, steps=6, batch_size=8,
