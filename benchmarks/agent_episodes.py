@@ -9,7 +9,7 @@ whole conversation every turn (what TRL 1.16's tool loop does), on the CPU and o
 The episodes: the offline Lockers environment (agents.examples), its rows' prompts rendered with the tool schemas
 through the model's template, sampled at temperature 1 with MAX_TURNS rounds of tool calls, TURN_TOKENS tokens per
 turn and TOOL_TOKENS of tool text. An untrained model rarely writes a well-formed call, so the calls are scripted
-here: a turn whose first sampled token is even counts as a call to `open_locker` with the row's locker (the rest of
+here: a turn whose sampled token ids sum to an even number counts as a call to `open_locker` with the row's locker (the rest of
 the episode, the tool run, the template's tool text, the cache and the turns are real); both sides use the same
 rule, so they run the same number of turns. Each device runs in its own process (PJRT_DEVICE=CPU for XLA:CPU).
 Printed per side and device: episodes per second over the batches after the first, the mean turns per episode, the
@@ -31,12 +31,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _scripted(chat):
-    """The parse both sides use: a call to open_locker when the turn's first token is even, else the text."""
+    """The parse both sides use: a call to open_locker when the turn's token ids sum to an even number, else the
+    text."""
     from tpu_helpers.agents import Parsed
 
     def parse(ids, *, prefix=None, tools=None, locker="red"):
         ids = list(ids)
-        if ids and ids[0] % 2 == 0:
+        if ids and sum(ids) % 2 == 0:
             return Parsed({"role": "assistant", "content": "", "tool_calls": [
                 {"type": "function", "function": {"name": "open_locker", "arguments": {"name": locker}}}]})
         return Parsed({"role": "assistant", "content": chat.tokenizer.decode(ids, skip_special_tokens=True)})
