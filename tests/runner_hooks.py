@@ -44,6 +44,7 @@ SHARED = {
 UNIT_SECONDS = {
     # make test, tests/training apart
     "tests/models/test_generation.py": 120,
+    "tests/algorithms/test_grpo_episodes.py": 150,
     f"{_BENCH}[chunked_loss]": 54,
     f"{_BENCH}[generation]": 44,
     "tests/models/test_generation_replay.py": 43,
