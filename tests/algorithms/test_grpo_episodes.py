@@ -201,5 +201,5 @@ def test_strict_xla_agent_grpo_on_an_eight_device_data_mesh_compiles_nothing_aft
     print(f"agent GRPO strict on 8 simulated devices (data): {out['compilations']} compilations in "
           f"{len(out['losses'])} steps, turns {out['turns']}")
     assert out["replicas"] == 8 and out["problems"] == [], out
-    assert len(out["losses"]) == 6 and all(math.isfinite(x) for x in out["losses"]), out
+    assert len(out["losses"]) == 4 and all(math.isfinite(x) for x in out["losses"]), out  # steps 3-4: strict
     assert out["looped"] == ["DeviceLoop"] and max(out["turns"]) > 1, out

@@ -19,7 +19,7 @@ if args.get("agent"):
     from tpu_helpers.agents import ChatFormat
 
     ChatFormat.parse = _scripted_parse
-    agent = dict(model=args["agent"], max_prompt_len=96, tool_tokens=24, max_turns=2, dataset="multiply", tools=TOOLS,
+    agent = dict(steps=4, model=args["agent"], max_prompt_len=96, tool_tokens=24, max_turns=2, dataset="multiply", tools=TOOLS,
                  rewards="tests.algorithms.test_grpo_episodes:odd_turns")
 b = get_backend("xla", spmd=True, compile_cache_dir=None)
 cfg = GRPOConfig(**{**dict(device="xla", sharding=args["sharding"], start_from=None, steps=6, batch_size=8,
