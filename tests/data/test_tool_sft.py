@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from tests.agents.test_chat import SCHEMAS, multiply  # noqa: F401 (the same tool as the chat tests)
 from tests.models.families import family_tokenizer
-from tpu_helpers.agents import ChatFormat, tool_schema
+from tpu_helpers.agents import ChatFormat
 from tpu_helpers.config import ConfigError
 from tpu_helpers.data.sft import (
     build_sft_datasets,
@@ -28,17 +29,6 @@ from tpu_helpers.data.sft import (
 ctu = pytest.importorskip("trl.chat_template_utils")
 
 
-def multiply(a: int, b: int) -> int:
-    """Multiply two integers.
-
-    Args:
-        a: The first integer.
-        b: The second integer.
-    """
-    return a * b
-
-
-SCHEMAS = [tool_schema(multiply)]
 PLAIN = {"messages": [{"role": "user", "content": "2 + 3 ="}, {"role": "assistant", "content": "5"}]}
 CALL = '<tool_call>\n{"name": "multiply", "arguments": {"a": 3, "b": 4}}\n</tool_call>'
 

@@ -15,19 +15,11 @@ from pathlib import Path
 
 import torch
 
-from tpu_helpers.agents import ChatFormat, Parsed
+from tests.algorithms.test_grpo_episodes import _scripted_parse
+from tpu_helpers.agents import ChatFormat
 from tpu_helpers.recipes.grpo import GRPO, GRPOConfig
 
 base, tool_model, rank = Path(sys.argv[1]), sys.argv[2], int(os.environ["RANK"])
-
-
-def scripted_parse(self, ids, *, prefix=None, tools=None):
-    """As tests/algorithms/test_grpo_episodes.py scripts it: a tool call when the turn's first token is even."""
-    ids = list(ids)
-    if ids and ids[0] % 2 == 0:
-        return Parsed({"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "function": {"name": "multiply", "arguments": {"a": 3, "b": ids[0] % 7}}}]})
-    return Parsed({"role": "assistant", "content": "12"})
 
 
 def run(name: str, **overrides) -> dict:
@@ -49,7 +41,7 @@ def run(name: str, **overrides) -> dict:
         return {"outcome": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-3000:]}
 
 
-ChatFormat.parse = scripted_parse
+ChatFormat.parse = _scripted_parse  # as tests/algorithms/test_grpo_episodes.py scripts it
 torch.manual_seed(0)
 result = {"rank": rank, "single": run("single", rewards="tests.algorithms.test_grpo:odd_first_character"),
           "agent": run("agent", model=tool_model, max_prompt_len=96, max_new_tokens=6, tool_tokens=24, max_turns=2,

@@ -12,15 +12,11 @@
   `feedback_use` (the share of guesses consistent with the feedback already seen).
 - `multiply(a, b)`: one stateless tool, for rows asking "What is 347 times 829?". Reward: `product_reward`.
 
-Rows are TRL's: a conversational "prompt" (a one-line system message and the question) and the fields reset needs;
-their split ("train" or "test") comes from disjoint seed ranges (lockers, guessing) or a fixed partition of the
-operand pairs (multiply), so the two never share an episode whatever `seed` draws them. Each environment seeds its
-randomness from the row alone (`random.Random` of a string: the same in every process, whatever PYTHONHASHSEED), so
-a resumed or repeated run sees the same episode for the same row; reset rebuilds all state, as TRL reuses instances.
-Demonstrations are played by running the environment through `Agent` (tools.py's runner): the tool results are the
-environment's own and the prompt is the one an RL episode renders (reset's observation appended), so SFT and RL see
-the same conversations. Prompts, tool calls and results are a few tokens each: these are sized for SmolLM2-135M on a
-CPU (SFT, then GRPO). Torch-free.
+Rows are TRL's: a conversational "prompt" and the fields reset needs, train and test from disjoint seed ranges
+(lockers, guessing) or a fixed partition of the operand pairs (multiply). Each environment seeds its randomness from
+the row alone (`random.Random` of a string, whatever PYTHONHASHSEED), so a resumed run sees the same episode.
+Demonstrations are the rows' episodes played through `Agent`: the environment's own tool results and the prompt an RL
+episode renders, so SFT and RL see the same conversations. Sized for SmolLM2-135M on a CPU. Torch-free.
 """
 
 from __future__ import annotations

@@ -48,6 +48,7 @@ class EpisodeBatch:
     episodes: list[Episode]
     truncated: list[bool]
     turns: list[int]
+    tokens: list[int]  # the model's own tokens of each episode, counted on the host
     figures: dict[str, float] = field(default_factory=dict)
 
 
@@ -87,13 +88,14 @@ class EpisodeRunner:
                       pad_token_id=self.pad, sampling=sampling, seed=seed, sync=b.sync, replay=b.compile_step,
                       loop=b.compile_loop)
         n = len(rows)
-        active, truncated, used = [True] * n, [False] * n, [0] * n
+        active, truncated, used, tokens = [True] * n, [False] * n, [0] * n, [0] * n
         stop = set(self.stop_ids)
         host_s = 0.0
         turns.first()
         for k in range(s.answers):
             outputs = b.to_cpu(turns.outputs())  # the turn's one read
             ids_k, mask_k = turns.columns(k, outputs)
+            tokens = [t + int(m) for t, m in zip(tokens, mask_k.sum(1).tolist(), strict=True)]
             t0 = time.perf_counter()
             tool_ids: list[list[int]] = [[] for _ in range(n)]
             for i, e in enumerate(episodes):
@@ -142,7 +144,7 @@ class EpisodeRunner:
         figures = {"turns": sum(used) / n, "tool_calls": stats.calls / n,
                    "tool_success": 1.0 - stats.failed / stats.calls if stats.calls else math.nan,
                    "truncated": sum(truncated) / n, "host_s_per_turn": host_s / max(1, max(used))}
-        return EpisodeBatch(ids, mask, own, out.logprobs, episodes, truncated, used, figures)
+        return EpisodeBatch(ids, mask, own, out.logprobs, episodes, truncated, used, tokens, figures)
 
     def score(self, episodes: Sequence[Episode], **keywords: Any) -> tuple[list[float], dict[str, list[float]]]:
         """Each episode's summed reward (NaN terms left out, as TRL sums) and each source's values. A reward function

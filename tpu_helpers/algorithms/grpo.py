@@ -269,7 +269,7 @@ class GRPOTrainer(Trainer):
         rewards, values = self.episodes.score(batch.episodes)
         g = s.num_generations
         groups = torch.tensor(rewards).reshape(-1, g)
-        lengths = batch.own.sum(1).tolist() if batch.own.device.type == "cpu" else b.to_cpu(batch.own.sum(1)).tolist()
+        lengths = batch.tokens  # counted from the turns' reads: no read of the device's mask
         stats = {"reward": sum(rewards) / len(rewards), "reward_std": float(groups.std(1).mean()),
                  "completion_tokens": sum(lengths) / len(lengths), **batch.figures,
                  **{f"reward/{k}": _nanmean(v) for k, v in values.items()}}

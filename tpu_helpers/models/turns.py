@@ -171,7 +171,6 @@ class Turns:
         masked from here on), each row's tool text (at most tool_tokens ids; ignored where `active` is False), and
         which rows go on; those that do not produce padding with mask 0 from here on."""
         last_ids, last_mask = self.columns(turn - 1, outputs)
-        self.last_tokens = last_ids[:, -1].to("cpu")
         s = self.shape
         if not 1 <= turn <= s.max_turns:
             raise ValueError(f"turn={turn} must be between 1 and max_turns = {s.max_turns}")
@@ -180,8 +179,7 @@ class Turns:
         self.valid[:, prev:prev + s.turn_tokens] = last_mask.to("cpu", torch.bool)
         chunk = torch.full((self.batch, C + 1), self.pad, dtype=torch.long)
         tool_valid = torch.zeros((self.batch, C), dtype=torch.bool)
-        last = self.last_tokens
-        chunk[:, 0] = last
+        chunk[:, 0] = last_ids[:, -1].to("cpu")
         for i, (ids, on) in enumerate(zip(tool_ids, active, strict=True)):
             ids = list(ids) if on else []
             if len(ids) > C:
