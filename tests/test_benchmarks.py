@@ -32,6 +32,9 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
     "agent_episodes": (["--smoke"], [rf"^cpu +package +{NUMBER} +{NUMBER} +{NUMBER} +-$",
                                      rf"^cpu +hf +{NUMBER} +{NUMBER} +{NUMBER} +-$",
                                      rf"^xla +package +{NUMBER} +{NUMBER} +{NUMBER} +\d+ then 0$"]),
+    "agent_grpo_vs_trl": (["--smoke"], [rf"^package +{NUMBER} +{NUMBER} +{NUMBER} +{NUMBER}$",
+                                        rf"^trl(: skipped \(trl is not installed| +{NUMBER} +{NUMBER} +{NUMBER} +"
+                                        rf"{NUMBER}$)"]),
     "attention_impl": (["--smoke"], [rf"^sdpa +\d+ +{NUMBER} +{NUMBER}$"]),
     "chunked_loss": (["--smoke"], [rf"^whole logits +{NUMBER} +{NUMBER}$", rf"^chunks of 32 +{NUMBER} +{NUMBER}$",
                                    rf"^saved {NUMBER} MiB",

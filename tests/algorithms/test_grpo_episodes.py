@@ -17,7 +17,7 @@ import shutil
 import pytest
 import torch
 
-from tests.support import StepCounters
+from tests.support import StepCounters, StopAt, assert_same_trainable_weights
 from tpu_helpers.agents import ChatFormat, Parsed
 from tpu_helpers.algorithms.episodes import EpisodeRunner
 from tpu_helpers.recipes.grpo import GRPO, GRPOConfig
@@ -71,13 +71,13 @@ def scripted(monkeypatch):
     monkeypatch.setattr(EpisodeRunner, "__init__", init)
 
 
-def _job(tmp_path, model_dir, device="cpu", **overrides):
+def _job(tmp_path, model_dir, device="cpu", callbacks=None, **overrides):
     base = dict(device=device, model=model_dir, start_from=None, steps=3, batch_size=2, num_generations=2,
                 max_prompt_len=96, max_new_tokens=6, tool_tokens=24, max_turns=2, lr=1e-2, warmup_steps=1,
                 log_every=1, save_every=3, out_dir=str(tmp_path / "run"), max_records=16, lora_r=4, dataset="multiply",
                 tools=TOOLS, rewards="answer,tests.algorithms.test_grpo_episodes:odd_turns",
                 xla_checks="strict" if device == "xla" else "off")
-    return GRPO(GRPOConfig(**{**base, **overrides}), progress=False)
+    return GRPO(GRPOConfig(**{**base, **overrides}), progress=False, callbacks=callbacks)
 
 
 def odd_turns(completions, **kwargs):
@@ -189,15 +189,34 @@ def test_full_fine_tuning_and_qlora_train_on_episodes(tmp_path, tool_tiny_dir, s
     assert moved
 
 
+def test_a_killed_agent_run_resumes_the_same_episodes_bit_for_bit(tmp_path, tool_tiny_dir, scripted):
+    # Stopped after step 3, the first of a rollout's two updates: the episodes' rollout is saved with the checkpoint,
+    # and the environments are made anew from the rows; the resumed run ends on the uninterrupted run's weights.
+    opts = dict(steps=4, save_every=3, num_iterations=2)
+    whole = _job(tmp_path / "a", tool_tiny_dir, **opts)
+    whole.train()
+    first = _job(tmp_path / "b", tool_tiny_dir, callbacks=[StopAt(3)], **opts)
+    first.train()
+    assert first.trainer.step == 3 and first.trainer.rollout is not None
+    resumed = _job(tmp_path / "b", tool_tiny_dir, **opts)
+    assert resumed.train().resumed_from == 3
+    assert_same_trainable_weights(whole.model, resumed.model)
+    keys = ("step", "reward", "turns", "tool_calls", "truncated", "loss")
+    assert [{k: r.get(k) for k in keys} for r in whole.history.train] == \
+           [{k: r.get(k) for k in keys} for r in resumed.history.train]
+    assert any(r["turns"] > 1 for r in whole.history.train)
+
+
 @pytest.mark.xla
 def test_strict_xla_agent_grpo_on_an_eight_device_data_mesh_compiles_nothing_after_warm_up(tool_tiny_dir):
     # A v5e-8, simulated, data placement: each turn's decode runs as one device loop, and the turns' reads of
     # batch-sharded tokens compile nothing per step (strict: a recompilation after warm-up raises).
-    from tests.support import script_result
+    from tests.support import optimized_xla, script_result
     from tpu_helpers.backend import runtime_env
 
+    # At -O1: the job's time goes to running its decode loops on 8 devices, not to compiling them.
     out = script_result("grpo_on_mesh", {"sharding": "data", "agent": tool_tiny_dir},
-                        env=runtime_env.xla_cpu_env(8), timeout=900)
+                        env={**runtime_env.xla_cpu_env(8), **optimized_xla()}, timeout=900)
     print(f"agent GRPO strict on 8 simulated devices (data): {out['compilations']} compilations in "
           f"{len(out['losses'])} steps, turns {out['turns']}")
     assert out["replicas"] == 8 and out["problems"] == [], out
