@@ -9,9 +9,9 @@ whole conversation every turn (what TRL 1.16's tool loop does), on the CPU and o
 The episodes: the offline Lockers environment (agents.examples), its rows' prompts rendered with the tool schemas
 through the model's template, sampled at temperature 1 with MAX_TURNS rounds of tool calls, TURN_TOKENS tokens per
 turn and TOOL_TOKENS of tool text. An untrained model rarely writes a well-formed call, so the calls are scripted
-here: a turn whose sampled token ids sum to an even number counts as a call to `open_locker` with the row's locker (the rest of
-the episode, the tool run, the template's tool text, the cache and the turns are real); both sides use the same
-rule, so they run the same number of turns. Each device runs in its own process (PJRT_DEVICE=CPU for XLA:CPU).
+here: a turn whose sampled token ids sum to an even number counts as a call to `open_locker` with the row's locker
+(the rest of the episode, the tool run, the template's tool text, the cache and the turns are real); both sides use
+the same rule, so they run the same number of turns. Each device runs in its own process (PJRT_DEVICE=CPU for XLA:CPU).
 Printed per side and device: episodes per second over the batches after the first, the mean turns per episode, the
 host's seconds per turn (parsing, tools, the tool text's tokens), and on XLA the graphs compiled by the first batch
 and by the later ones (0: nothing compiles after the first episode of a shape).

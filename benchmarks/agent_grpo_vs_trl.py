@@ -58,14 +58,15 @@ def _qwen_template() -> str:
     return (files("trl") / "chat_templates" / "qwen2_5.jinja").read_text()
 
 
-def with_qwen_template(source: str, target: Path, positions: int | None = None) -> str:
-    """A copy of the model directory `source` whose tokenizer renders chats with TRL's Qwen2.5 template (and, for the
-    tiny model, `positions` positions)."""
+def start_copy(source: str, target: Path, template: str | None, positions: int | None = None) -> str:
+    """A copy of the model directory `source` whose tokenizer renders chats with `template` (None: its own), and
+    for the tiny model `positions` positions."""
     shutil.copytree(source, target)
-    config = json.loads((target / "tokenizer_config.json").read_text())
-    config["chat_template"] = _qwen_template()
-    (target / "tokenizer_config.json").write_text(json.dumps(config))
-    (target / "chat_template.jinja").unlink(missing_ok=True)
+    if template is not None:
+        config = json.loads((target / "tokenizer_config.json").read_text())
+        config["chat_template"] = template
+        (target / "tokenizer_config.json").write_text(json.dumps(config))
+        (target / "chat_template.jinja").unlink(missing_ok=True)
     if positions:
         model = json.loads((target / "config.json").read_text())
         model["max_position_embeddings"] = positions
@@ -183,11 +184,12 @@ def main() -> None:
     print(f"{model}: Lockers, {JOB['steps']} steps of {JOB['batch_size']} prompts x {JOB['num_generations']} "
           f"episodes, {JOB['max_turns']} round(s) of tool calls, {JOB['turn_tokens']} tokens per turn, "
           f"{JOB['tool_tokens']} of tool text; output in {out}", flush=True)
-    if importlib.util.find_spec("trl") is None:
+    has_trl = importlib.util.find_spec("trl") is not None
+    if not has_trl:
         print("trl: skipped (trl is not installed in this interpreter)")
         args.sides = ",".join(s for s in args.sides.split(",") if s != "trl")
-    start = with_qwen_template(resolve_model_source(model), out / "start", 1024 if args.smoke else None) \
-        if importlib.util.find_spec("trl") else resolve_model_source(model)
+    start = start_copy(resolve_model_source(model), out / "start", _qwen_template() if has_trl else None,
+                       1024 if args.smoke else None)
     # accelerate takes a process that can import torch_xla for an XLA one, even with use_cpu: off on both sides.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "USE_TORCH_XLA": "0", "TRL_EXPERIMENTAL_SILENCE": "1"}
     print(f"{'side':8} {'s/step':>8} {'generate s/step':>16} {'reward':>7} {'tool calls':>10}")

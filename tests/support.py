@@ -76,7 +76,7 @@ def tiny_config(tmp_path: Path, **overrides) -> TrainConfig:
 def optimized_xla(level: int = 1) -> dict[str, str]:
     """XLA_FLAGS for a child process whose programs run long rather than compile often, at LLVM -O`level` instead
     of the session's -O0: the 8-device agent GRPO job (tests/algorithms/test_grpo_episodes.py) spends its time
-    running its decode loops, not compiling them (CHANGELOG.md, 2026-11-28: what -O1 saves there and costs elsewhere)."""
+    running its decode loops, not compiling them (CHANGELOG.md, 2026-11-28: what -O1 saves there, costs elsewhere)."""
     flags = os.environ.get("XLA_FLAGS", "").replace(_O0, "").strip()
     return {"XLA_FLAGS": f"{flags} --xla_backend_optimization_level={level}".strip()}
 

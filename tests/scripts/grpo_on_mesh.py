@@ -1,9 +1,9 @@
 """A GRPO run (the recipe, its tiny offline model with LoRA) on an 8-device SPMD mesh (CPU_NUM_DEVICES=8, the
-caller's) placed for the JSON argument's "sharding" (data, fsdp) with xla_checks="strict": a recompilation or an undeclared host read after the
-warm-up raises. Prints the rewards, losses, compilations, the detector's problems, whether the rollouts' decode
-ran as a device loop, and the report's device time per step. For tests/algorithms/test_grpo.py. With "agent" (the tiny
-model's directory with a tool template, tests/algorithms/test_grpo_episodes.py's tool_tiny_dir) the run is on agent episodes, scripted as
-tests/algorithms/test_grpo_episodes.py scripts them (tests/algorithms/test_grpo_episodes.py)."""
+caller's) placed for the JSON argument's "sharding" (data, fsdp) with xla_checks="strict": a recompilation or an
+undeclared host read after the warm-up raises. Prints the rewards, losses, compilations, the detector's problems,
+whether the rollouts' decode ran as a device loop, and the report's device time per step. For
+tests/algorithms/test_grpo.py. With "agent" (the tiny model's directory with a tool template: test_grpo_episodes.py's
+tool_tiny_dir) the run is on agent episodes, scripted as tests/algorithms/test_grpo_episodes.py scripts them."""
 
 import tempfile
 
@@ -19,8 +19,8 @@ if args.get("agent"):
     from tpu_helpers.agents import ChatFormat
 
     ChatFormat.parse = _scripted_parse
-    agent = dict(steps=4, model=args["agent"], max_prompt_len=96, tool_tokens=24, max_turns=2, dataset="multiply", tools=TOOLS,
-                 rewards="tests.algorithms.test_grpo_episodes:odd_turns")
+    agent = dict(steps=4, model=args["agent"], max_prompt_len=96, tool_tokens=24, max_turns=2, dataset="multiply",
+                 tools=TOOLS, rewards="tests.algorithms.test_grpo_episodes:odd_turns")
 b = get_backend("xla", spmd=True, compile_cache_dir=None)
 cfg = GRPOConfig(**{**dict(device="xla", sharding=args["sharding"], start_from=None, steps=6, batch_size=8,
                            num_generations=2, max_prompt_len=24, max_new_tokens=6, lr=1e-2, warmup_steps=1,
