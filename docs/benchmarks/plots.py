@@ -20,6 +20,7 @@ HERE = Path(__file__).resolve().parent
 REAL_MODEL = {
     "LoRA SFT\n(exact match)": (0.00, 0.41, True),
     "GRPO\n(mean reward)": (0.09, 0.84, True),
+    "agent GRPO\n(Lockers reward)": (0.17, 0.54, True),
     "QAT int4 + LoRA\n(loss)": (5.51, 0.72, False),
     "QLoRA NF4\n(loss)": (4.89, 0.85, False),
     "distillation\n(loss)": (12.95, 6.16, False),
@@ -38,7 +39,8 @@ STEP_HOST_TOTAL_S = (0.294, 0.052)
 
 
 def real_model(path: Path) -> None:
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), gridspec_kw={"width_ratios": [2, 3]})
+    higher = sum(v[2] for v in REAL_MODEL.values())
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), gridspec_kw={"width_ratios": [higher, len(REAL_MODEL) - higher]})
     for ax, higher in zip(axes, (True, False), strict=True):
         jobs = {k: v for k, v in REAL_MODEL.items() if v[2] == higher}
         x = range(len(jobs))
