@@ -80,7 +80,6 @@ def test_grpo_raises_the_real_models_held_out_reward(smollm2_dir, tmp_path):
     assert after["reward"] >= before["reward"] + 0.3
 
 
-
 def test_agent_grpo_raises_the_real_models_held_out_tool_use(smollm2_dir, tmp_path):
     """Agent GRPO on `Lockers` (agents.examples), whose answer exists only inside the environment: a brief LoRA SFT
     on its demonstrations (START_FROM "sft", 4 steps of 8: the model calls the tool, often malformed), then GRPO on
