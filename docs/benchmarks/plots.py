@@ -39,8 +39,8 @@ STEP_HOST_TOTAL_S = (0.294, 0.052)
 
 
 def real_model(path: Path) -> None:
-    higher = sum(v[2] for v in REAL_MODEL.values())
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), gridspec_kw={"width_ratios": [higher, len(REAL_MODEL) - higher]})
+    widths = [sum(v[2] for v in REAL_MODEL.values()), sum(not v[2] for v in REAL_MODEL.values())]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), gridspec_kw={"width_ratios": widths})
     for ax, higher in zip(axes, (True, False), strict=True):
         jobs = {k: v for k, v in REAL_MODEL.items() if v[2] == higher}
         x = range(len(jobs))

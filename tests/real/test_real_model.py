@@ -81,29 +81,34 @@ def test_grpo_raises_the_real_models_held_out_reward(smollm2_dir, tmp_path):
 
 
 def test_agent_grpo_raises_the_real_models_held_out_tool_use(smollm2_dir, tmp_path):
-    """Agent GRPO on `Lockers` (agents.examples), whose answer exists only inside the environment: a brief LoRA SFT
-    on its demonstrations (START_FROM "sft", 4 steps of 8: the model calls the tool, often malformed), then GRPO on
-    its own episodes raises the held-out reward and the tool-call success. The prompt is 235 tokens (the
-    fallback's tool instructions and schema), so a step of 8 episodes takes about a minute on one CPU thread."""
+    """The agents notebook's `cpu` preset, as `--target cpu` runs it: GRPO on `Lockers` (agents.examples), whose
+    answer exists only inside the environment. A brief LoRA SFT on its demonstrations (START_FROM "sft", 4 steps of
+    8: the model calls the tool, often malformed), then GRPO on its own episodes raises the held-out reward and the
+    tool-call success. The prompt is 235 tokens (the fallback's tool instructions and schema), so a step of 8
+    episodes takes about a minute on one CPU thread."""
+    from tests.support import NOTEBOOKS
+    from tpu_helpers.config import config_from_parameters
+    from tpu_helpers.launch.runner import declared_parameters
+    from tpu_helpers.platform.targets import TARGETS
     from tpu_helpers.recipes.grpo import GRPO, GRPOConfig
 
-    job = GRPO(GRPOConfig(model=SMOLLM2, environment="tpu_helpers.agents.examples:Lockers", dataset="lockers",
-                          rewards="tpu_helpers.agents.examples:locker_reward", start_from="sft", sft_steps=4,
-                          method="lora", lora_targets="all-linear", lora_r=16, lora_alpha=32, steps=6, lr=1e-3,
-                          warmup_steps=1, kl_beta=0.0, batch_size=1, num_generations=8, max_new_tokens=40,
-                          tool_tokens=32, max_turns=1, max_prompt_len=256, log_every=1, save_every=6, device="cpu",
-                          out_dir=str(tmp_path / "agent")))
+    declared = declared_parameters(NOTEBOOKS["agents_llm"])
+    params = {**declared, **TARGETS["cpu"].params_for("agents_llm", declared), "OUT_DIR": str(tmp_path / "agent")}
+    job = GRPO(config_from_parameters(params, base=GRPOConfig()))
+    cfg = job.config
+    assert (cfg.model, cfg.start_from, cfg.device) == (SMOLLM2, "sft", "cpu")
     t0 = time.time()
     job.start_source  # noqa: B018 (the SFT warm start, timed apart)
     sft_s = time.time() - t0
-    before = job.samples(24)
+    before = job.samples(cfg.num_samples)
     job.train()
-    after = job.samples(24)
+    after = job.samples(cfg.num_samples)
     curves = job.curves()
-    print(f"\nagent GRPO on Lockers, SFT 4 steps then 6 GRPO steps of 1 prompt x 8 episodes: held-out reward "
-          f"{before['reward']:.2f} -> {after['reward']:.2f}, tool-call success {before['tool_success']:.2f} -> "
-          f"{after['tool_success']:.2f}, tool calls per episode {before['tool_calls']:.2f} -> "
-          f"{after['tool_calls']:.2f} (24 episodes; {time.time() - t0:.0f} s, SFT {sft_s:.0f} s); batch rewards "
+    print(f"\nagent GRPO on Lockers, SFT {cfg.sft_steps} steps then {cfg.steps} GRPO steps of {cfg.batch_size} "
+          f"prompt x {cfg.num_generations} episodes: held-out reward {before['reward']:.2f} -> "
+          f"{after['reward']:.2f}, tool-call success {before['tool_success']:.2f} -> {after['tool_success']:.2f}, "
+          f"tool calls per episode {before['tool_calls']:.2f} -> {after['tool_calls']:.2f} ({cfg.num_samples} "
+          f"episodes; {time.time() - t0:.0f} s, SFT {sft_s:.0f} s); batch rewards "
           f"{[round(r, 2) for r in curves['reward']]}")
     pair = next((b, a) for b, a in zip(before["rows"], after["rows"], strict=True) if a["reward"] > b["reward"])
     for when, row in zip(("before", "after"), pair, strict=True):
