@@ -4,9 +4,12 @@ whole conversation every turn (what TRL 1.16's tool loop does), on the CPU and o
 
     PYTHONPATH=. python benchmarks/agent_episodes.py                       # SmolLM2-135M-Instruct, lockers
     PYTHONPATH=. python benchmarks/agent_episodes.py --devices cpu,xla --batches 3 --rows 16
+    PYTHONPATH=. python benchmarks/agent_episodes.py --group 1                 # 8 rows, one episode each
     PYTHONPATH=. python benchmarks/agent_episodes.py --smoke               # CI: the tiny model, toy sizes
 
-The episodes: the offline Lockers environment (agents.examples), its rows' prompts rendered with the tool schemas
+The episodes: the offline Lockers environment (agents.examples), `--rows` episodes a batch in GRPO's groups of
+`--group` episodes of one row (the package runs a group's prompt pass once, `EpisodeRunner.run(group=)`; the
+`generate` side runs each conversation on its own, as TRL does), the prompts rendered with the tool schemas
 through the model's template, sampled at temperature 1 with MAX_TURNS rounds of tool calls, TURN_TOKENS tokens per
 turn and TOOL_TOKENS of tool text. An untrained model rarely writes a well-formed call, so the calls are scripted
 here: a turn whose sampled token ids sum to an even number counts as a call to `open_locker` with the row's locker
@@ -69,7 +72,9 @@ def _setup(args, device):
     chat.parse = lambda ids, **kw: rule(ids, **kw)
     if args.stop_every:  # the tiny model never writes its end of turn: a share of the vocabulary ends a turn
         runner.stop_ids = [t for t in range(len(tok)) if t % args.stop_every == 0]
-    rows = locker_rows(args.rows * args.batches, seed=0)
+    if args.rows % args.group:
+        raise SystemExit(f"--rows {args.rows} must be a multiple of --group {args.group}")
+    rows = [r for r in locker_rows(args.rows // args.group * args.batches, seed=0) for _ in range(args.group)]
     return torch, model, tok, b, chat, runner, rows
 
 
@@ -122,7 +127,8 @@ def child(args) -> None:
             t0 = time.perf_counter()
             if side == "package":
                 seed = torch.tensor([0, k], dtype=torch.long).to(b.device)
-                batch = runner.run(model, batch_rows, backend=b, sampling=Sampling(1.0), seed=seed)
+                batch = runner.run(model, batch_rows, backend=b, sampling=Sampling(1.0), seed=seed,
+                                   group=args.group)
                 b.to_cpu(batch.own)
                 turns += batch.turns
                 host_turn.append(batch.figures["host_s_per_turn"])
@@ -145,6 +151,7 @@ def main() -> None:
     p.add_argument("--devices", default="cpu")
     p.add_argument("--sides", default="package,hf")
     p.add_argument("--rows", type=int, default=8, help="episodes per batch")
+    p.add_argument("--group", type=int, default=8, help="episodes per row (GRPO's group)")
     p.add_argument("--batches", type=int, default=3)
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--turn-tokens", type=int, default=40)
@@ -168,10 +175,10 @@ def main() -> None:
         tiny = Path(tempfile.mkdtemp(prefix="agent_episodes_"))
         atexit.register(shutil.rmtree, tiny, ignore_errors=True)
         args.model = tool_tiny_copy(tiny_model_dir(), tiny / "model")
-        args.devices, args.rows, args.batches = "cpu,xla", 2, 2
+        args.devices, args.rows, args.batches, args.group = "cpu,xla", 2, 2, 2
         args.prompt_tokens, args.turn_tokens, args.tool_tokens, args.stop_every = 128, 4, 24, 3
-    print(f"{args.model}: {args.rows} Lockers episodes per batch, {args.batches} batches, up to {args.max_turns} "
-          f"rounds of tool calls, {args.turn_tokens} tokens per turn, {args.tool_tokens} of tool text, prompts "
+    print(f"{args.model}: {args.rows} Lockers episodes per batch ({args.group} per row), {args.batches} batches, "
+          f"up to {args.max_turns} rounds of tool calls, {args.turn_tokens} tokens per turn, {args.tool_tokens} of tool text, prompts "
           f"{args.prompt_tokens} tokens")
     print(f"{'device':8} {'side':8} {'episodes/s':>10} {'turns':>6} {'host s/turn':>11} {'compiles':>12}")
     for device in args.devices.split(","):
@@ -180,7 +187,7 @@ def main() -> None:
             env["PJRT_DEVICE"] = "CPU"
         cmd = [sys.executable, __file__, "--child", device, *sys.argv[1:]]
         if args.smoke:
-            cmd += ["--model", args.model, "--rows", "2", "--batches", "2", "--prompt-tokens", "128",
+            cmd += ["--model", args.model, "--rows", "2", "--group", "2", "--batches", "2", "--prompt-tokens", "128",
                     "--turn-tokens", "4", "--tool-tokens", "24", "--stop-every", "3"]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)

@@ -115,6 +115,31 @@ def test_an_episodes_slots_hold_its_conversation_and_the_loss_mask_only_the_mode
     assert any(cut) and not all(cut)
 
 
+def test_a_groups_episodes_share_their_prompt_pass_and_a_group_whose_prompts_differ_runs_its_own(
+        tmp_path, tool_tiny_dir, scripted):
+    job = _job(tmp_path, tool_tiny_dir)
+    runner, b = job.episode_runner, job.backend
+    rows = [r for r in job.records[:3] for _ in range(2)]
+    run = lambda rows, group: runner.run(job.model, rows, backend=b, sampling=job.config.grpo.sampling,  # noqa: E731
+                                         seed=torch.tensor([0, 1, 0]), group=group)
+    want = run(rows, 1)
+    passes = []
+    hook = job.model.register_forward_pre_hook(lambda m, a, kw: passes.append(tuple(kw["input_ids"].shape)),
+                                               with_kwargs=True)
+    got = run(rows, 2)
+    hook.remove()
+    assert passes[0] == (3, job.config.max_prompt_len)  # one prompt pass per group of 2
+    for a, c in ((got.ids, want.ids), (got.mask, want.mask), (got.own, want.own)):
+        assert torch.equal(a, c)
+    torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=1e-5)
+    assert [e.completion for e in got.episodes] == [e.completion for e in want.episodes]
+    assert runner.warnings["prompt_differs"] == 0
+    mixed = [rows[0], rows[0], rows[2], rows[4]]  # the second "group" holds two rows' prompts
+    with pytest.warns(UserWarning, match="start from different prompts"):
+        alone = run(mixed, 2)
+    assert runner.warnings["prompt_differs"] == 1 and len(alone.episodes) == 4
+
+
 @pytest.mark.parametrize("loss_type,importance", [("grpo", "token"), ("bnpo", "sequence"), ("dr_grpo", "token"),
                                                   ("dapo", "token")])
 def test_every_loss_type_trains_on_episodes_on_policy_at_its_first_step(tmp_path, tool_tiny_dir, scripted,

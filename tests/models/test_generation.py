@@ -94,6 +94,29 @@ def test_cached_greedy_equals_the_uncached_loop_across_model_families(family, mo
         assert not torch.equal(unwindowed.ids, want)
 
 
+def _prefill_rows(model):
+    """The batch sizes of the model's forward calls over more than one position (the prompt passes)."""
+    rows = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: rows.append(kwargs["input_ids"].shape[0])
+                                    if kwargs["input_ids"].shape[1] > 1 else None, with_kwargs=True)
+    return rows
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_prompt_shared_by_its_samples_runs_once_and_gives_the_repeated_prompts_tokens(family):
+    model = random_model(FAMILIES[family].config(VOCAB, pad=0), seed=1)
+    p = _prompt_rows()
+    hot = Sampling(temperature=1.5, top_k=20)
+    kw = dict(max_new_tokens=9, eos_token_id=3, pad_token_id=0, sampling=hot, seed=torch.tensor([4, 2]))
+    want = generate_ids(model, p.ids.repeat_interleave(3, 0), p.mask.repeat_interleave(3, 0), **kw)
+    rows = _prefill_rows(model)
+    got = generate_ids(model, p.ids, p.mask, num_return_sequences=3, **kw)
+    assert rows == [4]  # one pass over the 4 prompts for the 12 rows
+    assert torch.equal(got.ids, want.ids) and torch.equal(got.mask, want.mask)
+    torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(got.ids[0], got.ids[1]) or not torch.equal(got.ids[3], got.ids[4])  # samples differ
+
+
 def test_a_sliding_window_without_layer_types_is_applied_as_hf_does(monkeypatch):
     # Mistral-style configs set sliding_window for every layer and list no layer_types: HF's forward applies the
     # window (6 here, prompts + completions up to 21 tokens), so the cached generator must too.
@@ -251,6 +274,8 @@ def test_bad_generation_arguments_name_the_value(tiny_lm_dir):
         _gen(model, tok, p, max_new_tokens=0)
     with pytest.raises(ConfigError, match=r"cache_len=30 is less than the prompt width 24 \+ max_new_tokens 10"):
         _gen(model, tok, p, cache_len=30)
+    with pytest.raises(ConfigError, match=r"num_return_sequences=0 must be an integer >= 1"):
+        _gen(model, tok, p, num_return_sequences=0)
     with pytest.raises(ConfigError, match=r"TEMPERATURE=-1 must be >= 0"):
         Sampling(temperature=-1)
     with pytest.raises(ConfigError, match=r"TOP_P=0 must be in \(0, 1\]"):

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from tests.models.families import FAMILIES, lora_model, random_model
+from tests.models.families import FAMILIES, lora_model, random_lora, random_model
 from tests.support import XLA_BACKEND
 from tpu_helpers.models import generation
 from tpu_helpers.models.generation import Sampling, generate_ids, left_pad
@@ -118,6 +118,30 @@ def test_later_calls_trace_and_compile_nothing_and_follow_the_weights_and_the_ad
         lazy_base, looped_base = both(2)
     assert torch.equal(looped_base.ids, lazy_base.ids)
     assert not torch.equal(looped_base.ids, looped_after.ids)  # the adapter's switch was not baked in
+    generation.release_caches(model)
+
+
+def test_a_shared_prompt_pass_replayed_and_looped_gives_the_cpus_tokens_and_compiles_once(tiny_lm_dir, one_thread):
+    """GRPO's rollouts on XLA: 4 prompts x 3 samples, the prompt's pass once per prompt (4 rows), replayed, then
+    the decode looped over the 12 rows: the CPU's tokens, and a second call with other prompts compiles nothing."""
+    b = XLA_BACKEND
+    model = lora_model(tiny_lm_dir, b)
+    hot = Sampling(temperature=1.5, top_k=20, top_p=0.9)
+    vocab = model.config.vocab_size
+    cpu_model = random_lora(tiny_lm_dir)[0].eval()
+    kw = {"sampling": hot, "eos_token_id": [5, 9, 17], "max_new_tokens": 8, "num_return_sequences": 3}
+    compiles = []
+    for seed in (1, 2):
+        p = _rows(seed, lengths=(12, 5, 9, 1), vocab=vocab)
+        want = _gen(cpu_model, p, "cpu", seed=torch.tensor([seed, 3]), **kw)
+        start = b.metrics()["compilations"]
+        got = _gen(model, p, b.device, seed=torch.tensor([seed, 3]).to(b.device), sync=b.sync,
+                   replay=b.compile_step, loop=b.compile_loop, **kw)
+        compiles.append(b.metrics()["compilations"] - start)
+        assert got.ids.shape == (12, 8)
+        assert torch.equal(got.ids, want.ids) and torch.equal(got.mask, want.mask)
+        torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=1e-5)
+    assert compiles[0] > 0 and compiles[1] == 0, compiles
     generation.release_caches(model)
 
 

@@ -13,7 +13,7 @@ from tests.models.families import random_lora
 from tests.support import XLA_BACKEND
 from tpu_helpers.algorithms.grpo import completion_logps
 from tpu_helpers.config import ConfigError
-from tpu_helpers.models.generation import generate_ids, left_pad
+from tpu_helpers.models.generation import Sampling, generate_ids, left_pad
 from tpu_helpers.models.turns import Turns, TurnShape
 
 SHAPE = TurnShape(turn_tokens=6, tool_tokens=5, max_turns=2)  # 3 answers
@@ -98,19 +98,42 @@ def _episode(model, tok, p, device, tools, eos, **hooks):
     return ids.cpu(), valid.cpu(), out.logprobs.cpu()
 
 
+def test_episodes_sharing_a_prompt_pass_are_those_of_the_repeated_prompts(model_and_tok):
+    model, tok = model_and_tok
+    prompts = _prompts(tok)[:2]
+    eos = _fresh(model, tok, prompts, None, SHAPE.turn_tokens)[0][2]
+    tools = [[5, 6, 7], [8], [9, 10, 11, 12, 13], []]
+    hot = dict(sampling=Sampling(temperature=1.5, top_k=20), seed=torch.tensor([3, 1]), replay=False, loop=False)
+    p = left_pad(prompts, max(map(len, prompts)), tok.pad_token_id)
+    twice = left_pad([x for x in prompts for _ in range(2)], p.ids.shape[1], tok.pad_token_id)
+    want = _episode(model, tok, twice, "cpu", tools, eos, **hot)
+    rows = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: rows.append(tuple(kw["input_ids"].shape)),
+                                           with_kwargs=True)
+    got = _episode(model, tok, p, "cpu", tools, eos, num_return_sequences=2, **hot)
+    hook.remove()
+    assert rows[0] == tuple(p.ids.shape)  # the prompt's pass: 2 rows for the 4 episodes
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[2], want[2], atol=1e-5, rtol=1e-5)
+    assert not torch.equal(got[0][0], got[0][1])  # the two samples of a prompt went their own ways
+
+
 @pytest.mark.xla
 @pytest.mark.skipif(XLA_BACKEND is None, reason="torch_xla not installed")
-@pytest.mark.parametrize("hooks", ["lazy", "replayed", "looped"])
+@pytest.mark.parametrize("hooks", ["lazy", "replayed", "looped", "looped-shared"])
 def test_on_xla_the_turns_give_the_cpus_tokens_and_a_second_episode_compiles_nothing(model_and_tok, hooks):
     b = XLA_BACKEND
     model, tok = model_and_tok
     prompts = _prompts(tok)
+    shared = dict(num_return_sequences=2) if hooks.endswith("shared") else {}
+    prompts = prompts[:2] if shared else prompts  # 2 prompts x 2 episodes: the prompt's pass once per prompt
     p = left_pad(prompts, max(map(len, prompts)), tok.pad_token_id)
     eos = _fresh(model, tok, prompts, None, SHAPE.turn_tokens)[0][2]
     tools = [[5, 6, 7], [8], [9, 10, 11, 12, 13], []]
-    want_ids, want_valid, want_logp = _episode(model, tok, p, "cpu", tools, eos, replay=False, loop=False)
+    want_ids, want_valid, want_logp = _episode(model, tok, p, "cpu", tools, eos, replay=False, loop=False, **shared)
     chosen = {"lazy": dict(replay=False, loop=False), "replayed": dict(replay=b.compile_step, loop=False),
-              "looped": dict(replay=b.compile_step, loop=b.compile_loop)}[hooks]
+              "looped": dict(replay=b.compile_step, loop=b.compile_loop),
+              "looped-shared": dict(replay=b.compile_step, loop=b.compile_loop, **shared)}[hooks]
     xmodel = b.move_model(copy.deepcopy(model))
     compiles = []
     for other in (tools, [[4], [], [7, 8, 9], [3, 3]]):

@@ -71,9 +71,22 @@ class EpisodeRunner:
             warnings.warn(f"{message} (counted as {kind!r}; each later one only counted)", stacklevel=3)
         self.warnings[kind] += 1
 
+    def _shared(self, prompts: list[list[int]], group: int) -> int:
+        """How many consecutive rows share each prompt pass: `group` when every run of `group` prompts is the same
+        tokens, else 1 (an environment whose `reset` text differs between the copies of a row; counted, and on XLA
+        the prompt pass of that shape compiles once)."""
+        if group <= 1 or len(prompts) % group:
+            return 1
+        if all(prompts[i] == prompts[i - i % group] for i in range(len(prompts))):
+            return group
+        self._warn("prompt_differs", f"the {group} episodes of a row start from different prompts (its environment's "
+                                     "reset returns different text for the same row): each runs its own prompt pass")
+        return 1
+
     def run(self, model: torch.nn.Module, rows: Sequence[dict], *, backend: Any, sampling: Sampling,
-            seed: torch.Tensor | int = 0) -> EpisodeBatch:
-        """One episode per row (rows repeated by the caller for a group), to the end or the budget."""
+            seed: torch.Tensor | int = 0, group: int = 1) -> EpisodeBatch:
+        """One episode per row, to the end or the budget. `group`: the rows come in runs of `group` copies of a
+        row (GRPO's group); where each run's prompts are the same tokens, the prompt's pass runs once per run."""
         b, s = backend, self.shape
         episodes = [self.agent.start(row) for row in rows]
         prompts = []
@@ -83,10 +96,11 @@ class EpisodeRunner:
                 self._warn("prompt_cut", f"a prompt of {len(ids)} tokens is longer than MAX_PROMPT_LEN="
                                          f"{self.prompt_tokens}: its first tokens are cut")
             prompts.append(ids[-self.prompt_tokens:])
-        p = left_pad(prompts, self.prompt_tokens, self.pad)
+        shared = self._shared(prompts, group)
+        p = left_pad(prompts[::shared], self.prompt_tokens, self.pad)
         turns = Turns(model, p.ids.to(b.device), p.mask.to(b.device), s, eos_token_id=self.stop_ids,
                       pad_token_id=self.pad, sampling=sampling, seed=seed, sync=b.sync, replay=b.compile_step,
-                      loop=b.compile_loop)
+                      loop=b.compile_loop, num_return_sequences=shared)
         n = len(rows)
         active, truncated, used, tokens = [True] * n, [False] * n, [0] * n, [0] * n
         stop = set(self.stop_ids)

@@ -242,15 +242,18 @@ class GRPOTrainer(Trainer):
         return rollout, {**host, "generate_s": self.rollout_seconds[-1]}
 
     def sample_answers(self, prompts: dict, key: torch.Tensor) -> tuple[dict, list[float], dict[str, float]]:
-        """One answer per row, G rows per prompt (the KV cache: one prefill and one decode graph), scored on the
-        host after the step's one read: the rollout's tensors, the summed rewards and the figures."""
+        """One answer per row, G rows per prompt (the KV cache: one prefill and one decode graph; the prompt's pass
+        once per group), scored on the host after the step's one read: the rollout's tensors, the summed rewards
+        and the figures."""
         b, s = self.backend, self.settings
+        with b.autocast():
+            gen = generate_ids(self.sampling_model, prompts["input_ids"], prompts["attention_mask"],
+                               max_new_tokens=s.max_new_tokens, eos_token_id=self.stop_ids,
+                               pad_token_id=self.tokenizer.pad_token_id, sampling=s.sampling, seed=key,
+                               sync=b.sync, replay=b.compile_step, loop=b.compile_loop,
+                               num_return_sequences=s.num_generations)
         ids = prompts["input_ids"].repeat_interleave(s.num_generations, 0)
         mask = prompts["attention_mask"].repeat_interleave(s.num_generations, 0)
-        with b.autocast():
-            gen = generate_ids(self.sampling_model, ids, mask, max_new_tokens=s.max_new_tokens, eos_token_id=self.stop_ids,
-                               pad_token_id=self.tokenizer.pad_token_id, sampling=s.sampling, seed=key,
-                               sync=b.sync, replay=b.compile_step, loop=b.compile_loop)
         host = b.to_cpu({"ids": gen.ids, "index": prompts["index"]})  # the step's one read
         rewards, stats = self.score(host["ids"].tolist(), host["index"].tolist())
         rollout = {"ids": torch.cat([ids, gen.ids], 1), "mask": torch.cat([mask, gen.mask], 1),
@@ -265,7 +268,8 @@ class GRPOTrainer(Trainer):
         index = b.to_cpu(prompts["index"]).tolist()
         rows = [self.records[i] for i in index for _ in range(s.num_generations)]
         with b.autocast():
-            batch = self.episodes.run(self.sampling_model, rows, backend=b, sampling=s.sampling, seed=key)
+            batch = self.episodes.run(self.sampling_model, rows, backend=b, sampling=s.sampling, seed=key,
+                                      group=s.num_generations)
         rewards, values = self.episodes.score(batch.episodes)
         g = s.num_generations
         groups = torch.tensor(rewards).reshape(-1, g)

@@ -72,13 +72,14 @@ def _num_layers(model: torch.nn.Module) -> int:
     return int(config.num_hidden_layers)
 
 
-def make_cache(model: torch.nn.Module, length: int) -> Any:
+def make_cache(model: torch.nn.Module, length: int, repeats: int = 1) -> Any:
     """A transformers `Cache` of full-length `StaticLayer`s, allocated on first write: a sliding window is a mask
-    here, never a rolling buffer (docs/guides/generation.md says why)."""
+    here, never a rolling buffer (docs/guides/generation.md says why). With `repeats` > 1 its first write (the
+    prompt pass) comes with one row per prompt and fills `repeats` rows with each (see `_static_layer`)."""
     from transformers.cache_utils import Cache
 
     layer = _static_layer()
-    return Cache(layers=[layer(max_cache_len=length) for _ in range(_num_layers(model))])
+    return Cache(layers=[layer(max_cache_len=length, repeats=repeats) for _ in range(_num_layers(model))])
 
 
 @functools.cache
@@ -90,12 +91,34 @@ def _static_layer() -> type:
     from transformers.cache_utils import StaticLayer
 
     class Layer(StaticLayer):
+        """`repeats` rows per row of the first write: a prompt shared by a group (GRPO's samples of one prompt)
+        runs its pass once, and the cache gives each of the group's rows its own copy of the prompt's keys and
+        values, which the decode steps then extend row by row. That write returns only the keys and values it
+        was given, all there is before it, so the pass attends over the prompt's slots alone."""
+
+        def __init__(self, max_cache_len: int, repeats: int = 1, **kwargs):
+            super().__init__(max_cache_len=max_cache_len, **kwargs)
+            self.repeats = repeats
+
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-            super().lazy_initialization(key_states, value_states)
+            rows = key_states.shape[0] * self.repeats  # the shapes are all it reads: views, nothing copied
+            super().lazy_initialization(key_states[:1].expand(rows, -1, -1, -1),
+                                        value_states[:1].expand(rows, -1, -1, -1))
             if self.values.dtype != value_states.dtype:
                 self.values = torch.zeros_like(self.values, dtype=value_states.dtype)
                 if not torch.compiler.is_compiling():
                     torch._dynamo.mark_static_address(self.values)  # as transformers marks its own
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            if key_states.shape[0] == self.keys.shape[0]:
+                return super().update(key_states, value_states, *args, **kwargs)
+            written = torch.arange(key_states.shape[-2], device=self.keys.device) + self.cumulative_length
+            self.cumulative_length.add_(key_states.shape[-2])
+            self.keys.index_copy_(2, written, key_states.repeat_interleave(self.repeats, 0))
+            self.values.index_copy_(2, written, value_states.repeat_interleave(self.repeats, 0))
+            return key_states, value_states
 
     return Layer
 
@@ -233,24 +256,30 @@ def _decode(model: torch.nn.Module, cache: Any, st: tuple, fixed: tuple, width: 
 def _prefill(model: torch.nn.Module, cache: Any, tensors: tuple, room: int, width: int, window: int | None,
              hybrid: bool, dtype: torch.dtype, sampling: Sampling, pad: int) -> tuple:
     """The prompt's pass through the model, filling the cache, and the first new token: the decode's starting
-    state `st` and its `fixed` tensors. Like `_decode`, it reads nothing but its arguments (so it replays too)."""
+    state `st` and its `fixed` tensors. Like `_decode`, it reads nothing but its arguments (so it replays too).
+    With a cache of `repeats` rows per prompt the pass runs once per prompt, and `st` and `fixed` hold every row."""
     input_ids, attention_mask, eos, seed = tensors
     device = input_ids.device
-    batch = input_ids.shape[0]
+    repeats = cache.layers[0].repeats  # rows per prompt: the pass runs over the prompts, the decode over their rows
     total = width + room
     prompt_mask = attention_mask.to(torch.long)
     # Slots: the prompt's P, then one per new token; a slot holds a token when its prompt mask is 1 or it is a
     # generated slot already written (the causal condition below).
-    valid = torch.cat([prompt_mask.bool(), torch.ones((batch, room), dtype=torch.bool, device=device)], 1)
+    valid = torch.cat([prompt_mask.bool(), torch.ones((prompt_mask.shape[0], room), dtype=torch.bool,
+                                                      device=device)], 1)
     slot_pos = torch.cat([(prompt_mask.cumsum(-1) - 1).clamp(min=0),
                           prompt_mask.sum(-1, keepdim=True) + torch.arange(room, device=device)], 1)
+    seen = width if repeats > 1 else total  # a shared prompt's pass gets back its own keys only (`_static_layer`)
     slots = torch.arange(total, device=device)
     q = torch.arange(width, device=device)
     # Query i sees slots j <= i that hold a token (a padding query sees itself, so no row is empty).
-    allowed = ((slots[None, :] <= q[:, None]) & valid[:, None, :]) | (slots[None, :] == q[:, None])
-    distance = slot_pos[:, :width, None] - slot_pos[:, None, :]
+    allowed = ((slots[None, :seen] <= q[:, None]) & valid[:, None, :seen]) | (slots[None, :seen] == q[:, None])
+    distance = slot_pos[:, :width, None] - slot_pos[:, None, :seen]
     logits = _forward(model, input_ids, _masks(allowed, distance, window, dtype, hybrid), slot_pos[:, :width], cache,
                       keep_last=True)
+    if repeats > 1:
+        logits, valid, slot_pos = (t.repeat_interleave(repeats, 0) for t in (logits, valid, slot_pos))
+    batch = valid.shape[0]
     fixed = (slots, valid, slot_pos, torch.arange(room, device=device), eos, seed)
     st = (None, torch.zeros((1,), dtype=torch.long, device=device),  # after the sync, data: one decode graph
           torch.full((batch, room), pad, dtype=torch.long, device=device),
@@ -291,9 +320,13 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
                  sampling: Sampling = GREEDY, seed: int | torch.Tensor = 0,
                  sync: Callable[[], None] | bool | None = None, cache_len: int | None = None,
                  mask_dtype: torch.dtype | None = None, replay: Callable[[Callable], Callable] | bool | None = None,
-                 loop: Callable | bool | None = None) -> Generated:
+                 loop: Callable | bool | None = None, num_return_sequences: int = 1) -> Generated:
     """Complete left-padded prompts (`input_ids`, `attention_mask`: (B, P) on the model's device) by
     `max_new_tokens` tokens with a KV cache (docs/guides/generation.md).
+
+    `num_return_sequences`: completions per prompt, as in transformers' `generate` (rows i * n to i * n + n - 1 of
+    the outputs complete prompt i), but the prompt's pass runs once per prompt, not once per completion: a GRPO
+    group's prompt costs the prefill of one row. The tokens are those of the prompts repeated n times.
 
     `seed`: an int, or an int64 device tensor (e.g. [run seed, step]) so that a new stream per call compiles
     nothing new. `cache_len` (default P + max_new_tokens) sets the cache's slots and the outputs' width, cache_len - P:
@@ -316,9 +349,13 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
                          "must be the same (batch, width)")
+    if isinstance(num_return_sequences, bool) or not isinstance(num_return_sequences, int) or \
+            num_return_sequences < 1:
+        raise ConfigError(f"num_return_sequences={num_return_sequences!r} must be an integer >= 1")
     sync, replay, loop = _hooks(model, input_ids.device, sync, replay, loop)
     device = input_ids.device
-    batch, width = input_ids.shape
+    width = input_ids.shape[1]
+    batch = input_ids.shape[0] * num_return_sequences
     total = width + max_new_tokens if cache_len is None else cache_len
     if total < width + max_new_tokens:
         raise ConfigError(f"cache_len={cache_len!r} is less than the prompt width {width} + max_new_tokens "
@@ -336,8 +373,9 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     try:
         # Kept between calls where replayed or looped: a capture's guards check its objects, a CUDA graph its
         # addresses.
-        cache = make_cache(model, total) if replay is None and loop is None else \
-            kept_cache(model, (batch, total, dtype, _autocast(device)), lambda: make_cache(model, total))
+        n = num_return_sequences
+        cache = make_cache(model, total, n) if replay is None and loop is None else \
+            kept_cache(model, (batch, n, total, dtype, _autocast(device)), lambda: make_cache(model, total, n))
         args = (width, window, hybrid, dtype, sampling, pad_token_id)
         st, fixed = replayed_prefill(replay, _prefill, model, cache, (input_ids, attention_mask, eos, seed_t), room,
                                      args, sync)

@@ -98,19 +98,25 @@ def _continue(model: torch.nn.Module, cache: Any, chunk: torch.Tensor, start: to
 class Turns:
     """One batch of episodes in a cache of P + shape.width slots (see the module docstring). The host calls
     `first()`, reads `outputs()`, then for each later turn `next(turn, outputs, tool_ids, active)` with what it
-    parsed and ran, and `finish(last_turn, outputs)`; `episode()` gives the ids and mask, `valid` its slots in use."""
+    parsed and ran, and `finish(last_turn, outputs)`; `episode()` gives the ids and mask, `valid` its slots in use.
+    `num_return_sequences` n: n episodes per prompt row (rows i * n to i * n + n - 1), the prompt's pass run once
+    per prompt (models/generation.py's `generate_ids` does the same)."""
 
     @torch.no_grad()
     def __init__(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  shape: TurnShape, *, eos_token_id: int | Sequence[int] | None, pad_token_id: int,
                  sampling: Sampling = GREEDY, seed: int | torch.Tensor = 0, sync: Callable | bool | None = None,
                  replay: Callable | bool | None = None, loop: Callable | bool | None = None,
-                 mask_dtype: torch.dtype | None = None):
+                 mask_dtype: torch.dtype | None = None, num_return_sequences: int = 1):
         check_generation_support(model)
+        n = num_return_sequences
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError(f"num_return_sequences={n!r} must be an integer >= 1")
         self.model, self.shape = model, shape
         self.device = device = input_ids.device
         self.sync, self.replay, self.loop = _hooks(model, device, sync, replay, loop)
-        self.batch, self.width = input_ids.shape
+        self.width = input_ids.shape[1]
+        self.batch = input_ids.shape[0] * n
         self.total = self.width + shape.width
         dtype = mask_dtype or next(model.parameters()).dtype
         dtype = dtype if dtype.is_floating_point else torch.float32
@@ -121,10 +127,10 @@ class Turns:
         self.eos = _eos_tensor(eos_token_id, device)
         self.input_ids, self.attention_mask = input_ids, attention_mask
         kept = self.replay is not None or self.loop is not None
-        self.cache = kept_cache(model, ("turns", self.batch, self.total, dtype, _autocast(device)),
-                                lambda: make_cache(model, self.total)) if kept else make_cache(model, self.total)
+        self.cache = kept_cache(model, ("turns", self.batch, n, self.total, dtype, _autocast(device)),
+                                lambda: make_cache(model, self.total, n)) if kept else make_cache(model, self.total, n)
         # The host's copy of which slots hold a token: the prompt's, then each turn's as the host learns them.
-        self.valid = torch.cat([attention_mask.detach().to("cpu", torch.bool),
+        self.valid = torch.cat([attention_mask.detach().to("cpu", torch.bool).repeat_interleave(n, 0),
                                 torch.ones((self.batch, shape.width), dtype=torch.bool)], 1)
         self.tool_ids = torch.full((self.batch, shape.width), pad_token_id, dtype=torch.long)  # the host's text
         self.tool_mask = torch.zeros((self.batch, shape.width), dtype=torch.bool)
@@ -229,7 +235,8 @@ class Turns:
         model's tokens and the tool text in their slots; `valid` as the mask), and `result()`."""
         out = self.result()
         tools = self.tool_mask.to(self.device)
-        ids = torch.cat([self.input_ids, torch.where(tools, self.tool_ids.to(self.device), out.ids)], 1)
+        prompts = self.input_ids.repeat_interleave(self.batch // self.input_ids.shape[0], 0)
+        ids = torch.cat([prompts, torch.where(tools, self.tool_ids.to(self.device), out.ids)], 1)
         self.sync()  # the ids in a graph of their own, the same every batch, not in whatever reads them first
         return ids, self.valid.to(device=self.device, dtype=torch.long), out
 
