@@ -81,6 +81,28 @@ def test_each_turn_continues_the_conversation_as_a_fresh_generation_would(model_
     torch.testing.assert_close(logp[own], out.logprobs[own], atol=2e-5, rtol=1e-4)
 
 
+def test_a_turn_after_every_row_ended_early_attends_to_each_rows_end_of_turn(model_and_tok):
+    """On the CPU the decode steps stop once no row needs one: a row's EOS is written into the cache by the step
+    after it, which must still run when that EOS ended the last live row (else the next turn reads an empty slot)."""
+    model, tok = model_and_tok
+    prompts = _prompts(tok)
+    p = left_pad(prompts, max(map(len, prompts)), tok.pad_token_id)
+    shape = TurnShape(turn_tokens=12, tool_tokens=5, max_turns=1)
+    probe = _fresh(model, tok, prompts, None, 3)
+    stops = sorted({row[2] for row in probe})  # every row ends by its third token, long before the turn's 12
+    turns = Turns(model, p.ids, p.mask, shape, eos_token_id=stops, pad_token_id=tok.pad_token_id, replay=False,
+                  loop=False)
+    turns.first()
+    outputs = tuple(t.cpu() for t in turns.outputs())
+    assert outputs[1][:, :shape.turn_tokens].sum(1).max() <= 3
+    turns.next(1, outputs, [[5, 6], [7], [8, 9, 10], [4]], [True] * 4)
+    turns.finish(1, tuple(t.cpu() for t in turns.outputs()))
+    ids, valid, out = turns.episode()
+    own = out.mask.bool()
+    logp = completion_logps(model, ids, valid, shape.width, 1.0)
+    torch.testing.assert_close(logp[own], out.logprobs[own], atol=2e-5, rtol=1e-4)
+
+
 def test_a_turn_shape_is_checked():
     with pytest.raises(ConfigError, match="max_turns=0 must be an integer >= 1"):
         TurnShape(turn_tokens=4, tool_tokens=4, max_turns=0)

@@ -15,6 +15,7 @@ docs/guides/generation.md.
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -239,18 +240,51 @@ def _record(logits: torch.Tensor, st: tuple, fixed: tuple, sampling: Sampling, p
 
 
 def _decode(model: torch.nn.Module, cache: Any, st: tuple, fixed: tuple, width: int, window: int | None,
-            hybrid: bool, dtype: torch.dtype, sampling: Sampling, pad: int) -> tuple:
+            hybrid: bool, dtype: torch.dtype, sampling: Sampling, pad: int,
+            rows: torch.Tensor | None = None) -> tuple:
     """One decode step: the previous token goes in at its slot, the next one comes out. Everything it reads is an
-    argument (tensors in `st` and `fixed`, Python values that are the same for every step of a call)."""
+    argument (tensors in `st` and `fixed`, Python values that are the same for every step of a call). `rows` (the
+    CPU's, `live_steps`): only those rows go through the model, `cache` holding theirs (`rows_of`)."""
     token, step = st[0], st[1]
     slots, valid, slot_pos = fixed[:3]
+    if rows is not None:
+        token, valid, slot_pos = token[rows], valid[rows], slot_pos[rows]
     slot = width + step - 1  # the previous token's slot
     allowed = ((slots <= slot) & valid).unsqueeze(1)
     pos = slot_pos.gather(1, slot.expand(token.shape[0], 1))
     distance = pos.unsqueeze(-1) - slot_pos.unsqueeze(1)
     logits = _forward(model, token.unsqueeze(1), _masks(allowed, distance, window, dtype, hybrid), pos, cache,
                       keep_last=False)
-    return _record(logits, st, fixed, sampling, pad)
+    return _record(every_row(logits, rows, st[0].shape[0]), st, fixed, sampling, pad)
+
+
+def every_row(logits: torch.Tensor, rows: torch.Tensor | None, batch: int) -> torch.Tensor:
+    """`rows`' logits in a (batch, vocab) tensor, zeros elsewhere: the other rows are done, so `_record` writes
+    padding for them, and it draws every row's noise as the whole batch does (the same tokens)."""
+    if rows is None:
+        return logits
+    return logits.new_zeros((batch, logits.shape[-1])).index_copy_(0, rows, logits)
+
+
+def rows_of(cache: Any, rows: torch.Tensor) -> Any:
+    """A cache holding copies of `rows` of `cache` (the CPU's live rows); `put_rows` writes them back."""
+    part = copy.copy(cache)
+    part.layers = []
+    for layer in cache.layers:
+        sub = copy.copy(layer)
+        sub.keys, sub.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
+        sub.cumulative_length = layer.cumulative_length.clone()
+        sub.batch_size = rows.numel()
+        part.layers.append(sub)
+    return part
+
+
+def put_rows(cache: Any, part: Any, rows: torch.Tensor) -> None:
+    """Write `part` (`rows_of(cache, rows)`, advanced since) back into `cache`'s rows."""
+    for layer, sub in zip(cache.layers, part.layers, strict=True):
+        layer.keys.index_copy_(0, rows, sub.keys)
+        layer.values.index_copy_(0, rows, sub.values)
+        layer.cumulative_length.copy_(sub.cumulative_length)
 
 
 def _prefill(model: torch.nn.Module, cache: Any, tensors: tuple, room: int, width: int, window: int | None,
@@ -398,8 +432,33 @@ def decode_steps(model: torch.nn.Module, cache: Any, st: tuple, fixed: tuple, st
         sync()  # the loop's outputs become device data: each read of them would otherwise run it again
         return looped
     if replay is None:
-        return lazy_steps(_decode, model, cache, st, fixed, steps, sync, args, until_done=st[5].device.type == "cpu")
+        if st[5].device.type == "cpu":
+            return live_steps(model, cache, st, fixed, steps, args)
+        return lazy_steps(_decode, model, cache, st, fixed, steps, sync, args)
     return replayed_steps(replay, _decode, model, cache, st, fixed, steps, sync, args)
+
+
+def live_steps(model: torch.nn.Module, cache: Any, st: tuple, fixed: tuple, steps: int, args: tuple) -> tuple:
+    """The CPU's decode steps, where reading a tensor costs no transfer and shapes cost no compile. A step runs the
+    rows whose input token is their own (`st[4]`'s mask at the previous column: a row that just produced its EOS
+    still writes that token's keys and values, which its next turn attends to); once half the rows a step runs
+    need it no longer, the later steps run the others only (their cache rows copied out, written back when the set
+    changes and at the end), and once no row needs one the steps stop. Every row's token is drawn as the whole
+    batch's would be (`every_row`), so the tokens are the same."""
+    batch = st[5].shape[0]
+    rows, part = None, cache
+    for _ in range(steps):
+        live = st[4].index_select(1, st[1] - 1).squeeze(1).nonzero().squeeze(1)
+        if live.numel() == 0:
+            break
+        if live.numel() <= (batch if rows is None else rows.numel()) // 2:
+            if rows is not None:
+                put_rows(cache, part, rows)
+            rows, part = live, rows_of(cache, live)
+        st = _decode(model, part, st, fixed, *args, rows=rows)
+    if rows is not None:
+        put_rows(cache, part, rows)
+    return st
 
 
 @torch.no_grad()

@@ -222,12 +222,9 @@ def _set_cache_tensors(layers: list, tensors: list[torch.Tensor]) -> None:
 
 
 def lazy_steps(decode: Callable, model: torch.nn.Module, cache: Any, st: tuple, fixed: tuple, steps: int,
-               sync: Callable[[], None], args: tuple, until_done: bool = False) -> tuple:
-    """`steps` calls of `decode` traced lazily, `sync` cutting each into the same graph. `until_done` (eager
-    devices only, where reading the state costs no transfer) stops once every row is done (`st[5]`)."""
+               sync: Callable[[], None], args: tuple) -> tuple:
+    """`steps` calls of `decode` traced lazily, `sync` cutting each into the same graph."""
     for _ in range(steps):
-        if until_done and bool(st[5].all()):
-            break
         st = decode(model, cache, st, fixed, *args)
         sync()
     return st

@@ -42,7 +42,10 @@ from tpu_helpers.models.generation import (
     _sliding_window,
     check_generation_support,
     decode_steps,
+    every_row,
     make_cache,
+    put_rows,
+    rows_of,
 )
 from tpu_helpers.models.replay import kept_cache, replayed_prefill
 
@@ -80,11 +83,14 @@ class TurnShape:
 
 def _continue(model: torch.nn.Module, cache: Any, chunk: torch.Tensor, start: torch.Tensor, st: tuple,
               fixed: tuple, width: int, window: int | None, hybrid: bool, dtype: torch.dtype, sampling: Sampling,
-              pad: int) -> tuple:
+              pad: int, rows: torch.Tensor | None = None) -> tuple:
     """The pass over a turn's new slots (the last answer's final token, then the tool text), written into the cache
     from slot `start` on, and the next answer's first token recorded at column `st[1]`. Everything it reads is an
-    argument, so it replays like the decode step."""
+    argument, so it replays like the decode step. `rows` (the CPU's): only those rows' pass, `cache` holding
+    theirs (models/generation.py's `rows_of`)."""
     slots, valid, slot_pos = fixed[:3]
+    if rows is not None:
+        chunk, valid, slot_pos = chunk[rows], valid[rows], slot_pos[rows]
     for layer in cache.layers:  # the decode steps may have stopped early (the CPU): the writes start at `start`
         layer.cumulative_length.copy_(start)
     q = start + torch.arange(chunk.shape[1], device=chunk.device)
@@ -92,7 +98,7 @@ def _continue(model: torch.nn.Module, cache: Any, chunk: torch.Tensor, start: to
     pos = slot_pos.gather(1, q.expand(chunk.shape[0], -1))
     distance = pos[:, :, None] - slot_pos[:, None, :]
     logits = _forward(model, chunk, _masks(allowed, distance, window, dtype, hybrid), pos, cache, keep_last=True)
-    return _record(logits, st, fixed, sampling, pad)
+    return _record(every_row(logits, rows, st[0].shape[0]), st, fixed, sampling, pad)
 
 
 class Turns:
@@ -207,15 +213,21 @@ class Turns:
         self.fixed = (slots, valid, slot_pos, cols, eos, seed)
         st = (self.st[0], step, self.st[2], self.st[3], self.st[4], done)
 
+        live = [i for i, on in enumerate(active) if on]
+
         def run() -> None:
-            fn = _continue
-            if self.replay is not None:
-                captured = self.replay(_continue)
-                fn = captured
-            try:
-                first = fn(self.model, self.cache, chunk, start, st, self.fixed, *self.args)
-            except ReplayUnsupported:
-                first = _continue(self.model, self.cache, chunk, start, st, self.fixed, *self.args)
+            if self.device.type == "cpu" and len(live) < self.batch:
+                # The CPU passes the live rows only (where none is, one finished row: its outputs stay padding).
+                rows = torch.tensor(live or [0], dtype=torch.long)
+                part = rows_of(self.cache, rows)
+                first = _continue(self.model, part, chunk, start, st, self.fixed, *self.args, rows=rows)
+                put_rows(self.cache, part, rows)
+            else:
+                fn = self.replay(_continue) if self.replay is not None else _continue
+                try:
+                    first = fn(self.model, self.cache, chunk, start, st, self.fixed, *self.args)
+                except ReplayUnsupported:
+                    first = _continue(self.model, self.cache, chunk, start, st, self.fixed, *self.args)
             self.sync()
             self.st = decode_steps(self.model, self.cache, first, self.fixed, s.turn_tokens - 1, self.args,
                                    self.sync, self.replay, self.loop)
