@@ -57,7 +57,7 @@ def grpo_estimate(config: Any, prompts: int, *, num_generations: int, max_prompt
     reference = params * 2 if method == "full" and kl_beta > 0 else 0
     cache = kv_cache_bytes(config, rows, seq, bytes_per_value=width)
     decode = 3 * rows * V * 4 + 2 * rows * heads * seq * 4
-    prefill = rows * max_prompt_len * (8 * h * width + heads * seq * 4)
+    prefill = prompts * max_prompt_len * (8 * h * width + heads * max_prompt_len * 4)  # once per group
     phases = {}
     for name, parts in step.phases.items():
         parts = dict(parts)
