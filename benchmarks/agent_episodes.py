@@ -178,8 +178,8 @@ def main() -> None:
         args.devices, args.rows, args.batches, args.group = "cpu,xla", 2, 2, 2
         args.prompt_tokens, args.turn_tokens, args.tool_tokens, args.stop_every = 128, 4, 24, 3
     print(f"{args.model}: {args.rows} Lockers episodes per batch ({args.group} per row), {args.batches} batches, "
-          f"up to {args.max_turns} rounds of tool calls, {args.turn_tokens} tokens per turn, {args.tool_tokens} of tool text, prompts "
-          f"{args.prompt_tokens} tokens")
+          f"up to {args.max_turns} rounds of tool calls, {args.turn_tokens} tokens per turn, {args.tool_tokens} of "
+          f"tool text, prompts {args.prompt_tokens} tokens")
     print(f"{'device':8} {'side':8} {'episodes/s':>10} {'turns':>6} {'host s/turn':>11} {'compiles':>12}")
     for device in args.devices.split(","):
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -187,8 +187,8 @@ def main() -> None:
             env["PJRT_DEVICE"] = "CPU"
         cmd = [sys.executable, __file__, "--child", device, *sys.argv[1:]]
         if args.smoke:
-            cmd += ["--model", args.model, "--rows", "2", "--group", "2", "--batches", "2", "--prompt-tokens", "128",
-                    "--turn-tokens", "4", "--tool-tokens", "24", "--stop-every", "3"]
+            cmd += ["--model", args.model, "--rows", "2", "--group", "2", "--batches", "2",
+                    "--prompt-tokens", "128", "--turn-tokens", "4", "--tool-tokens", "24", "--stop-every", "3"]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if proc.returncode or line is None:

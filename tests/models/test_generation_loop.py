@@ -192,7 +192,8 @@ def test_a_data_parallel_mesh_loops_the_decode_and_an_fsdp_one_steps_it():
     CPU does on every family, a third call compiling nothing; an fsdp mesh keeps the stepped decode (the loop's
     program would gather every sharded weight whole before its While: the model whole on each chip), same tokens. On
     both a call with fewer new tokens in the same cache compiles nothing: over fsdp the replayed steps, which capture
-    nothing over a mesh, must be synced per step, not traced into one graph per call length."""
+    nothing over a mesh, must be synced per step, not traced into one graph per call length. A group's samples
+    sharing their prompt's pass answer as the CPU's too."""
     from tests.support import script_result
     from tpu_helpers.backend import runtime_env
 
@@ -206,3 +207,5 @@ def test_a_data_parallel_mesh_loops_the_decode_and_an_fsdp_one_steps_it():
     for family, r in {**data, "llama3 fsdp": fsdp["llama3"]}.items():
         assert r["shorter_same_ids"] and r["shorter_call_compiles"] == 0, (family, r)
     assert fsdp["llama3"]["third_call_compiles"] == 0, fsdp
+    # 2 answers per prompt, the prompt's pass over the 8 prompts split over the chips: the CPU's tokens.
+    assert data[sorted(FAMILIES)[0]]["shared_same_ids"] and fsdp["llama3"]["shared_same_ids"], (data, fsdp)

@@ -73,14 +73,15 @@ def _num_layers(model: torch.nn.Module) -> int:
     return int(config.num_hidden_layers)
 
 
-def make_cache(model: torch.nn.Module, length: int, repeats: int = 1) -> Any:
+def make_cache(model: torch.nn.Module, length: int, rows: int | None = None) -> Any:
     """A transformers `Cache` of full-length `StaticLayer`s, allocated on first write: a sliding window is a mask
-    here, never a rolling buffer (docs/guides/generation.md says why). With `repeats` > 1 its first write (the
-    prompt pass) comes with one row per prompt and fills `repeats` rows with each (see `_static_layer`)."""
+    here, never a rolling buffer (docs/guides/generation.md says why). With `rows` (the decode's batch) a first
+    write (the prompt pass) of fewer rows, one per prompt, fills `rows // its rows` rows with each (see
+    `_static_layer`); without, the first write's rows are the cache's."""
     from transformers.cache_utils import Cache
 
     layer = _static_layer()
-    return Cache(layers=[layer(max_cache_len=length, repeats=repeats) for _ in range(_num_layers(model))])
+    return Cache(layers=[layer(max_cache_len=length, rows=rows) for _ in range(_num_layers(model))])
 
 
 @functools.cache
@@ -92,17 +93,17 @@ def _static_layer() -> type:
     from transformers.cache_utils import StaticLayer
 
     class Layer(StaticLayer):
-        """`repeats` rows per row of the first write: a prompt shared by a group (GRPO's samples of one prompt)
-        runs its pass once, and the cache gives each of the group's rows its own copy of the prompt's keys and
-        values, which the decode steps then extend row by row. That write returns only the keys and values it
-        was given, all there is before it, so the pass attends over the prompt's slots alone."""
+        """`rows` rows, which a write of fewer fills in equal runs: a prompt shared by a group (GRPO's samples of
+        one prompt) runs its pass once, and the cache gives each of the group's rows its own copy of the prompt's
+        keys and values, which the decode steps then extend row by row. That write returns only the keys and
+        values it was given, all there is before it, so the pass attends over the prompt's slots alone."""
 
-        def __init__(self, max_cache_len: int, repeats: int = 1, **kwargs):
+        def __init__(self, max_cache_len: int, rows: int | None = None, **kwargs):
             super().__init__(max_cache_len=max_cache_len, **kwargs)
-            self.repeats = repeats
+            self.rows = rows
 
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-            rows = key_states.shape[0] * self.repeats  # the shapes are all it reads: views, nothing copied
+            rows = self.rows or key_states.shape[0]  # the shapes are all it reads: views, nothing copied
             super().lazy_initialization(key_states[:1].expand(rows, -1, -1, -1),
                                         value_states[:1].expand(rows, -1, -1, -1))
             if self.values.dtype != value_states.dtype:
@@ -115,13 +116,21 @@ def _static_layer() -> type:
                 self.lazy_initialization(key_states, value_states)
             if key_states.shape[0] == self.keys.shape[0]:
                 return super().update(key_states, value_states, *args, **kwargs)
+            repeats = _repeats(self.keys.shape[0], key_states.shape[0])
             written = torch.arange(key_states.shape[-2], device=self.keys.device) + self.cumulative_length
             self.cumulative_length.add_(key_states.shape[-2])
-            self.keys.index_copy_(2, written, key_states.repeat_interleave(self.repeats, 0))
-            self.values.index_copy_(2, written, value_states.repeat_interleave(self.repeats, 0))
+            self.keys.index_copy_(2, written, key_states.repeat_interleave(repeats, 0))
+            self.values.index_copy_(2, written, value_states.repeat_interleave(repeats, 0))
             return key_states, value_states
 
     return Layer
+
+
+def _repeats(rows: int, prompts: int) -> int:
+    """How many of a cache's `rows` each of `prompts` prompt rows fills (rows i * n to i * n + n - 1)."""
+    if rows % prompts:
+        raise ValueError(f"a cache of {rows} rows cannot hold {prompts} prompts' rows in equal runs")
+    return rows // prompts
 
 
 def _text_config(model: torch.nn.Module) -> Any:
@@ -244,7 +253,7 @@ def _decode(model: torch.nn.Module, cache: Any, st: tuple, fixed: tuple, width: 
             rows: torch.Tensor | None = None) -> tuple:
     """One decode step: the previous token goes in at its slot, the next one comes out. Everything it reads is an
     argument (tensors in `st` and `fixed`, Python values that are the same for every step of a call). `rows` (the
-    CPU's, `live_steps`): only those rows go through the model, `cache` holding theirs (`rows_of`)."""
+    CPU's, `_live_steps`): only those rows go through the model, `cache` holding theirs (`_rows_of`)."""
     token, step = st[0], st[1]
     slots, valid, slot_pos = fixed[:3]
     if rows is not None:
@@ -255,10 +264,10 @@ def _decode(model: torch.nn.Module, cache: Any, st: tuple, fixed: tuple, width: 
     distance = pos.unsqueeze(-1) - slot_pos.unsqueeze(1)
     logits = _forward(model, token.unsqueeze(1), _masks(allowed, distance, window, dtype, hybrid), pos, cache,
                       keep_last=False)
-    return _record(every_row(logits, rows, st[0].shape[0]), st, fixed, sampling, pad)
+    return _record(_every_row(logits, rows, st[0].shape[0]), st, fixed, sampling, pad)
 
 
-def every_row(logits: torch.Tensor, rows: torch.Tensor | None, batch: int) -> torch.Tensor:
+def _every_row(logits: torch.Tensor, rows: torch.Tensor | None, batch: int) -> torch.Tensor:
     """`rows`' logits in a (batch, vocab) tensor, zeros elsewhere: the other rows are done, so `_record` writes
     padding for them, and it draws every row's noise as the whole batch does (the same tokens)."""
     if rows is None:
@@ -266,8 +275,8 @@ def every_row(logits: torch.Tensor, rows: torch.Tensor | None, batch: int) -> to
     return logits.new_zeros((batch, logits.shape[-1])).index_copy_(0, rows, logits)
 
 
-def rows_of(cache: Any, rows: torch.Tensor) -> Any:
-    """A cache holding copies of `rows` of `cache` (the CPU's live rows); `put_rows` writes them back."""
+def _rows_of(cache: Any, rows: torch.Tensor) -> Any:
+    """A cache holding copies of `rows` of `cache` (the CPU's live rows); `_put_rows` writes them back."""
     part = copy.copy(cache)
     part.layers = []
     for layer in cache.layers:
@@ -279,8 +288,8 @@ def rows_of(cache: Any, rows: torch.Tensor) -> Any:
     return part
 
 
-def put_rows(cache: Any, part: Any, rows: torch.Tensor) -> None:
-    """Write `part` (`rows_of(cache, rows)`, advanced since) back into `cache`'s rows."""
+def _put_rows(cache: Any, part: Any, rows: torch.Tensor) -> None:
+    """Write `part` (`_rows_of(cache, rows)`, advanced since) back into `cache`'s rows."""
     for layer, sub in zip(cache.layers, part.layers, strict=True):
         layer.keys.index_copy_(0, rows, sub.keys)
         layer.values.index_copy_(0, rows, sub.values)
@@ -294,7 +303,7 @@ def _prefill(model: torch.nn.Module, cache: Any, tensors: tuple, room: int, widt
     With a cache of `repeats` rows per prompt the pass runs once per prompt, and `st` and `fixed` hold every row."""
     input_ids, attention_mask, eos, seed = tensors
     device = input_ids.device
-    repeats = cache.layers[0].repeats  # rows per prompt: the pass runs over the prompts, the decode over their rows
+    repeats = _repeats(cache.layers[0].rows or input_ids.shape[0], input_ids.shape[0])  # rows per prompt
     total = width + room
     prompt_mask = attention_mask.to(torch.long)
     # Slots: the prompt's P, then one per new token; a slot holds a token when its prompt mask is 1 or it is a
@@ -405,11 +414,10 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     was_training = model.training
     model.eval()
     try:
-        # Kept between calls where replayed or looped: a capture's guards check its objects, a CUDA graph its
-        # addresses.
-        n = num_return_sequences
-        cache = make_cache(model, total, n) if replay is None and loop is None else \
-            kept_cache(model, (batch, n, total, dtype, _autocast(device)), lambda: make_cache(model, total, n))
+        # Kept between calls where replayed or looped (a capture's guards check its objects, a CUDA graph its
+        # addresses), by the decode's shapes alone: calls with and without a shared prompt pass use one cache.
+        cache = make_cache(model, total, batch) if replay is None and loop is None else \
+            kept_cache(model, (batch, total, dtype, _autocast(device)), lambda: make_cache(model, total, batch))
         args = (width, window, hybrid, dtype, sampling, pad_token_id)
         st, fixed = replayed_prefill(replay, _prefill, model, cache, (input_ids, attention_mask, eos, seed_t), room,
                                      args, sync)
@@ -423,8 +431,8 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
 def decode_steps(model: torch.nn.Module, cache: Any, st: tuple, fixed: tuple, steps: int, args: tuple,
                  sync: Callable[[], None], replay: Callable | None, loop: Callable | None) -> tuple:
     """`steps` decode steps after a prompt pass (or a turn's pass, models/turns.py): one device loop where `loop`
-    builds one, else replayed or traced step by step. On the CPU, where reading a tensor costs no transfer, the steps
-    stop once every row has produced EOS: the columns left keep their padding and mask 0, as the steps would write."""
+    builds one, else replayed or traced step by step. On the CPU the steps run the live rows only and stop once no
+    row needs one (`_live_steps`): the columns left keep their padding and mask 0, as the steps would write."""
     if steps < 1:
         return st
     looped = looped_steps(loop, _decode, model, cache, st, fixed, steps, args) if loop is not None else None
@@ -433,18 +441,18 @@ def decode_steps(model: torch.nn.Module, cache: Any, st: tuple, fixed: tuple, st
         return looped
     if replay is None:
         if st[5].device.type == "cpu":
-            return live_steps(model, cache, st, fixed, steps, args)
+            return _live_steps(model, cache, st, fixed, steps, args)
         return lazy_steps(_decode, model, cache, st, fixed, steps, sync, args)
     return replayed_steps(replay, _decode, model, cache, st, fixed, steps, sync, args)
 
 
-def live_steps(model: torch.nn.Module, cache: Any, st: tuple, fixed: tuple, steps: int, args: tuple) -> tuple:
+def _live_steps(model: torch.nn.Module, cache: Any, st: tuple, fixed: tuple, steps: int, args: tuple) -> tuple:
     """The CPU's decode steps, where reading a tensor costs no transfer and shapes cost no compile. A step runs the
     rows whose input token is their own (`st[4]`'s mask at the previous column: a row that just produced its EOS
     still writes that token's keys and values, which its next turn attends to); once half the rows a step runs
     need it no longer, the later steps run the others only (their cache rows copied out, written back when the set
     changes and at the end), and once no row needs one the steps stop. Every row's token is drawn as the whole
-    batch's would be (`every_row`), so the tokens are the same."""
+    batch's would be (`_every_row`), so the tokens are the same."""
     batch = st[5].shape[0]
     rows, part = None, cache
     for _ in range(steps):
@@ -453,11 +461,11 @@ def live_steps(model: torch.nn.Module, cache: Any, st: tuple, fixed: tuple, step
             break
         if live.numel() <= (batch if rows is None else rows.numel()) // 2:
             if rows is not None:
-                put_rows(cache, part, rows)
-            rows, part = live, rows_of(cache, live)
+                _put_rows(cache, part, rows)
+            rows, part = live, _rows_of(cache, live)
         st = _decode(model, part, st, fixed, *args, rows=rows)
     if rows is not None:
-        put_rows(cache, part, rows)
+        _put_rows(cache, part, rows)
     return st
 
 

@@ -33,19 +33,19 @@ from tpu_helpers.models.generation import (
     Sampling,
     _autocast,
     _eos_tensor,
+    _every_row,
     _forward,
     _hooks,
     _hybrid,
     _masks,
     _prefill,
+    _put_rows,
     _record,
+    _rows_of,
     _sliding_window,
     check_generation_support,
     decode_steps,
-    every_row,
     make_cache,
-    put_rows,
-    rows_of,
 )
 from tpu_helpers.models.replay import kept_cache, replayed_prefill
 
@@ -87,7 +87,7 @@ def _continue(model: torch.nn.Module, cache: Any, chunk: torch.Tensor, start: to
     """The pass over a turn's new slots (the last answer's final token, then the tool text), written into the cache
     from slot `start` on, and the next answer's first token recorded at column `st[1]`. Everything it reads is an
     argument, so it replays like the decode step. `rows` (the CPU's): only those rows' pass, `cache` holding
-    theirs (models/generation.py's `rows_of`)."""
+    theirs (models/generation.py's `_rows_of`)."""
     slots, valid, slot_pos = fixed[:3]
     if rows is not None:
         chunk, valid, slot_pos = chunk[rows], valid[rows], slot_pos[rows]
@@ -98,7 +98,7 @@ def _continue(model: torch.nn.Module, cache: Any, chunk: torch.Tensor, start: to
     pos = slot_pos.gather(1, q.expand(chunk.shape[0], -1))
     distance = pos[:, :, None] - slot_pos[:, None, :]
     logits = _forward(model, chunk, _masks(allowed, distance, window, dtype, hybrid), pos, cache, keep_last=True)
-    return _record(every_row(logits, rows, st[0].shape[0]), st, fixed, sampling, pad)
+    return _record(_every_row(logits, rows, st[0].shape[0]), st, fixed, sampling, pad)
 
 
 class Turns:
@@ -133,8 +133,9 @@ class Turns:
         self.eos = _eos_tensor(eos_token_id, device)
         self.input_ids, self.attention_mask = input_ids, attention_mask
         kept = self.replay is not None or self.loop is not None
-        self.cache = kept_cache(model, ("turns", self.batch, n, self.total, dtype, _autocast(device)),
-                                lambda: make_cache(model, self.total, n)) if kept else make_cache(model, self.total, n)
+        make = lambda: make_cache(model, self.total, self.batch)  # noqa: E731
+        self.cache = kept_cache(model, ("turns", self.batch, self.total, dtype, _autocast(device)), make) if kept \
+            else make()
         # The host's copy of which slots hold a token: the prompt's, then each turn's as the host learns them.
         self.valid = torch.cat([attention_mask.detach().to("cpu", torch.bool).repeat_interleave(n, 0),
                                 torch.ones((self.batch, shape.width), dtype=torch.bool)], 1)
@@ -219,9 +220,9 @@ class Turns:
             if self.device.type == "cpu" and len(live) < self.batch:
                 # The CPU passes the live rows only (where none is, one finished row: its outputs stay padding).
                 rows = torch.tensor(live or [0], dtype=torch.long)
-                part = rows_of(self.cache, rows)
+                part = _rows_of(self.cache, rows)
                 first = _continue(self.model, part, chunk, start, st, self.fixed, *self.args, rows=rows)
-                put_rows(self.cache, part, rows)
+                _put_rows(self.cache, part, rows)
             else:
                 fn = self.replay(_continue) if self.replay is not None else _continue
                 try:
