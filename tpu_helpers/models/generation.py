@@ -26,6 +26,7 @@ import torch
 from tpu_helpers.backend import generation_hooks
 from tpu_helpers.backend.base import no_sync
 from tpu_helpers.config import ConfigError
+from tpu_helpers.core.choices import check_positive
 from tpu_helpers.models.replay import (  # noqa: F401
     kept_cache,
     lazy_steps,
@@ -386,15 +387,12 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     replayed (or traced) step by step, with one warning. The same ops, so the same tokens. With `replay` or `loop`
     the cache of each shape is kept with the model between calls (`release_caches`), so later calls capture
     nothing; weights updated in place between calls (a training step) are read afresh by each call."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    check_positive("max_new_tokens", max_new_tokens)
+    check_positive("num_return_sequences", num_return_sequences)
     check_generation_support(model)
     if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
                          "must be the same (batch, width)")
-    if isinstance(num_return_sequences, bool) or not isinstance(num_return_sequences, int) or \
-            num_return_sequences < 1:
-        raise ConfigError(f"num_return_sequences={num_return_sequences!r} must be an integer >= 1")
     sync, replay, loop = _hooks(model, input_ids.device, sync, replay, loop)
     device = input_ids.device
     width = input_ids.shape[1]

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from tpu_helpers.backend.base import ReplayUnsupported
-from tpu_helpers.config import ConfigError
+from tpu_helpers.core.choices import check_positive
 from tpu_helpers.models.generation import (
     GREEDY,
     Generated,
@@ -67,9 +67,7 @@ class TurnShape:
 
     def __post_init__(self) -> None:
         for name in ("turn_tokens", "tool_tokens", "max_turns"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name}={value!r} must be an integer >= 1")
+            check_positive(name, getattr(self, name))
 
     def start(self, turn: int) -> int:
         """The episode column of turn `turn`'s first token."""
@@ -115,9 +113,8 @@ class Turns:
                  replay: Callable | bool | None = None, loop: Callable | bool | None = None,
                  mask_dtype: torch.dtype | None = None, num_return_sequences: int = 1):
         check_generation_support(model)
+        check_positive("num_return_sequences", num_return_sequences)
         n = num_return_sequences
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ConfigError(f"num_return_sequences={n!r} must be an integer >= 1")
         self.model, self.shape = model, shape
         self.device = device = input_ids.device
         self.sync, self.replay, self.loop = _hooks(model, device, sync, replay, loop)
