@@ -95,6 +95,13 @@ def _check_all(model: torch.nn.Module, teacher: torch.nn.Module) -> None:
     chunked = completion_logps(model, ids, mask, 6, T)  # 12 completion tokens in chunks of 5
     lm_head.set_loss_chunk(model, 0)
     _same(chunked, completion_logps(model, ids, mask, 6, T), model, "GRPO log-probs")
+    # a group's shared prompt pass (2 rows of one prompt, the first with left padding), chunked and not
+    ids = torch.cat([ids[:1, :3].repeat(2, 1), ids[:, 3:]], 1)
+    mask = torch.cat([mask[:1, :3].repeat(2, 1), mask[:, 3:]], 1)
+    for chunk in (CHUNK, 0):
+        lm_head.set_loss_chunk(model, chunk)
+        _same(completion_logps(model, ids, mask, 6, T, group=2), completion_logps(model, ids, mask, 6, T), model,
+              f"GRPO shared prompt, chunk {chunk}")
 
 
 def _model(name: str, seed: int = 0) -> torch.nn.Module:

@@ -100,6 +100,41 @@ def test_grad_accum_1_and_2_give_the_same_gradients_for_every_loss_type(tmp_path
         torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-7, msg=loss_type)
 
 
+def test_a_groups_prompt_runs_once_in_the_policy_forward_with_the_same_loss_and_gradients(tmp_path):
+    """The G answers of a prompt share its columns: the training forward runs the prompt's pass once per group
+    (`lm_head.completion_hidden`; the rollout's "group") and gives the loss and gradients of a pass per row, in one
+    micro-batch or two; under gradient checkpointing each row runs its own."""
+    def run(job, rollout, micro_batches):
+        trainer = job.trainer
+        shapes = []
+        hook = trainer.raw_model.get_input_embeddings().register_forward_hook(
+            lambda m, args, out: shapes.append(tuple(args[0].shape)))
+        trainer.model.zero_grad(set_to_none=True)
+        loss, _, _ = trainer.accumulate(rollout, micro_batches)
+        hook.remove()
+        grads = torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.requires_grad])
+        return loss.item(), grads, shapes
+
+    job = _job(tmp_path, kl_beta=0.0)
+    prompts = job.train_data.input_ids[:2].repeat_interleave(2, 0)
+    pmask = job.train_data.attention_mask[:2].repeat_interleave(2, 0)
+    width = prompts.shape[1]
+    completion = torch.tensor([[5, 6, 7], [8, 9, 10], [11, job.tokenizer.eos_token_id, 0], [12, 13, 14]])
+    cmask = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 0, 0]])
+    rollout = {"ids": torch.cat([prompts, completion], 1), "mask": torch.cat([pmask, cmask], 1),
+               "completion_mask": cmask, "advantages": torch.tensor([0.7, -0.7, 1.1, -1.1])}
+    loss, grads, shapes = run(job, rollout, 1)
+    assert shapes == [(4, width + 3)]
+    for micro_batches in (1, 2):
+        rows = 4 // micro_batches
+        shared_loss, shared_grads, shapes = run(job, {**rollout, "group": 2}, micro_batches)
+        assert shapes == [(rows // 2, width), (rows, 2)] * micro_batches  # the prompts, then 2 tokens a row
+        assert shared_loss == pytest.approx(loss, rel=1e-5)
+        torch.testing.assert_close(shared_grads, grads, rtol=1e-4, atol=1e-7)
+    checkpointed = _job(tmp_path / "checkpointed", kl_beta=0.0, gradient_checkpointing=True)
+    assert run(checkpointed, {**rollout, "group": 2}, 1)[2] == [(4, width + 3)]
+
+
 def test_the_batch_std_spans_every_process_rows(tmp_path, monkeypatch):
     # SCALE_REWARDS "batch": TRL divides by the std of the rewards it gathered from every process; here a host
     # gather of the reward floats where processes hold different rows (this one the second of two, faked).
@@ -143,7 +178,7 @@ def test_strict_xla_grpo_with_checkpointing_reads_only_for_rewards_logs_and_save
     # The reference is the start model itself (the adapter disabled): its log-probabilities of the last rollout.
     from transformers import AutoModelForCausalLM
 
-    rollout = {k: v.cpu() for k, v in job.trainer.rollout.items()}
+    rollout = {k: v.cpu() if torch.is_tensor(v) else v for k, v in job.trainer.rollout.items()}
     base = AutoModelForCausalLM.from_pretrained(job.source, attn_implementation="eager").eval()
     with torch.no_grad():
         want = completion_logps(base, rollout["ids"], rollout["mask"], 3, 1.0)

@@ -11,7 +11,7 @@ import torch
 
 from tests.models.families import random_lora
 from tests.support import XLA_BACKEND
-from tpu_helpers.algorithms.grpo import completion_logps
+from tpu_helpers.algorithms.grpo import completion_logps, used_columns
 from tpu_helpers.config import ConfigError
 from tpu_helpers.models.generation import Sampling, generate_ids, left_pad
 from tpu_helpers.models.turns import Turns, TurnShape
@@ -79,6 +79,12 @@ def test_each_turn_continues_the_conversation_as_a_fresh_generation_would(model_
     own = out.mask.bool()
     assert own.sum() == sum(len(g) for g in got) + sum(len(g) for g in got1)
     torch.testing.assert_close(logp[own], out.logprobs[own], atol=2e-5, rtol=1e-4)
+    # Without the columns no row uses (GRPO's rollout on the CPU), the same log-probabilities.
+    used = used_columns({"ids": ids, "mask": valid, "completion_mask": out.mask, "old_logp": out.logprobs},
+                        SHAPE.width)
+    assert used["ids"].shape[1] < ids.shape[1] and used["completion_mask"].sum() == own.sum()
+    logp = completion_logps(model, used["ids"], used["mask"], used["completion_mask"].shape[1], 1.0)
+    torch.testing.assert_close(logp[used["completion_mask"].bool()], out.logprobs[own], atol=2e-5, rtol=1e-4)
 
 
 def test_a_turn_after_every_row_ended_early_attends_to_each_rows_end_of_turn(model_and_tok):

@@ -50,6 +50,7 @@ class EpisodeBatch:
     turns: list[int]
     tokens: list[int]  # the model's own tokens of each episode, counted on the host
     figures: dict[str, float] = field(default_factory=dict)
+    shared: int = 1  # runs of this many rows start from the same prompt tokens
 
 
 class EpisodeRunner:
@@ -158,7 +159,7 @@ class EpisodeRunner:
         figures = {"turns": sum(used) / n, "tool_calls": stats.calls / n,
                    "tool_success": 1.0 - stats.failed / stats.calls if stats.calls else math.nan,
                    "truncated": sum(truncated) / n, "host_s_per_turn": host_s / max(1, max(used))}
-        return EpisodeBatch(ids, mask, own, out.logprobs, episodes, truncated, used, tokens, figures)
+        return EpisodeBatch(ids, mask, own, out.logprobs, episodes, truncated, used, tokens, figures, shared)
 
     def score(self, episodes: Sequence[Episode], **keywords: Any) -> tuple[list[float], dict[str, list[float]]]:
         """Each episode's summed reward (NaN terms left out, as TRL sums) and each source's values. A reward function

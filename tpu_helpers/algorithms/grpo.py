@@ -122,11 +122,12 @@ def disable_dropout(model: torch.nn.Module) -> None:
 
 
 def completion_logps(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, completion: int,
-                     temperature: float) -> torch.Tensor:
+                     temperature: float, group: int = 1) -> torch.Tensor:
     """Log-probabilities (rows, completion) of the last `completion` tokens of `ids` under softmax(logits / T);
     only those positions' logits are computed, in chunks of tokens where they are large (`models.lm_head`, the
-    model's LOSS_CHUNK), else at once (`logits_to_keep`); no full log-softmax is kept."""
-    chunked = lm_head.completion_token_logps(model, ids, mask, completion, temperature)
+    model's LOSS_CHUNK), else at once (`logits_to_keep`); no full log-softmax is kept. `group` > 1: runs of that
+    many rows share their prompt, whose pass then runs once per run (`lm_head.completion_hidden`)."""
+    chunked = lm_head.completion_token_logps(model, ids, mask, completion, temperature, group=group)
     if chunked is not None:
         return chunked
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -137,10 +138,24 @@ def completion_logps(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tens
 
 
 def rows_completion_logps(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, start: int, stop: int,
-                          completion: int, temperature: float) -> torch.Tensor:
+                          completion: int, temperature: float, group: int = 1) -> torch.Tensor:
     """`completion_logps` of the rows [start, stop) of a rollout, sliced here so that a replayed capture
     (`Trainer.replayed`) takes the rollout's tensors as they are, not a pending slice of them."""
-    return completion_logps(model, ids[start:stop], mask[start:stop], completion, temperature)
+    return completion_logps(model, ids[start:stop], mask[start:stop], completion, temperature, group)
+
+
+def used_columns(rollout: dict, width: int) -> dict:
+    """`rollout` without the columns no row uses (the padding every row has: left of the shortest prompt, an
+    episode's slots no turn filled). Positions count valid tokens and each scored token's previous column is one
+    of its row's own, so every log-probability is the same; the last `width` columns are the completion's."""
+    keep = rollout["mask"].bool().any(0)
+    if bool(keep.all()):
+        return rollout
+    columns, completion = keep.nonzero().squeeze(1), keep[-width:].nonzero().squeeze(1)
+    out = {**rollout, "ids": rollout["ids"][:, columns], "mask": rollout["mask"][:, columns]}
+    for name in ("completion_mask", "old_logp"):
+        out[name] = rollout[name][:, completion]
+    return out
 
 
 def score_completions(tokenizer: Any, rewards: dict[str, Reward], records: Sequence[dict], rows: list[list[int]],
@@ -233,10 +248,14 @@ class GRPOTrainer(Trainer):
         key = self.sampling_key(self.step // s.num_iterations)
         sample = self.sample_answers if self.episodes is None else self.sample_episodes
         rollout, rewards, host = sample(prompts, key)  # 1-2. sample and score
+        if b.name == "cpu":  # eager: a shape of its own per rollout costs nothing, and the forward skips padding
+            rollout = used_columns(rollout, self.width)
         rollout["advantages"] = self.advantages(rewards).to(b.device)  # 3. advantages within each group
         if s.kl_beta > 0:
             with torch.no_grad(), b.autocast():
-                rollout["ref_logp"] = self.reference_logps(rollout["ids"], rollout["mask"])
+                rollout["ref_logp"] = self.reference_logps(rollout["ids"], rollout["mask"],
+                                                           self.prompt_group(rollout, slice(0, len(rewards))),
+                                                           rollout["completion_mask"].shape[1])
         b.sync()  # the reference's forward in a graph of its own: the optimizer step's graph never changes
         self.rollout_seconds.append(time.perf_counter() - t0)
         return rollout, {**host, "generate_s": self.rollout_seconds[-1]}
@@ -257,7 +276,7 @@ class GRPOTrainer(Trainer):
         host = b.to_cpu({"ids": gen.ids, "index": prompts["index"]})  # the step's one read
         rewards, stats = self.score(host["ids"].tolist(), host["index"].tolist())
         rollout = {"ids": torch.cat([ids, gen.ids], 1), "mask": torch.cat([mask, gen.mask], 1),
-                   "completion_mask": gen.mask, "old_logp": gen.logprobs}
+                   "completion_mask": gen.mask, "old_logp": gen.logprobs, "group": s.num_generations}
         return rollout, rewards, stats
 
     def sample_episodes(self, prompts: dict, key: torch.Tensor) -> tuple[dict, list[float], dict[str, float]]:
@@ -279,7 +298,8 @@ class GRPOTrainer(Trainer):
                  **{f"reward/{k}": _nanmean(v) for k, v in values.items()}}
         self.last_samples = [{"prompt": e.prompt, "completion": e.completion, "reward": r}
                              for e, r in zip(batch.episodes[::g], rewards[::g], strict=True)]
-        rollout = {"ids": batch.ids, "mask": batch.mask, "completion_mask": batch.own, "old_logp": batch.logprobs}
+        rollout = {"ids": batch.ids, "mask": batch.mask, "completion_mask": batch.own, "old_logp": batch.logprobs,
+                   "group": batch.shared}
         return rollout, rewards, stats
 
     def accumulate(self, rollout: dict, micro_batches: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -303,7 +323,8 @@ class GRPOTrainer(Trainer):
         divisor (`grpo_loss.step_divisor`) spans every micro-batch of the step."""
         s = self.settings
         logp = self.replayed(rows_completion_logps, self.model, rollout["ids"], rollout["mask"], rows.start,
-                             rows.stop, self.width, s.temperature)
+                             rows.stop, rollout["completion_mask"].shape[1], s.temperature,
+                             self.prompt_group(rollout, rows))
         # One iteration per rollout: logp_old is logp itself (detached), the ratio exactly 1, the update on-policy.
         old = logp.detach() if s.num_iterations == 1 else rollout["old_logp"][rows]
         ref = rollout["ref_logp"][rows] if "ref_logp" in rollout else None
@@ -346,14 +367,26 @@ class GRPOTrainer(Trainer):
             batch = torch.tensor([x for part in b.gather_objects(rewards) for x in part])
         return grpo_loss.group_advantages(torch.tensor(rewards), s.num_generations, scale=s.scale, batch=batch)
 
+    def prompt_group(self, rollout: dict, rows: slice) -> int:
+        """How many consecutive rows of `rows` share one pass over their prompt in the forward: the rollout's group
+        (GRPO's G; an agent group whose prompts are the same tokens), 1 under gradient checkpointing (a recomputed
+        block would write its keys and values into the shared cache twice) or where the micro-batch splits a
+        group."""
+        group = rollout.get("group", 1)
+        if self.config.gradient_checkpointing or rows.start % group or rows.stop % group:
+            return 1
+        return group
+
     @torch.no_grad()
-    def reference_logps(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The reference's log-probabilities of the completions: the adapter-disabled model under LoRA."""
-        n, t = self.width, self.settings.temperature
+    def reference_logps(self, ids: torch.Tensor, mask: torch.Tensor, group: int = 1,
+                        width: int | None = None) -> torch.Tensor:
+        """The reference's log-probabilities of the last `width` (the completion's) columns: the adapter-disabled
+        model under LoRA."""
+        n, t = width or self.width, self.settings.temperature
         if self.ref_model is not None:
-            return completion_logps(self.ref_model, ids, mask, n, t)
+            return completion_logps(self.ref_model, ids, mask, n, t, group)
         with self.raw_model.disable_adapter():
-            return completion_logps(self.sampling_model, ids, mask, n, t)
+            return completion_logps(self.sampling_model, ids, mask, n, t, group)
 
     # ---- checkpoints ------------------------------------------------------------------------------------------------
     def progress_state(self) -> dict:

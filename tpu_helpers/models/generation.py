@@ -27,6 +27,7 @@ from tpu_helpers.backend import generation_hooks
 from tpu_helpers.backend.base import no_sync
 from tpu_helpers.config import ConfigError
 from tpu_helpers.core.choices import check_positive
+from tpu_helpers.models.lm_head import cache_argument
 from tpu_helpers.models.replay import (  # noqa: F401
     kept_cache,
     lazy_steps,
@@ -207,19 +208,9 @@ def _masks(allowed: torch.Tensor, distance: torch.Tensor, window: int | None, dt
 
 
 # ---- generation -----------------------------------------------------------------------------------------------------
-def _cache_argument(model: torch.nn.Module) -> str:
-    """The name the model's forward takes the cache by: transformers renamed `past_key_values` to `cache` (5.2x;
-    Colab ships 5.15), and a forward given a name it does not know builds a cache of its own, which the masks
-    built here (one column per cache slot) do not fit."""
-    import inspect
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT wrapper passes kwargs on
-    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
-
-
 def _forward(model, ids, mask, positions, cache, keep_last: bool):
     kwargs: dict[str, Any] = {"logits_to_keep": 1} if keep_last else {}
-    kwargs[_cache_argument(model)] = cache
+    kwargs[cache_argument(model)] = cache
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs)
     return out.logits[:, -1]
 

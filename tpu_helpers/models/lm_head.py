@@ -5,6 +5,7 @@
     hard, soft = live_kd_sums(model, teacher, batch, temperature=2.0)  # CE and full-vocabulary KD, live teacher
     logp = token_logps(model, ids, labels, temperature=1.0)            # per-token log-probs (DPO, ORPO)
     logp = completion_token_logps(model, ids, mask, n, temperature)    # the last n tokens' (GRPO)
+    logp = completion_token_logps(model, ids, mask, n, T, group=G)     # runs of G rows of one prompt: it runs once
     set_loss_chunk(model, 0)                                           # off for this model: the full logits
 
 Why: with Qwen's 151,936-token vocabulary the fp32 logits of 8 x 1024 tokens are 5 GB, and their log-softmax and
@@ -272,17 +273,53 @@ def token_logps(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor,
     return torch.where(labels[:, 1:] != -100, logp, torch.zeros_like(logp))
 
 
-def completion_token_logps(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, completion: int,
-                           temperature: float, *, chunk: int | str | None = None) -> torch.Tensor | None:
-    """Log-probabilities (rows, completion) of the last `completion` tokens of left-padded `ids` under
-    softmax(logits / T), chunked; None: unchunked path (GRPO's `completion_logps` then takes `logits_to_keep`)."""
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name `model`'s forward takes a KV cache by: transformers renamed `past_key_values` to `cache` (5.2x;
+    Colab ships 5.15), and a forward given a name it does not know builds a cache of its own."""
+    import inspect
+
+    base = _base(model)  # a PEFT wrapper passes kwargs on
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+def completion_hidden(split: LMHead, ids: torch.Tensor, mask: torch.Tensor, completion: int,
+                      group: int = 1) -> torch.Tensor:
+    """The final hidden states (rows, completion, d) that predict the last `completion` tokens of left-padded `ids`.
+    `group` > 1: the rows come in runs of `group` whose columns before the completion (the prompt) are the same
+    tokens; the prompt's pass runs once per run and its keys and values, repeated, serve the run's completions (a
+    second pass through the model's own cache; the gradient flows back through both). The same values, computed
+    over rows / group + rows x completion tokens instead of rows x all. The caller keeps it out of checkpointed
+    blocks: a recomputed layer would append to the cache twice."""
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    if group <= 1:
+        return split.hidden(ids, mask, positions)[:, -completion - 1:-1]
+    p = ids.shape[1] - completion
+    first = split.backbone(input_ids=ids[::group, :p], attention_mask=mask[::group, :p],
+                           position_ids=positions[::group, :p], use_cache=True)
+    cache = first.cache if "cache" in first else first.past_key_values  # the name of transformers 5.2x, of 5.15
+    if cache is None:  # transformers drops the cache in gradient-checkpointed layers: each row's own pass then
+        return split.hidden(ids, mask, positions)[:, -completion - 1:-1]
+    cache.batch_repeat_interleave(group)
+    rest = split.backbone(input_ids=ids[:, p:-1], attention_mask=mask[:, :-1], position_ids=positions[:, p:-1],
+                          use_cache=True, **{cache_argument(split.backbone): cache}).last_hidden_state
+    return torch.cat([first.last_hidden_state[:, -1:].repeat_interleave(group, 0), rest], 1)
+
+
+def completion_token_logps(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, completion: int,
+                           temperature: float, *, chunk: int | str | None = None, group: int = 1
+                           ) -> torch.Tensor | None:
+    """Log-probabilities (rows, completion) of the last `completion` tokens of left-padded `ids` under
+    softmax(logits / T), chunked; None: unchunked path (GRPO's `completion_logps` then takes `logits_to_keep`).
+    `group` > 1: runs of `group` rows share their prompt's pass (`completion_hidden`), chunked or not, wherever
+    the model's head is known."""
     plan = _plan(model, {"input_ids": ids[:, -completion:]}, chunk)  # only the completion's logits count
+    if plan is None and group > 1 and (split := split_head(model, warn=False)) is not None:
+        plan = (split, ids.shape[0] * completion)  # the completion's logits at once, as the unchunked path does
     if plan is None:
         return None
     split, size = plan
     t = float(temperature)
-    h = split.hidden(ids, mask, positions)[:, -completion - 1:-1]
+    h = completion_hidden(split, ids, mask, completion, group)
     targets = ids[:, -completion:].reshape(-1)
     logp = torch.cat(map_chunks(lambda x, y: token_logp(split.logits(x) / t, y), size, _flat(h), targets))
     return logp.reshape(ids.shape[0], completion)

@@ -260,8 +260,13 @@ class GRPO(HFJob):
         path = out / "demonstrations.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, "".join(json.dumps(d) + "\n" for d in demos))
+        # Rows as long as the longest demonstration (a multiple of 8), not the whole episode budget: padding costs
+        # as much as tokens in a forward.
+        chat = self.episode_runner.chat
+        longest = max(len(chat.render(d["messages"], d["tools"]).ids) for d in demos)
+        seq_len = min(-(-longest // 8) * 8, cfg.max_prompt_len + cfg.completion_tokens)
         sft = FinetuneConfig(model=cfg.model, dataset=str(path), method="lora", lora_r=16, lora_alpha=32,
-                             steps=cfg.sft_steps, batch_size=8, seq_len=cfg.max_prompt_len + cfg.completion_tokens,
+                             steps=cfg.sft_steps, batch_size=8, seq_len=seq_len,
                              lr=2e-3, warmup_steps=min(5, cfg.sft_steps // 5), eval_every=cfg.sft_steps,
                              log_every=max(1, cfg.sft_steps // 10), save_every=cfg.sft_steps, out_dir=str(out),
                              device=cfg.device, precision=cfg.precision, sharding=cfg.sharding,
