@@ -80,6 +80,24 @@ def _job(tmp_path, model_dir, device="cpu", callbacks=None, **overrides):
     return GRPO(GRPOConfig(**{**base, **overrides}), progress=False, callbacks=callbacks)
 
 
+def test_the_sft_warm_start_trains_on_rows_as_long_as_the_longest_demonstration(tmp_path, tool_tiny_dir):
+    """START_FROM "sft" in agent mode fine-tunes on the example environment's demonstrations first, each row as long
+    as the longest one (to a multiple of 8), not the whole episode budget, then starts GRPO from the merged export."""
+    job = _job(tmp_path, tool_tiny_dir, start_from="sft", sft_steps=1, dataset="lockers", tools="",
+               environment="tpu_helpers.agents.examples:Lockers", rewards="tpu_helpers.agents.examples:locker_reward",
+               max_prompt_len=160, max_new_tokens=24, tool_tokens=24, max_turns=1)
+    assert job.start_source == str(tmp_path / "run" / "sft" / "merged")
+    from transformers import AutoTokenizer
+
+    from tpu_helpers.data.sft import encode_tool_conversation
+
+    tok = AutoTokenizer.from_pretrained(tool_tiny_dir)
+    demos = [json.loads(line) for line in (tmp_path / "run" / "sft" / "demonstrations.jsonl").read_text().splitlines()]
+    longest = max(len(encode_tool_conversation(tok, d["messages"], d["tools"])[0]) for d in demos)
+    seq_len = json.loads((tmp_path / "run" / "sft" / "finetune.json").read_text())["seq_len"]
+    assert seq_len == -(-longest // 8) * 8 < job.config.max_prompt_len + job.config.completion_tokens
+
+
 def odd_turns(completions, **kwargs):
     """A TRL-style reward that varies with the random turns: 1 for an odd number of the model's turns."""
     return [float(sum(m["role"] == "assistant" for m in c) % 2) for c in completions]

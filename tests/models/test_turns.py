@@ -80,8 +80,7 @@ def test_each_turn_continues_the_conversation_as_a_fresh_generation_would(model_
     assert own.sum() == sum(len(g) for g in got) + sum(len(g) for g in got1)
     torch.testing.assert_close(logp[own], out.logprobs[own], atol=2e-5, rtol=1e-4)
     # Without the columns no row uses (GRPO's rollout on the CPU), the same log-probabilities.
-    used = used_columns({"ids": ids, "mask": valid, "completion_mask": out.mask, "old_logp": out.logprobs},
-                        SHAPE.width)
+    used = used_columns({"ids": ids, "mask": valid, "completion_mask": out.mask, "old_logp": out.logprobs})
     assert used["ids"].shape[1] < ids.shape[1] and used["completion_mask"].sum() == own.sum()
     logp = completion_logps(model, used["ids"], used["mask"], used["completion_mask"].shape[1], 1.0)
     torch.testing.assert_close(logp[used["completion_mask"].bool()], out.logprobs[own], atol=2e-5, rtol=1e-4)

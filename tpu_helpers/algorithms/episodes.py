@@ -75,7 +75,7 @@ class EpisodeRunner:
     def _shared(self, prompts: list[list[int]], group: int) -> int:
         """How many consecutive rows share each prompt pass: `group` when every run of `group` prompts is the same
         tokens, else 1 (an environment whose `reset` text differs between the copies of a row; counted, and on XLA
-        the prompt pass of that shape compiles once)."""
+        the prompt pass of that shape, and the training forward's, compile once)."""
         if group <= 1 or len(prompts) % group:
             return 1
         if all(prompts[i] == prompts[i - i % group] for i in range(len(prompts))):

@@ -144,13 +144,15 @@ def rows_completion_logps(model: torch.nn.Module, ids: torch.Tensor, mask: torch
     return completion_logps(model, ids[start:stop], mask[start:stop], completion, temperature, group)
 
 
-def used_columns(rollout: dict, width: int) -> dict:
+def used_columns(rollout: dict) -> dict:
     """`rollout` without the columns no row uses (the padding every row has: left of the shortest prompt, an
     episode's slots no turn filled). Positions count valid tokens and each scored token's previous column is one
-    of its row's own, so every log-probability is the same; the last `width` columns are the completion's."""
+    of its row's own, so every log-probability is the same. The completion's columns are the last
+    `completion_mask.shape[1]`; its per-column tensors (`completion_mask`, `old_logp`) lose the same columns."""
     keep = rollout["mask"].bool().any(0)
     if bool(keep.all()):
         return rollout
+    width = rollout["completion_mask"].shape[1]
     columns, completion = keep.nonzero().squeeze(1), keep[-width:].nonzero().squeeze(1)
     out = {**rollout, "ids": rollout["ids"][:, columns], "mask": rollout["mask"][:, columns]}
     for name in ("completion_mask", "old_logp"):
@@ -222,8 +224,13 @@ class GRPOTrainer(Trainer):
 
     @property
     def tokens_per_step(self) -> int:
-        seq = self.train_loader.dataset.input_ids.shape[1] + self.width if self.train_loader else 0
-        return self.settings.rows(self.config.batch_size) * self.backend.num_replicas * seq
+        """The tokens the policy's forward runs a step: each row's completion columns, and each prompt once per group
+        where the group shares it (`prompt_group`)."""
+        prompt = self.train_loader.dataset.input_ids.shape[1] if self.train_loader else 0
+        rows = self.settings.rows(self.config.batch_size) * self.backend.num_replicas
+        group = self.prompt_group({"group": self.settings.num_generations},
+                                  slice(0, self.settings.rows(self.config.batch_size) // self.config.grad_accum))
+        return rows * self.width + rows // group * prompt
 
     # ---- the step ---------------------------------------------------------------------------------------------------
     def train_step(self, batches: Iterator) -> StepFigures:
@@ -249,7 +256,7 @@ class GRPOTrainer(Trainer):
         sample = self.sample_answers if self.episodes is None else self.sample_episodes
         rollout, rewards, host = sample(prompts, key)  # 1-2. sample and score
         if b.name == "cpu":  # eager: a shape of its own per rollout costs nothing, and the forward skips padding
-            rollout = used_columns(rollout, self.width)
+            rollout = used_columns(rollout)
         rollout["advantages"] = self.advantages(rewards).to(b.device)  # 3. advantages within each group
         if s.kl_beta > 0:
             with torch.no_grad(), b.autocast():

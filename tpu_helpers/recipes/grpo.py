@@ -260,10 +260,14 @@ class GRPO(HFJob):
         path = out / "demonstrations.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, "".join(json.dumps(d) + "\n" for d in demos))
-        # Rows as long as the longest demonstration (a multiple of 8), not the whole episode budget: padding costs
-        # as much as tokens in a forward.
-        chat = self.episode_runner.chat
-        longest = max(len(chat.render(d["messages"], d["tools"]).ids) for d in demos)
+        # Rows as long as the longest demonstration (a multiple of 8), within the episode budget: padding costs as
+        # much as tokens in a forward. MODEL's tokenizer: the job's own loads the start model, this one's output.
+        from transformers import AutoTokenizer
+
+        from tpu_helpers.data.sft import encode_tool_conversation
+
+        tok = AutoTokenizer.from_pretrained(self.model_source)
+        longest = max(len(encode_tool_conversation(tok, d["messages"], d["tools"])[0]) for d in demos)
         seq_len = min(-(-longest // 8) * 8, cfg.max_prompt_len + cfg.completion_tokens)
         sft = FinetuneConfig(model=cfg.model, dataset=str(path), method="lora", lora_r=16, lora_alpha=32,
                              steps=cfg.sft_steps, batch_size=8, seq_len=seq_len,
