@@ -228,7 +228,7 @@ class GRPOTrainer(Trainer):
         where the group shares it (`prompt_group`)."""
         prompt = self.train_loader.dataset.input_ids.shape[1] if self.train_loader else 0
         rows = self.settings.rows(self.config.batch_size) * self.backend.num_replicas
-        group = self.prompt_group({"group": self.settings.num_generations},
+        group = self.prompt_group(self.settings.num_generations,
                                   slice(0, self.settings.rows(self.config.batch_size) // self.config.grad_accum))
         return rows * self.width + rows // group * prompt
 
@@ -261,7 +261,7 @@ class GRPOTrainer(Trainer):
         if s.kl_beta > 0:
             with torch.no_grad(), b.autocast():
                 rollout["ref_logp"] = self.reference_logps(rollout["ids"], rollout["mask"],
-                                                           self.prompt_group(rollout, slice(0, len(rewards))),
+                                                           self.prompt_group(rollout["group"], slice(0, len(rewards))),
                                                            rollout["completion_mask"].shape[1])
         b.sync()  # the reference's forward in a graph of its own: the optimizer step's graph never changes
         self.rollout_seconds.append(time.perf_counter() - t0)
@@ -331,7 +331,7 @@ class GRPOTrainer(Trainer):
         s = self.settings
         logp = self.replayed(rows_completion_logps, self.model, rollout["ids"], rollout["mask"], rows.start,
                              rows.stop, rollout["completion_mask"].shape[1], s.temperature,
-                             self.prompt_group(rollout, rows))
+                             self.prompt_group(rollout.get("group", 1), rows))
         # One iteration per rollout: logp_old is logp itself (detached), the ratio exactly 1, the update on-policy.
         old = logp.detach() if s.num_iterations == 1 else rollout["old_logp"][rows]
         ref = rollout["ref_logp"][rows] if "ref_logp" in rollout else None
@@ -374,12 +374,11 @@ class GRPOTrainer(Trainer):
             batch = torch.tensor([x for part in b.gather_objects(rewards) for x in part])
         return grpo_loss.group_advantages(torch.tensor(rewards), s.num_generations, scale=s.scale, batch=batch)
 
-    def prompt_group(self, rollout: dict, rows: slice) -> int:
-        """How many consecutive rows of `rows` share one pass over their prompt in the forward: the rollout's group
+    def prompt_group(self, group: int, rows: slice) -> int:
+        """How many consecutive rows of `rows` share one pass over their prompt in the forward: a rollout's `group`
         (GRPO's G; an agent group whose prompts are the same tokens), 1 under gradient checkpointing (a recomputed
         block would write its keys and values into the shared cache twice) or where the micro-batch splits a
         group."""
-        group = rollout.get("group", 1)
         if self.config.gradient_checkpointing or rows.start % group or rows.stop % group:
             return 1
         return group

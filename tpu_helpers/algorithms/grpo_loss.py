@@ -112,8 +112,9 @@ def group_advantages(rewards: torch.Tensor, group: int, *, scale: Scale = _by_gr
 def step_divisor(loss_type: LossType, mask: torch.Tensor, max_tokens: int,
                  all_reduce_mean: AllReduceMean | None = None) -> torch.Tensor | float:
     """What the whole optimizer step's loss is divided by: `mask` is the completion mask of every micro-batch of the
-    step on this process (rows x at most `max_tokens` columns: the CPU drops the columns no row uses); `all_reduce_mean` averages a device tensor over the data-parallel
-    processes (`backend.all_reduce_mean`; only dapo uses it)."""
+    step on this process (rows x at most `max_tokens` columns: the CPU drops the columns no row uses);
+    `all_reduce_mean` averages a device tensor over the data-parallel processes (`backend.all_reduce_mean`; only
+    dapo uses it)."""
     return loss_type.divisor(mask, max_tokens, all_reduce_mean)
 
 

@@ -291,18 +291,17 @@ def completion_hidden(split: LMHead, ids: torch.Tensor, mask: torch.Tensor, comp
     over rows / group + rows x completion tokens instead of rows x all. The caller keeps it out of checkpointed
     blocks: a recomputed layer would append to the cache twice."""
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    if group <= 1:
-        return split.hidden(ids, mask, positions)[:, -completion - 1:-1]
-    p = ids.shape[1] - completion
-    first = split.backbone(input_ids=ids[::group, :p], attention_mask=mask[::group, :p],
-                           position_ids=positions[::group, :p], use_cache=True)
-    cache = first.cache if "cache" in first else first.past_key_values  # the name of transformers 5.2x, of 5.15
-    if cache is None:  # transformers drops the cache in gradient-checkpointed layers: each row's own pass then
-        return split.hidden(ids, mask, positions)[:, -completion - 1:-1]
-    cache.batch_repeat_interleave(group)
-    rest = split.backbone(input_ids=ids[:, p:-1], attention_mask=mask[:, :-1], position_ids=positions[:, p:-1],
-                          use_cache=True, **{cache_argument(split.backbone): cache}).last_hidden_state
-    return torch.cat([first.last_hidden_state[:, -1:].repeat_interleave(group, 0), rest], 1)
+    if group > 1:
+        p = ids.shape[1] - completion
+        first = split.backbone(input_ids=ids[::group, :p], attention_mask=mask[::group, :p],
+                               position_ids=positions[::group, :p], use_cache=True)
+        cache = first.cache if "cache" in first else first.past_key_values  # the name of transformers 5.2x, of 5.15
+        if cache is not None:  # None from gradient-checkpointed layers (transformers drops it): each row's own pass
+            cache.batch_repeat_interleave(group)
+            rest = split.backbone(input_ids=ids[:, p:-1], attention_mask=mask[:, :-1], position_ids=positions[:, p:-1],
+                                  use_cache=True, **{cache_argument(split.backbone): cache}).last_hidden_state
+            return torch.cat([first.last_hidden_state[:, -1:].repeat_interleave(group, 0), rest], 1)
+    return split.hidden(ids, mask, positions)[:, -completion - 1:-1]
 
 
 def completion_token_logps(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, completion: int,
