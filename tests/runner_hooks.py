@@ -68,6 +68,7 @@ UNIT_SECONDS = {
     "tests/training/test_finetune_spmd.py": 34,
     "tests/training/test_tracking.py": 30,
     # make test-real and make test-stacks (make test-long: both in one run)
+    f"{_REAL}::test_agent_grpo_teaches_the_real_model_to_use_the_feedback_across_turns": 935,
     f"{_REAL}::test_agent_grpo_raises_the_real_models_held_out_tool_use": 600,
     "tests/stacks/test_latest_torch.py::test_the_cpu_suite_passes_on_the_newest_torch": 186,
     f"{_REAL}::test_grpo_raises_the_real_models_held_out_reward": 168,

@@ -21,6 +21,7 @@ REAL_MODEL = {
     "LoRA SFT\n(exact match)": (0.00, 0.41, True),
     "GRPO\n(mean reward)": (0.09, 0.84, True),
     "agent GRPO\n(Lockers reward)": (0.17, 0.54, True),
+    "agent GRPO\n(follows the note)": (0.50, 0.88, True),
     "QAT int4 + LoRA\n(loss)": (5.51, 0.72, False),
     "QLoRA NF4\n(loss)": (4.89, 0.85, False),
     "distillation\n(loss)": (12.95, 6.16, False),

@@ -1,6 +1,7 @@
 """The example environments, tools, rows and demonstrations (agents/examples.py): each environment end to end
 through `Agent` with scripted assistant messages (a right episode scores 1, a wrong or tool-less one 0), the
-guessing game's feedback metric telling binary search from random guesses, determinism by seed in any process,
+treasure hunt's and the guessing game's feedback metrics telling a policy that reads the replies from one that does
+not, determinism by seed in any process,
 disjoint splits, demonstrations that replay against a fresh environment and render through SmolLM2's ChatFormat
 with the assistant's turns masked in, and TRL 1.16's own handling of environments (its tool listing, its tool calls,
 its reward computation) giving what ours gives."""
@@ -23,12 +24,17 @@ from tpu_helpers.agents.examples import (
     SYSTEM,
     GuessingGame,
     Lockers,
+    TreasureHunt,
     call,
     feedback_use,
     final_answer,
     guess_budget,
     guessing_demonstrations,
     guessing_rows,
+    hunt_boxes,
+    hunt_demonstrations,
+    hunt_reward,
+    hunt_rows,
     locker_codes,
     locker_demonstrations,
     locker_reward,
@@ -37,6 +43,7 @@ from tpu_helpers.agents.examples import (
     multiply_demonstrations,
     multiply_rows,
     multiply_split,
+    note_following,
     product_reward,
 )
 
@@ -47,6 +54,10 @@ def say(text: str) -> dict:
 
 def lockers_agent() -> Agent:
     return Agent(environment_factory=Lockers, reward_funcs=[locker_reward])
+
+
+def hunt_agent() -> Agent:
+    return Agent(environment_factory=TreasureHunt, reward_funcs=[hunt_reward, note_following])
 
 
 def guessing_agent() -> Agent:
@@ -84,6 +95,69 @@ def test_lockers_rewards_only_the_code_read_from_the_environment():
     assert agent.rewards([right, wrong, no_tool, every_code, mid_call]) == {
         "locker_reward": [1.0, 0.0, 0.0, 0.0, 0.0]}
     assert right.environment.opened == [row["locker"]]
+
+
+def test_the_treasure_hunt_rewards_only_the_code_its_note_leads_to_and_measures_following_the_note():
+    agent = hunt_agent()
+    rows = hunt_rows(30, seed=2)
+    for row in rows:
+        codes, target = hunt_boxes(row["seed"])
+        assert row["start"] in codes and row["start"] != target
+    row = rows[0]
+    codes, target = hunt_boxes(row["seed"])
+    others = [name for name in codes if name not in (row["start"], target)]
+    assert len(others) == 2
+
+    follows = agent.start(row)
+    assert follows.prompt[1]["content"] == (f"Find the code. Start at the {row['start']} box. Boxes: "
+                                            + ", ".join(codes) + ".")
+    assert follows.answer(call("open_box", name=row["start"].title()))[0]["content"] == f"go to the {target} box"
+    assert follows.answer(call("open_box", name=target))[0]["content"] == str(codes[target])
+    follows.answer(say(str(codes[target])))
+    ignores = agent.start(row)  # reads the note, opens another box, answers its (wrong) code
+    ignores.answer(call("open_box", name=row["start"]))
+    ignores.answer(call("open_box", name=others[0]))
+    ignores.answer(say(ignores.completion[-1]["content"]))
+    stops = agent.start(row)  # reads the note, then answers without opening the box
+    stops.answer(call("open_box", name=row["start"]))
+    stops.answer(say("1234"))
+    skips = agent.start(row)  # opens the right box at once: the right code without the note (no feedback to use)
+    skips.answer(call("open_box", name=target))
+    skips.answer(say(str(codes[target])))
+    nothing = agent.start(row)
+    nothing.answer(say(str(codes[target])))
+    cut = agent.start(row)  # the episode ends right after the note
+    cut.answer(call("open_box", name=row["start"]))
+    rewards = agent.rewards([follows, ignores, stops, skips, nothing, cut])
+    assert rewards["hunt_reward"] == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+    assert rewards["note_following"][:3] == [1.0, 0.0, 0.0] and rewards["note_following"][5] == 0.0
+    assert all(math.isnan(v) for v in rewards["note_following"][3:5])
+    assert follows.environment.opened == [row["start"], target] and follows.environment.code == codes[target]
+    assert ignores.environment.open_box("purple") == "no such box"
+    with pytest.raises(ValueError, match=f"starts at box '{target}'"):
+        TreasureHunt().reset(seed=row["seed"], start=target)
+
+
+def test_hunt_demonstrations_may_skip_the_note_in_a_share_of_rows():
+    clean, mixed = hunt_demonstrations(200, seed=1), hunt_demonstrations(200, seed=1, skip_note=0.5)
+    assert hunt_demonstrations(200, seed=1, skip_note=0.5) == mixed  # drawn per row, deterministic
+    rows = hunt_rows(200, seed=1)
+    skipped = 0
+    for demo, plain, row in zip(mixed, clean, rows, strict=True):
+        first = demo["messages"][2]["tool_calls"][0]["function"]["arguments"]["name"]
+        if first == row["start"]:
+            assert demo == plain  # the note read and followed, as the clean demonstration does
+            continue
+        skipped += 1
+        codes, _ = hunt_boxes(row["seed"])
+        assert [m["role"] for m in demo["messages"][2:]] == ["assistant", "tool", "assistant"]
+        assert demo["messages"][-1]["content"] == str(codes[first])  # the code of the box it opened
+    assert 80 <= skipped <= 120
+    assert note_following([d["messages"] for d in mixed]).count(None) == skipped
+    assert all(d["messages"][2]["tool_calls"][0]["function"]["arguments"]["name"] != r["start"]
+               for d, r in zip(hunt_demonstrations(20, seed=1, skip_note=1.0), hunt_rows(20, seed=1), strict=True))
+    with pytest.raises(ValueError, match=r"skip_note=1.5; give a share in \[0, 1\]"):
+        hunt_demonstrations(1, skip_note=1.5)
 
 
 def test_final_answer_is_the_one_number_of_the_last_assistant_message():
@@ -193,13 +267,13 @@ def test_multiply_rewards_the_product():
 
 
 def test_rows_are_deterministic_by_seed_in_any_process_and_splits_are_disjoint():
-    makers = (locker_rows, guessing_rows, multiply_rows)
+    makers = (locker_rows, hunt_rows, guessing_rows, multiply_rows)
     for make in makers:
         assert make(20, seed=4) == make(20, seed=4) != make(20, seed=5)
         assert make(20, seed=4, split="test") != make(20, seed=4)
         with pytest.raises(ValueError, match=r"split='val'; give one of \['test', 'train'\]"):
             make(1, split="val")
-    for make in (locker_rows, guessing_rows):
+    for make in (locker_rows, hunt_rows, guessing_rows):
         train = {r["seed"] for s in range(3) for r in make(300, seed=s)}
         test = {r["seed"] for s in range(3) for r in make(300, seed=s, split="test")}
         assert not train & test and len(train) > 800
@@ -212,14 +286,16 @@ def test_rows_are_deterministic_by_seed_in_any_process_and_splits_are_disjoint()
 
     # String seeds: the same episodes in another process, whatever its hash seed
     script = ("import json; from tpu_helpers.agents.examples import *; "
-              "print(json.dumps([locker_rows(3), guessing_rows(3), multiply_rows(3), locker_codes(7)]))")
+              "print(json.dumps([locker_rows(3), guessing_rows(3), multiply_rows(3), hunt_rows(3), locker_codes(7), "
+              "hunt_boxes(7)]))")
     outs = []
     for hash_seed in ("1", "2"):
         env = {"PYTHONHASHSEED": hash_seed, "PATH": "/usr/bin:/bin"}
         outs.append(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                                    check=True).stdout)
     assert outs[0] == outs[1]
-    assert json.loads(outs[0])[:3] == json.loads(json.dumps([locker_rows(3), guessing_rows(3), multiply_rows(3)]))
+    assert json.loads(outs[0])[:4] == json.loads(json.dumps([locker_rows(3), guessing_rows(3), multiply_rows(3),
+                                                             hunt_rows(3)]))
     secrets = []
     for _ in range(2):
         game = GuessingGame()
@@ -235,9 +311,11 @@ def test_the_examples_import_without_torch_and_load_as_environment_values():
     assert out.strip() == "[]"
     assert load_environment("tpu_helpers.agents.examples:Lockers") is Lockers
     assert load_environment("tpu_helpers.agents.examples:GuessingGame") is GuessingGame
+    assert load_environment("tpu_helpers.agents.examples:TreasureHunt") is TreasureHunt
 
 
 DEMOS = {"lockers": (locker_demonstrations, locker_rows, lockers_agent),
+         "hunt": (hunt_demonstrations, hunt_rows, hunt_agent),
          "guessing": (guessing_demonstrations, guessing_rows, guessing_agent),
          "multiply": (multiply_demonstrations, multiply_rows, multiply_agent)}
 
@@ -266,8 +344,12 @@ def test_demonstrations_replay_against_a_fresh_environment(name):
         assert episode.messages == demo["messages"] and episode.stats.failed == 0
         episodes.append(episode)
     rewards = agent.rewards(episodes)
-    main = {"lockers": "locker_reward", "guessing": "GuessingGame", "multiply": "product_reward"}[name]
+    main = {"lockers": "locker_reward", "hunt": "hunt_reward", "guessing": "GuessingGame",
+            "multiply": "product_reward"}[name]
     assert rewards[main] == [1.0] * 12
+    if name == "hunt":  # two calls, the second where the first one's note said
+        assert rewards["note_following"] == [1.0] * 12
+        assert all(len(e.environment.opened) == 2 for e in episodes)
 
 
 @pytest.fixture(scope="module")
@@ -376,8 +458,20 @@ def test_trls_reward_computation_gives_ours():
         e.answer(say(e.completion[-1]["content"] if i % 2 else "0000"))
         locker_episodes.append(e)
 
+    hunt = hunt_agent()
+    hunt_episodes = []
+    for i, row in enumerate(hunt_rows(6, seed=4)):  # follows the note, opens another box, or stops at the note
+        e = hunt.start(row)
+        note = e.answer(call("open_box", name=row["start"]))[0]["content"].split()[-2]
+        if i % 3 < 2:
+            other = next(n for n in hunt_boxes(row["seed"])[0] if n not in (row["start"], note))
+            e.answer(call("open_box", name=note if i % 3 == 0 else other))
+        e.answer(say(e.completion[-1]["content"]))
+        hunt_episodes.append(e)
+
     fn = getattr(GRPOTrainer._calculate_rewards, "__wrapped__", GRPOTrainer._calculate_rewards)
     for agent_, episodes_, funcs in ((agent, episodes, [feedback_use, get_reward]),
+                                     (hunt, hunt_episodes, [hunt_reward, note_following]),
                                      (lockers, locker_episodes, [locker_reward])):
         stand_in = types.SimpleNamespace(
             accelerator=types.SimpleNamespace(device="cpu", is_main_process=True), reward_funcs=funcs,

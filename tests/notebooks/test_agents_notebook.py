@@ -16,7 +16,7 @@ import pytest
 from tpu_helpers.config import config_from_parameters
 from tpu_helpers.launch.runner import declared_parameters, highlights, run_notebook
 from tpu_helpers.platform.targets import TARGETS
-from tpu_helpers.recipes.grpo import GRPOConfig, curves_figure
+from tpu_helpers.recipes.grpo import GRPOConfig, curves_figure, transcript
 from tpu_helpers.training.results import render_png
 
 pytestmark = pytest.mark.notebooks
@@ -56,6 +56,8 @@ def test_agents_notebook_on_cpu_shows_episodes_curves_and_exports(notebooks, tmp
         assert results["tool_success"][when] is None or 0 <= results["tool_success"][when] <= 1
         samples = results[f"samples_{when}"]
         assert len(samples["rows"]) == 4 and all(isinstance(r["transcript"], str) for r in samples["rows"])
+        # each episode's messages, as reward functions and metrics take them
+        assert [transcript(c) for c in samples["completions"]] == [r["transcript"] for r in samples["rows"]]
     # The curves carry the agent's turns and tool-call success, drawn into grpo.png beside loss.png.
     curves = results["curves"]
     assert curves["step"] == [1, 2] and {"turns", "tool_success"} <= set(curves)

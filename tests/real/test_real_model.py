@@ -6,6 +6,8 @@ test). Every test prints its figures (`make test-real` repeats them at the end: 
 - GRPO on the generated sums raises the held-out mean reward of the answer reward;
 - agent GRPO on the `Lockers` environment, after a brief SFT on its demonstrations, raises the held-out reward and
   tool-call success;
+- agent GRPO on `TreasureHunt`, from an SFT that follows its note only sometimes, raises the share of held-out
+  episodes whose second call follows the first one's reply;
 - QAT int4 costs held-out loss, and a LoRA trained on the int4 base ends about where the same LoRA on the unquantized
   base does;
 - QLoRA: an NF4 base costs held-out loss, and 8 LoRA steps on it end about where they end on the fp32 base;
@@ -31,7 +33,8 @@ from tpu_helpers.models import smollm2
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]  # one_thread: tests/conftest.py
 
 SMOLLM2 = smollm2.SMOLLM2
-SYSTEM = "Answer with the number only."  # GRPO: the untrained model otherwise talks past 8 tokens more often
+SYSTEM = "Answer with the number only."
+HUNT_SFT_STEPS, HUNT_STEPS, HUNT_LR, HUNT_EPISODES = 12, 8, 1e-3, 24  # the feedback test (TreasureHunt)  # GRPO: the untrained model otherwise talks past 8 tokens more often
 
 
 def _lora_sft(tmp_path, name, **overrides):
@@ -116,6 +119,56 @@ def test_agent_grpo_raises_the_real_models_held_out_tool_use(smollm2_dir, tmp_pa
         print(f"  {when} ({row['prompt']!r}, reward {row['reward']:g}):\n    {lines}")
     assert after["reward"] >= before["reward"] + 0.2
     assert after["tool_success"] >= before["tool_success"] + 0.1
+
+
+def test_agent_grpo_teaches_the_real_model_to_use_the_feedback_across_turns(smollm2_dir, tmp_path):
+    """`TreasureHunt` (agents.examples): the box the question names holds a note naming the box with the code, the
+    others hold wrong codes, so an episode earns its reward when its second call goes where its first call's reply
+    said. The start policy uses that feedback only sometimes: a LoRA SFT through the fine-tuning recipe (TRL's
+    tool-conversation form) on demonstrations of which half skip the note, opening another box at once and
+    answering its code (right once in three). GRPO from that run (START_FROM its OUT_DIR), two rounds of tool calls
+    per episode, raises the share of held-out episodes that follow the note, and the reward."""
+    import json
+
+    from tpu_helpers.agents.examples import hunt_demonstrations, note_following
+    from tpu_helpers.recipes.finetune import Finetune, FinetuneConfig
+    from tpu_helpers.recipes.grpo import GRPO, GRPOConfig
+
+    t0 = time.time()
+    demos = tmp_path / "demonstrations.jsonl"
+    demos.write_text("".join(json.dumps(d) + "\n" for d in hunt_demonstrations(256, seed=2, skip_note=0.5)))
+    sft = Finetune(FinetuneConfig(model=SMOLLM2, dataset=str(demos), method="lora", lora_r=16, lora_alpha=32,
+                                  steps=HUNT_SFT_STEPS, batch_size=8, seq_len=360, lr=2e-3, warmup_steps=1,
+                                  eval_every=HUNT_SFT_STEPS, save_every=HUNT_SFT_STEPS, device="cpu",
+                                  out_dir=str(tmp_path / "sft")))
+    sft.train()
+    sft.export()
+    sft_s = time.time() - t0
+    job = GRPO(GRPOConfig(model=SMOLLM2, start_from=str(tmp_path / "sft"), dataset="hunt",
+                          environment="tpu_helpers.agents.examples:TreasureHunt",
+                          rewards="tpu_helpers.agents.examples:hunt_reward", max_turns=2, max_new_tokens=40,
+                          tool_tokens=32, max_prompt_len=256, method="lora", lora_r=16, lora_alpha=32,
+                          steps=HUNT_STEPS, lr=HUNT_LR, warmup_steps=1, batch_size=1, num_generations=8, kl_beta=0.0,
+                          log_every=1, save_every=HUNT_STEPS, device="cpu", out_dir=str(tmp_path / "grpo")))
+
+    def follows(samples: dict) -> float:  # the share of episodes whose call after the note opened the box it named
+        return sum(v == 1.0 for v in note_following(samples["completions"])) / len(samples["completions"])
+
+    before = job.samples(HUNT_EPISODES)
+    job.train()
+    after = job.samples(HUNT_EPISODES)
+    print(f"\nagent GRPO on TreasureHunt, SFT {HUNT_SFT_STEPS} steps (half the demonstrations skip the note) then "
+          f"{HUNT_STEPS} GRPO steps of 1 prompt x 8 episodes: held-out episodes following the note "
+          f"{follows(before):.2f} -> {follows(after):.2f}, reward {before['reward']:.2f} -> {after['reward']:.2f}, "
+          f"tool calls per episode {before['tool_calls']:.2f} -> {after['tool_calls']:.2f} ({HUNT_EPISODES} "
+          f"episodes; {time.time() - t0:.0f} s, SFT {sft_s:.0f} s); batch rewards "
+          f"{[round(r, 2) for r in job.curves()['reward']]}")
+    pair = next((b, a) for b, a in zip(before["rows"], after["rows"], strict=True) if a["reward"] > b["reward"])
+    for when, row in zip(("before", "after"), pair, strict=True):
+        lines = row["transcript"].replace("\n", "\n    ")
+        print(f"  {when} ({row['prompt']!r}, reward {row['reward']:g}):\n    {lines}")
+    assert follows(after) >= follows(before) + 0.2
+    assert after["reward"] >= before["reward"] + 0.15
 
 
 def _lora_losses(tmp_path, name, **overrides) -> tuple[float, float]:

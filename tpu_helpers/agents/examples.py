@@ -1,22 +1,22 @@
 """Example environments and tools for agent RL, offline: their datasets (rows) and SFT demonstrations.
 
-    agent = Agent(environment_factory=Lockers, reward_funcs=[locker_reward])
-    rows = locker_rows(64, split="train")                 # {"prompt": [system, user], "seed", "locker"}
-    demos = locker_demonstrations(64, seed=1)             # {"messages": [...], "tools": [...]}, TRL's SFT tool form
+    agent = Agent(environment_factory=TreasureHunt, reward_funcs=[hunt_reward])
+    rows = hunt_rows(64, split="train")                   # {"prompt": [system, user], "seed", "start"}
+    demos = hunt_demonstrations(64, seed=1)               # {"messages": [...], "tools": [...]}, TRL's SFT tool form
 
-- `Lockers`: the answer exists only inside the environment. reset(**row) builds four named lockers with random
-  4-digit codes (seeded by row["seed"]) and lists their names; the user asks for one locker's code (row["locker"]);
-  the tool `open_locker(name)` returns it. Reward: `locker_reward` (the final answer is the right code).
-- `GuessingGame`: feedback across turns matters. A secret integer in [1, row["n"]] (seeded by row["seed"]); the tool
-  `guess(number)` answers higher, lower or correct. Reward: `get_reward()` (solved, in few guesses); metric:
-  `feedback_use` (the share of guesses consistent with the feedback already seen).
+- `Lockers`: the answer exists only inside the environment: four lockers with random codes (row["seed"]), the user
+  asks for one (row["locker"]), `open_locker(name)` reads it. Reward: `locker_reward` (the final answer's code).
+- `TreasureHunt`: feedback across turns matters: the box the user names (row["start"]) holds a note naming the box
+  with the code, the other two hold wrong codes; `open_box(name)` reads a box, so the second call must use the
+  first one's reply. Reward: `hunt_reward`; metric: `note_following`.
+- `GuessingGame`: feedback across turns, with arithmetic: `guess(number)` answers higher, lower or correct about a
+  secret in [1, row["n"]]. Reward: `get_reward()`; metric: `feedback_use` (guesses consistent with the replies).
 - `multiply(a, b)`: one stateless tool, for rows asking "What is 347 times 829?". Reward: `product_reward`.
 
-Rows are TRL's: a conversational "prompt" and the fields reset needs, train and test from disjoint seed ranges
-(lockers, guessing) or a fixed partition of the operand pairs (multiply). Each environment seeds its randomness from
-the row alone (`random.Random` of a string, whatever PYTHONHASHSEED), so a resumed run sees the same episode.
-Demonstrations are the rows' episodes played through `Agent`: the environment's own tool results and the prompt an RL
-episode renders, so SFT and RL see the same conversations. Sized for SmolLM2-135M on a CPU. Torch-free.
+Rows are TRL's: a conversational "prompt" and the fields reset needs, train and test disjoint. Each environment seeds
+its randomness from the row alone (`random.Random` of a string, whatever PYTHONHASHSEED), so a resumed run sees the
+same episode. Demonstrations are the rows' episodes played through `Agent` (the environment's own tool results, the
+prompt an RL episode renders), so SFT and RL see the same conversations. Sized for SmolLM2-135M on a CPU. Torch-free.
 """
 
 from __future__ import annotations
@@ -136,6 +136,102 @@ def locker_rows(n: int, *, seed: int = 0, split: str = "train") -> list[dict]:
     for s in _row_seeds(n, "lockers", seed, split):
         locker = random.Random(f"lockers-ask:{s}").choice(list(locker_codes(s)))
         rows.append({"prompt": _prompt(f"What is the code of the {locker} locker?"), "seed": s, "locker": locker})
+    return rows
+
+
+# ---- TreasureHunt ------------------------------------------------------------------------------------------------
+def hunt_boxes(seed: int) -> tuple[dict[str, int], str]:
+    """The episode of a row seed: LOCKERS_PER_EPISODE box names with random 4-digit codes, and the box whose code is
+    the treasure. The start box (`hunt_rows`) is another one: it holds the note instead of its code."""
+    rng = random.Random(f"hunt:{seed}")
+    names = rng.sample(LOCKER_NAMES, LOCKERS_PER_EPISODE)
+    codes = {name: rng.randrange(1000, 10000) for name in names}
+    return codes, rng.choice(names)
+
+
+class TreasureHunt:
+    """Four named boxes. The user says which box to start at; it holds a note naming the box with the code (the
+    answer); the other two boxes hold wrong codes. `open_box` reads a box, so an episode that solves it opens the
+    start box, then the box the note names (a random second box is right once in three), then answers that code.
+    reset(**row) takes row["seed"] (the boxes) and row["start"] and returns " Boxes: red, blue, ...": the names,
+    appended to the user's question.
+
+    No get_reward, as `Lockers`: score episodes with `hunt_reward`, which reads the code from each rollout's
+    environment (TRL's `environments=` keyword). `note_following` measures whether the call after the note went
+    where it said."""
+
+    def __init__(self) -> None:
+        self.codes: dict[str, int] = {}
+        self.start = ""
+        self.target = ""
+        self.opened: list[str] = []
+
+    def reset(self, seed: int, start: str, **row: Any) -> str:
+        self.codes, self.target = hunt_boxes(seed)
+        if start not in self.codes or start == self.target:
+            raise ValueError(f"row starts at box {start!r}; seed {seed} has {sorted(self.codes)}, the code in "
+                             f"{self.target!r}, so start at one of the others")
+        self.start = start
+        self.opened = []
+        return " Boxes: " + ", ".join(self.codes) + "."
+
+    @property
+    def code(self) -> int:
+        """The code the note leads to."""
+        return self.codes[self.target]
+
+    def open_box(self, name: str) -> str:
+        """Open a box and read what is inside.
+
+        Args:
+            name: The box's name.
+        """
+        key = str(name).strip().lower()
+        self.opened.append(key)
+        if key == self.start:
+            return f"go to the {self.target} box"
+        return str(self.codes[key]) if key in self.codes else "no such box"
+
+
+def hunt_reward(completions: list[list[dict]], environments: list, **kwargs: Any) -> list[float]:
+    """1.0 when an episode's final answer (`final_answer`) is the code the start box's note leads to, else 0.0.
+    TRL's reward keywords; needs `environments=`."""
+    return [float(final_answer(c) == env.code) for c, env in zip(completions, environments, strict=True)]
+
+
+_NOTE = re.compile(r"go to the (\w+) box")
+
+
+def note_following(completions: list[list[dict]], **kwargs: Any) -> list[float | None]:
+    """1.0 when the assistant's next message after an episode read its note opens the box the note names, 0.0 when
+    it opens another box, makes no call or never comes (the episode was cut); None (NaN: not applicable) for an
+    episode that never read the note. A metric, called as a TRL reward function is."""
+    out: list[float | None] = []
+    for completion in completions:
+        named: str | None = None
+        value: float | None = None
+        for m in completion:
+            if named is None:
+                found = _NOTE.fullmatch(str(m.get("content", ""))) if m.get("role") == "tool" else None
+                if found:
+                    named, value = found.group(1), 0.0
+            elif m.get("role") == "assistant":
+                calls = [c.get("function", c) for c in m.get("tool_calls") or () if isinstance(c, Mapping)]
+                boxes = [str(f["arguments"].get("name", "")).strip().lower() for f in calls
+                         if f.get("name") == "open_box" and isinstance(f.get("arguments"), Mapping)]
+                value = float(boxes[:1] == [named])
+                break
+        out.append(value)
+    return out
+
+
+def hunt_rows(n: int, *, seed: int = 0, split: str = "train") -> list[dict]:
+    """n rows for `TreasureHunt`: {"prompt": [system, user], "seed": the boxes, "start": the box to open first}."""
+    rows = []
+    for s in _row_seeds(n, "hunt", seed, split):
+        codes, target = hunt_boxes(s)
+        start = random.Random(f"hunt-start:{s}").choice([name for name in codes if name != target])
+        rows.append({"prompt": _prompt(f"Find the code. Start at the {start} box."), "seed": s, "start": start})
     return rows
 
 
@@ -323,6 +419,32 @@ def locker_demonstrations(n: int, *, seed: int = 0, split: str = "train") -> lis
                     else {"role": "assistant", "content": _last_reply(done)})
 
     return [demo(row) for row in locker_rows(n, seed=seed, split=split)]
+
+
+def hunt_demonstrations(n: int, *, seed: int = 0, split: str = "train", skip_note: float = 0.0) -> list[dict]:
+    """Demonstrations of `hunt_rows(n, seed=seed, split=split)`: open the start box, then the box its note names,
+    answer that code. `skip_note`: the share of demonstrations that skip the note instead, opening a box other than
+    the start at once and answering its code (right once in three): a teacher that uses the feedback only sometimes,
+    drawn per row."""
+    if not 0.0 <= skip_note <= 1.0:
+        raise ValueError(f"skip_note={skip_note!r}; give a share in [0, 1]")
+    agent = Agent(environment_factory=TreasureHunt, reward_funcs=[hunt_reward])
+
+    def demo(row: dict) -> dict:
+        rng = random.Random(f"hunt-skip:{row['seed']}")
+        skips = rng.random() < skip_note
+
+        def policy(done: list[dict]) -> dict:
+            if not done:
+                others = [name for name in hunt_boxes(row["seed"])[0] if name != row["start"]]
+                return call("open_box", name=rng.choice(others) if skips else row["start"])
+            found = _NOTE.fullmatch(done[-1]["content"])
+            return call("open_box", name=found.group(1)) if found else {"role": "assistant",
+                                                                        "content": _last_reply(done)}
+
+        return play(agent, row, policy)
+
+    return [demo(row) for row in hunt_rows(n, seed=seed, split=split)]
 
 
 def guessing_demonstrations(n: int, *, seed: int = 0, split: str = "train",

@@ -58,10 +58,10 @@ CURVES = (("reward", "mean reward"), ("completion_tokens", "completion tokens"),
           ("loss", "loss"))
 AGENT_CURVES = (("turns", "turns per episode"), ("tool_success", "tool-call success rate"))
 # The offline example environments' rows (agents.examples), as DATASET names in agent mode.
-EXAMPLE_ROWS = {"lockers": examples.locker_rows, "guessing": examples.guessing_rows,
+EXAMPLE_ROWS = {"lockers": examples.locker_rows, "hunt": examples.hunt_rows, "guessing": examples.guessing_rows,
                 "multiply": examples.multiply_rows}
-EXAMPLE_DEMOS = {"lockers": examples.locker_demonstrations, "guessing": examples.guessing_demonstrations,
-                 "multiply": examples.multiply_demonstrations}
+EXAMPLE_DEMOS = {"lockers": examples.locker_demonstrations, "hunt": examples.hunt_demonstrations,
+                 "guessing": examples.guessing_demonstrations, "multiply": examples.multiply_demonstrations}
 
 
 def curves_figure(curves: dict[str, list], *, pyplot: bool = False):
@@ -377,7 +377,8 @@ class GRPO(HFJob):
 
     def _episode_samples(self, records: list[dict]) -> dict:
         """Held-out episodes in the training step's shapes: mean reward, turns, tool calls and their success, each
-        reward's mean, the rows (prompt, transcript, final answer, reward) and graphs compiled."""
+        reward's mean, the rows (prompt, transcript, final answer, reward), the episodes' messages after the prompt
+        ("completions", as reward functions and metrics such as `note_following` take them) and graphs compiled."""
         cfg, b = self.config, self.backend
         runner = self.episode_runner
         rows = cfg.grpo.rows(cfg.batch_size) * max(1, b.num_replicas // b.world_size)
@@ -399,6 +400,7 @@ class GRPO(HFJob):
         success = 1.0 - sum(e.stats.failed for e in episodes) / calls if calls else float("nan")
         return {"reward": sum(total) / len(total), **mean, "tool_success": success,
                 "rewards": {k: sum(v) / len(v) for k, v in values.items()}, "rows": table,
+                "completions": [e.completion for e in episodes],
                 "compilations": b.metrics().get("compilations", 0) - before}
 
     @staticmethod
