@@ -1,10 +1,9 @@
 """The example environments, tools, rows and demonstrations (agents/examples.py): each environment end to end
 through `Agent` with scripted assistant messages (a right episode scores 1, a wrong or tool-less one 0), the
 treasure hunt's and the guessing game's feedback metrics telling a policy that reads the replies from one that does
-not, determinism by seed in any process,
-disjoint splits, demonstrations that replay against a fresh environment and render through SmolLM2's ChatFormat
-with the assistant's turns masked in, and TRL 1.16's own handling of environments (its tool listing, its tool calls,
-its reward computation) giving what ours gives."""
+not, determinism by seed in any process, disjoint splits, demonstrations that replay against a fresh environment
+and render through SmolLM2's ChatFormat with the assistant's turns masked in, and TRL 1.16's own handling of
+environments (its tool listing, its tool calls, its reward computation) giving what ours gives."""
 
 from __future__ import annotations
 
@@ -134,8 +133,25 @@ def test_the_treasure_hunt_rewards_only_the_code_its_note_leads_to_and_measures_
     assert all(math.isnan(v) for v in rewards["note_following"][3:5])
     assert follows.environment.opened == [row["start"], target] and follows.environment.code == codes[target]
     assert ignores.environment.open_box("purple") == "no such box"
+    hunt = TreasureHunt()
+    hunt.reset(seed=row["seed"], start=f" {row['start'].upper()}")  # names as open_box takes them
+    assert hunt.start == row["start"] and hunt.target == target
     with pytest.raises(ValueError, match=f"starts at box '{target}'"):
-        TreasureHunt().reset(seed=row["seed"], start=target)
+        hunt.reset(seed=row["seed"] + 1, start=target)
+    assert hunt.codes == codes and hunt.target == target  # a refused reset leaves the episode as it was
+
+    # The call after the note, however it is written: arguments as a JSON string (as datasets hold them), a call
+    # that is not a mapping (skipped, never a crash), several calls (the first open_box decides).
+    note = [call("open_box", name=row["start"]),
+            {"role": "tool", "name": "open_box", "content": f"go to the {target} box"}]
+    as_string = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "open_box", "arguments": json.dumps({"name": target})}}]}
+    odd = {"role": "assistant", "content": "", "tool_calls": ["open_box", {"function": None},
+                                                               call("open_box", name=target)["tool_calls"][0]]}
+    several = {"role": "assistant", "content": "", "tool_calls": [
+        *call("open_box", name=others[0])["tool_calls"], *call("open_box", name=target)["tool_calls"]]}
+    assert note_following([note + [as_string], note + [odd], note + [several]]) == [1.0, 1.0, 0.0]
+    assert feedback_use([[odd, {"role": "tool", "name": "guess", "content": "higher"}]]) == [None]
 
 
 def test_hunt_demonstrations_may_skip_the_note_in_a_share_of_rows():

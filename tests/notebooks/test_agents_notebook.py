@@ -56,8 +56,10 @@ def test_agents_notebook_on_cpu_shows_episodes_curves_and_exports(notebooks, tmp
         assert results["tool_success"][when] is None or 0 <= results["tool_success"][when] <= 1
         samples = results[f"samples_{when}"]
         assert len(samples["rows"]) == 4 and all(isinstance(r["transcript"], str) for r in samples["rows"])
-        # each episode's messages, as reward functions and metrics take them
-        assert [transcript(c) for c in samples["completions"]] == [r["transcript"] for r in samples["rows"]]
+        # each episode's messages after its prompt, as reward functions and metrics take them
+        completions = samples["completions"]
+        assert len(completions) == 4 and all(c and c[0]["role"] == "assistant" for c in completions)
+        assert [transcript(c) for c in completions] == [r["transcript"] for r in samples["rows"]]
     # The curves carry the agent's turns and tool-call success, drawn into grpo.png beside loss.png.
     curves = results["curves"]
     assert curves["step"] == [1, 2] and {"turns", "tool_success"} <= set(curves)

@@ -33,8 +33,8 @@ from tpu_helpers.models import smollm2
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]  # one_thread: tests/conftest.py
 
 SMOLLM2 = smollm2.SMOLLM2
-SYSTEM = "Answer with the number only."
-HUNT_SFT_STEPS, HUNT_STEPS, HUNT_LR, HUNT_EPISODES = 12, 8, 1e-3, 24  # the feedback test (TreasureHunt)  # GRPO: the untrained model otherwise talks past 8 tokens more often
+SYSTEM = "Answer with the number only."  # GRPO: the untrained model otherwise talks past 8 tokens more often
+HUNT_SFT_STEPS, HUNT_STEPS, HUNT_LR, HUNT_EPISODES = 12, 8, 1e-3, 24  # the feedback test (TreasureHunt)
 
 
 def _lora_sft(tmp_path, name, **overrides):
@@ -125,7 +125,7 @@ def test_agent_grpo_teaches_the_real_model_to_use_the_feedback_across_turns(smol
     """`TreasureHunt` (agents.examples): the box the question names holds a note naming the box with the code, the
     others hold wrong codes, so an episode earns its reward when its second call goes where its first call's reply
     said. The start policy uses that feedback only sometimes: a LoRA SFT through the fine-tuning recipe (TRL's
-    tool-conversation form) on demonstrations of which half skip the note, opening another box at once and
+    tool-conversation form) on demonstrations of which about half skip the note, opening another box at once and
     answering its code (right once in three). GRPO from that run (START_FROM its OUT_DIR), two rounds of tool calls
     per episode, raises the share of held-out episodes that follow the note, and the reward."""
     import json
@@ -157,13 +157,13 @@ def test_agent_grpo_teaches_the_real_model_to_use_the_feedback_across_turns(smol
     before = job.samples(HUNT_EPISODES)
     job.train()
     after = job.samples(HUNT_EPISODES)
-    print(f"\nagent GRPO on TreasureHunt, SFT {HUNT_SFT_STEPS} steps (half the demonstrations skip the note) then "
-          f"{HUNT_STEPS} GRPO steps of 1 prompt x 8 episodes: held-out episodes following the note "
+    print(f"\nagent GRPO on TreasureHunt, SFT {HUNT_SFT_STEPS} steps (about half the demonstrations skip the note) "
+          f"then {HUNT_STEPS} GRPO steps of 1 prompt x 8 episodes: held-out episodes following the note "
           f"{follows(before):.2f} -> {follows(after):.2f}, reward {before['reward']:.2f} -> {after['reward']:.2f}, "
           f"tool calls per episode {before['tool_calls']:.2f} -> {after['tool_calls']:.2f} ({HUNT_EPISODES} "
           f"episodes; {time.time() - t0:.0f} s, SFT {sft_s:.0f} s); batch rewards "
           f"{[round(r, 2) for r in job.curves()['reward']]}")
-    pair = next((b, a) for b, a in zip(before["rows"], after["rows"], strict=True) if a["reward"] > b["reward"])
+    pair = next(((b, a) for b, a in zip(before["rows"], after["rows"], strict=True) if a["reward"] > b["reward"]), ())
     for when, row in zip(("before", "after"), pair, strict=True):
         lines = row["transcript"].replace("\n", "\n    ")
         print(f"  {when} ({row['prompt']!r}, reward {row['reward']:g}):\n    {lines}")

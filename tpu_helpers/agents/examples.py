@@ -21,6 +21,7 @@ prompt an RL episode renders), so SFT and RL see the same conversations. Sized f
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import re
@@ -167,11 +168,12 @@ class TreasureHunt:
         self.opened: list[str] = []
 
     def reset(self, seed: int, start: str, **row: Any) -> str:
-        self.codes, self.target = hunt_boxes(seed)
-        if start not in self.codes or start == self.target:
-            raise ValueError(f"row starts at box {start!r}; seed {seed} has {sorted(self.codes)}, the code in "
-                             f"{self.target!r}, so start at one of the others")
-        self.start = start
+        codes, target = hunt_boxes(seed)
+        key = str(start).strip().lower()
+        if key not in codes or key == target:
+            raise ValueError(f"row starts at box {start!r}; seed {seed} has {sorted(codes)}, the code in "
+                             f"{target!r}, so start at one of the others")
+        self.codes, self.target, self.start = codes, target, key
         self.opened = []
         return " Boxes: " + ", ".join(self.codes) + "."
 
@@ -202,10 +204,29 @@ def hunt_reward(completions: list[list[dict]], environments: list, **kwargs: Any
 _NOTE = re.compile(r"go to the (\w+) box")
 
 
+def _call_arguments(message: Mapping, tool: str) -> list[dict]:
+    """The arguments of an assistant message's calls of `tool`, in order: a dict each (a JSON string decoded, as
+    datasets may hold them; anything else {}); calls that are not a mapping are left out."""
+    out = []
+    for c in message.get("tool_calls") or ():
+        function = c.get("function", c) if isinstance(c, Mapping) else None
+        if not isinstance(function, Mapping) or function.get("name") != tool:
+            continue
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                arguments = None
+        out.append(dict(arguments) if isinstance(arguments, Mapping) else {})
+    return out
+
+
 def note_following(completions: list[list[dict]], **kwargs: Any) -> list[float | None]:
-    """1.0 when the assistant's next message after an episode read its note opens the box the note names, 0.0 when
-    it opens another box, makes no call or never comes (the episode was cut); None (NaN: not applicable) for an
-    episode that never read the note. A metric, called as a TRL reward function is."""
+    """1.0 when the assistant's next message after an episode read its note opens the box the note names (its first
+    `open_box` call decides, run or cut by MAX_TURNS), 0.0 when it opens another box, makes no call or never comes
+    (the episode was cut); None (NaN: not applicable) for an episode that never read the note. A metric, called as a
+    TRL reward function is."""
     out: list[float | None] = []
     for completion in completions:
         named: str | None = None
@@ -216,9 +237,7 @@ def note_following(completions: list[list[dict]], **kwargs: Any) -> list[float |
                 if found:
                     named, value = found.group(1), 0.0
             elif m.get("role") == "assistant":
-                calls = [c.get("function", c) for c in m.get("tool_calls") or () if isinstance(c, Mapping)]
-                boxes = [str(f["arguments"].get("name", "")).strip().lower() for f in calls
-                         if f.get("name") == "open_box" and isinstance(f.get("arguments"), Mapping)]
+                boxes = [str(arguments.get("name", "")).strip().lower() for arguments in _call_arguments(m, "open_box")]
                 value = float(boxes[:1] == [named])
                 break
         out.append(value)
@@ -291,12 +310,7 @@ def _guess_turns(completion: Sequence[Mapping]) -> list[list[list]]:
     turns: list[list[list]] = []
     for m in completion:
         if m.get("role") == "assistant":
-            turns.append([])
-            for c in m.get("tool_calls") or ():
-                function = c.get("function", c) if isinstance(c, Mapping) else {}
-                if function.get("name") == "guess":
-                    arguments = function.get("arguments")
-                    turns[-1].append([arguments.get("number") if isinstance(arguments, Mapping) else None, None])
+            turns.append([[arguments.get("number"), None] for arguments in _call_arguments(m, "guess")])
         elif m.get("role") == "tool" and m.get("name") == "guess" and turns:
             pending = [p for p in turns[-1] if p[1] is None]
             if pending:
