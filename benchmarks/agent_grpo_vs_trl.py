@@ -75,13 +75,13 @@ def start_copy(source: str, target: Path, template: str | None, positions: int |
 
 
 def run_package(args) -> dict:
-    from tpu_helpers.algorithms import grpo
+    from tpu_helpers.algorithms import rollouts
     from tpu_helpers.core.callbacks import Callback
     from tpu_helpers.recipes.grpo import GRPO, GRPOConfig
 
     stamps: list[float] = []
     gen: list[tuple[float, float]] = []
-    _timed(grpo.GRPOTrainer, "sample_episodes", gen)
+    _timed(rollouts.EpisodeRollouts, "sample", gen)
 
     class Clock(Callback):
         def on_step_end(self, trainer):

@@ -156,9 +156,9 @@ def test_a_function_without_kwargs_gets_what_it_names_and_bad_values_are_named()
         return [float(s) for s in secret]
 
     assert call_reward(short, name="short", prompts=[[]], completions=[[]], rows=[{"secret": 3}]) == [3.0]
-    with pytest.raises(ConfigError, match=r"reward 'r' returned 1 values for 2 episodes"):
+    with pytest.raises(ConfigError, match=r"reward 'r' returned 1 values for 2 completions"):
         call_reward(lambda **k: [1.0], name="r", prompts=[[], []], completions=[[], []], rows=[{}, {}])
-    with pytest.raises(ConfigError, match=r"reward 'r' returned 'x' for episode 0"):
+    with pytest.raises(ConfigError, match=r"reward 'r' returned 'x' for completion 0"):
         call_reward(lambda **k: ["x"], name="r", prompts=[[]], completions=[[]], rows=[{}])
 
     async def later(completions, **_):

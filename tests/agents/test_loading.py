@@ -60,12 +60,12 @@ def envs(tmp_path, monkeypatch):
 def test_both_forms_load(envs):
     assert load_environment("my_envs:Counter").__name__ == "Counter"
     assert load_environment(f"{envs}/my_envs.py:Counter").__name__ == "Counter"
+    assert load_environment("my_envs.Counter").__name__ == "Counter"  # the dotted form, as REWARDS always took
     assert [f.__name__ for f in load_tools("my_envs:double, ./my_envs.py:double")] == ["double", "double"]
 
 
 @pytest.mark.parametrize("parameter, value, message", [
-    ("ENVIRONMENT", "my_envs.Counter", r"ENVIRONMENT='my_envs.Counter' is not of the form 'module:Name' or "
-                                       r"'path/to/file.py:Name'"),
+    ("ENVIRONMENT", "my_envs", r"ENVIRONMENT='my_envs' is not of the form 'module:Name' or 'path/to/file.py:Name'"),
     ("ENVIRONMENT", "no_such_module:Env", r"ENVIRONMENT='no_such_module:Env': module 'no_such_module' cannot be "
                                           r"imported \(ModuleNotFoundError"),
     ("ENVIRONMENT", "envs/missing.py:Env", r"ENVIRONMENT='envs/missing.py:Env': there is no file .*missing.py; give"),

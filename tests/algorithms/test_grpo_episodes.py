@@ -106,7 +106,7 @@ def odd_turns(completions, **kwargs):
 def test_an_episodes_slots_hold_its_conversation_and_the_loss_mask_only_the_models_tokens(tmp_path, tool_tiny_dir,
                                                                                            scripted):
     job = _job(tmp_path, tool_tiny_dir)
-    runner, b = job.episode_runner, job.backend
+    runner, b = job.rollouts.runner, job.backend
     rows = job.records[:8]
     batch = runner.run(job.model, rows, backend=b, sampling=job.config.grpo.sampling,
                        seed=torch.tensor([0, 0, 0]))
@@ -136,7 +136,7 @@ def test_an_episodes_slots_hold_its_conversation_and_the_loss_mask_only_the_mode
 def test_a_groups_episodes_share_their_prompt_pass_and_a_group_whose_prompts_differ_runs_its_own(
         tmp_path, tool_tiny_dir, scripted):
     job = _job(tmp_path, tool_tiny_dir)
-    runner, b = job.episode_runner, job.backend
+    runner, b = job.rollouts.runner, job.backend
     rows = [r for r in job.records[:3] for _ in range(2)]
     run = lambda rows, group: runner.run(job.model, rows, backend=b, sampling=job.config.grpo.sampling,  # noqa: E731
                                          seed=torch.tensor([0, 1, 0]), group=group)
@@ -204,7 +204,7 @@ def failing_on_long(completions, **kwargs):
 
 def test_a_reward_that_fails_on_some_episodes_is_counted_and_the_others_scored(tmp_path, tool_tiny_dir, scripted):
     job = _job(tmp_path, tool_tiny_dir, rewards="tests.algorithms.test_grpo_episodes:failing_on_long")
-    runner = job.episode_runner
+    runner = job.rollouts.runner
     batch = runner.run(job.model, job.records[:8], backend=job.backend, sampling=job.config.grpo.sampling,
                        seed=torch.tensor([1, 0, 0]))
     with pytest.warns(UserWarning, match="reward 'tests.algorithms.test_grpo_episodes:failing_on_long' raised "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tpu_helpers.algorithms.rewards import (
@@ -97,9 +99,26 @@ def test_a_builtin_reward_that_breaks_on_some_completions_gives_them_0_and_one_c
     assert len(caught) == 1 and "reward 'answer' could not score 2 of 4 completions" in str(caught[0].message)
 
 
-def test_a_user_reward_that_raises_is_an_error_naming_it_and_the_completion():
+def test_a_user_reward_that_raises_on_some_completions_gives_them_nan_and_a_warning_naming_both():
     def picky(prompts, completions, answer):
         return [1.0 / len(c) for c in completions]  # ZeroDivisionError on the empty completion
 
-    with pytest.raises(ConfigError, match=r"reward 'picky' raised ZeroDivisionError on completion 2 \(''\)"):
-        score({"picky": picky}, ["p"] * 3, ["a", "bb", ""], {"answer": ["1", "2", "3"], "max_new_tokens": 8})
+    with pytest.warns(UserWarning, match=r"reward 'picky' raised ZeroDivisionError on completion 2 \(''\)"):
+        got = score({"picky": picky}, ["p"] * 3, ["a", "bb", ""], {"answer": ["1", "2", "3"], "max_new_tokens": 8})
+    assert got["picky"][:2] == [1.0, 0.5] and math.isnan(got["picky"][2])
+    with pytest.raises(ConfigError, match=r"reward 'picky' raised ZeroDivisionError on every one of the 2 "):
+        score({"picky": picky}, ["p"] * 2, ["", ""], {"answer": ["1", "2"]})
+
+
+def test_none_means_not_applicable_for_answers_as_for_episodes():
+    # TRL's rule, one policy for every reward call: None is NaN, and NaN terms are left out of the sum.
+    got = score({"some": lambda prompts, completions: [None, 1]}, ["p", "q"], ["a", "b"], {})
+    assert math.isnan(got["some"][0]) and got["some"][1] == 1.0
+
+
+def test_rewards_load_from_a_file_path_as_environment_and_tools_do(tmp_path):
+    (tmp_path / "my_rewards.py").write_text("def brevity(completions, **kwargs):\n"
+                                            "    return [-len(c) for c in completions]\n")
+    r = resolve_rewards(f"answer, {tmp_path}/my_rewards.py:brevity")
+    got = score(r, ["p", "q"], ["1", "22"], {"answer": ["1", "2"]})
+    assert got == {"answer": [1.0, 0.0], f"{tmp_path}/my_rewards.py:brevity": [-1.0, -2.0]}

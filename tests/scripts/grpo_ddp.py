@@ -28,8 +28,8 @@ def run(name: str, **overrides) -> dict:
                out_dir=str(base / name), max_records=16, lora_r=4)
     try:
         job = GRPO(GRPOConfig(**{**cfg, **overrides}), progress=False)
-        if job.episode_runner is not None:
-            job.episode_runner.stop_ids = [t for t in range(len(job.tokenizer)) if t % 3 == 0]
+        if job.config.agentic:
+            job.rollouts.runner.stop_ids = [t for t in range(len(job.tokenizer)) if t % 3 == 0]
         start = [p.detach().clone() for p in job.trainer.raw_model.parameters() if p.requires_grad]
         job.train()
         trained = [p.detach() for p in job.trainer.raw_model.parameters() if p.requires_grad]

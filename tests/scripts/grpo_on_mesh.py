@@ -28,7 +28,7 @@ cfg = GRPOConfig(**{**dict(device="xla", sharding=args["sharding"], start_from=N
                            max_records=64, lora_r=4, seed=0), **agent})
 job = GRPO(cfg, backend=b, progress=False)
 if agent:  # the tiny model never writes its end of turn: a third of the vocabulary ends a turn
-    job.episode_runner.stop_ids = [t for t in range(len(job.tokenizer)) if t % 3 == 0]
+    job.rollouts.runner.stop_ids = [t for t in range(len(job.tokenizer)) if t % 3 == 0]
 report = job.train()
 print_result({"losses": [r["loss"] for r in job.history.train], "rewards": [r["reward"] for r in job.history.train],
               "compilations": report.xla["compilations"], "problems": report.xla["problems"],

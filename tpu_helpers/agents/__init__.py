@@ -16,9 +16,9 @@ rollout with fixed shapes and the training on episodes build on these (docs/guid
 """
 
 from tpu_helpers.agents.chat import ChatFormat, Parsed, Rendered
-from tpu_helpers.agents.environments import Agent, Episode, call_reward
-from tpu_helpers.agents.loading import load_environment, load_tools
+from tpu_helpers.agents.environments import Agent, Episode, call_reward, call_rewards
+from tpu_helpers.agents.loading import load_environment, load_environments, load_tools
 from tpu_helpers.agents.tools import Toolbox, ToolStats, tool_schema
 
-__all__ = ["Agent", "ChatFormat", "Episode", "Parsed", "Rendered", "ToolStats", "Toolbox", "call_reward",
-           "load_environment", "load_tools", "tool_schema"]
+__all__ = ["Agent", "ChatFormat", "Episode", "Parsed", "Rendered", "ToolStats", "Toolbox", "call_reward", "call_rewards",
+           "load_environment", "load_environments", "load_tools", "tool_schema"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,20 +106,26 @@ class Agent:
     """Tools, environments and reward sources in TRL's form, checked once (see the module docstring)."""
 
     def __init__(self, *, tools: Sequence[Callable] = (), environment_factory: Callable | Mapping | None = None,
-                 reward_funcs: Sequence[Callable] | Mapping[str, Callable] = (), timeout_s: float | None = 30.0):
+                 reward_funcs: Sequence[Callable] | Mapping[str, Callable] = (), timeout_s: float | None = 30.0,
+                 environments: Mapping[str | None, EnvironmentSpec] | None = None):
         self.tools = list(tools)
         self.timeout_s = timeout_s
         Toolbox(self.tools, timeout_s=timeout_s)  # checks the standalone tools' schemas and names once, here
-        self.multi = isinstance(environment_factory, Mapping)
-        if environment_factory is None:
+        if environments is not None:  # probed already (agents.loading.load_environments): not probed again
+            if environment_factory is not None:
+                raise ConfigError("give environment_factory or environments (probed specs), not both")
             factories: dict = {}
-        elif self.multi:
+            self.multi = None not in environments and bool(environments)
+        elif environment_factory is None:
+            factories, self.multi = {}, False
+        elif isinstance(environment_factory, Mapping):
             if not environment_factory:
                 raise ConfigError("environment_factory is an empty dict; give {name: factory} with at least one")
-            factories = dict(environment_factory)
+            factories, self.multi = dict(environment_factory), True
         else:
-            factories = {None: environment_factory}
-        self.environments = {name: probe(name, f) for name, f in factories.items()}
+            factories, self.multi = {None: environment_factory}, False
+        self.environments = dict(environments) if environments is not None else \
+            {name: probe(name, f) for name, f in factories.items()}
         for spec in self.environments.values():  # a method named as a standalone tool would shadow it
             Toolbox([*self.tools, *_methods_of(spec)], timeout_s=timeout_s,
                     where=f"TOOLS with {spec.cls.__qualname__}'s methods")
@@ -179,18 +186,15 @@ class Agent:
             methods = [getattr(environment, m) for m in environment_methods(spec.cls)]
         return Episode(row, prompt, environment, Toolbox([*self.tools, *methods], timeout_s=self.timeout_s))
 
-    def rewards(self, episodes: Sequence[Episode], *, completion_ids: Sequence | None = None,
-                trainer_state: Any = None, log_extra: Callable | None = None,
-                log_metric: Callable | None = None, only: str | None = None) -> dict[str, list[float]]:
-        """Every reward source's values for the episodes (`only`: that source's): {name: [float, NaN where it
-        returned None]}."""
-        rows = [e.row for e in episodes]
+    def rewards(self, episodes: Sequence[Episode], *, warn: Callable[[str], None] | None = None,
+                **keywords: Any) -> dict[str, list[float]]:
+        """Every reward source's values for the episodes ({name: [float, NaN where not applicable or where it
+        raised]}; `call_rewards`): TRL's keywords, `environments=` each rollout's instance, and `keywords`
+        (completion_ids, trainer_state, log_extra, log_metric) as given."""
         envs = [e.environment for e in episodes] if self.environments else None
-        return {name: call_reward(fn, name=name, prompts=[e.prompt for e in episodes],
-                                  completions=[e.completion for e in episodes], rows=rows, environments=envs,
-                                  completion_ids=completion_ids, trainer_state=trainer_state, log_extra=log_extra,
-                                  log_metric=log_metric)
-                for name, fn in self.rewards_funcs.items() if only is None or name == only}
+        return call_rewards(self.rewards_funcs, prompts=[e.prompt for e in episodes],
+                            completions=[e.completion for e in episodes], rows=[e.row for e in episodes],
+                            environments=envs, warn=warn, **keywords)
 
 
 def _methods_of(spec: EnvironmentSpec) -> list[Callable]:
@@ -216,29 +220,39 @@ def _environment_reward(cls: type) -> Callable:
     return reward
 
 
-def call_reward(fn: Callable, *, name: str, prompts: Sequence, completions: Sequence, rows: Sequence[Mapping],
-                environments: Sequence | None = None, completion_ids: Sequence | None = None,
-                trainer_state: Any = None, log_extra: Callable | None = None,
-                log_metric: Callable | None = None) -> list[float]:
-    """A TRL-style reward function's values, called with TRL's keywords (see the module docstring): the rows'
-    columns but prompt, completion and completion_ids, one list each. A function without **kwargs gets the keywords
-    its signature names. None becomes NaN; a wrong count or a value that is not a number is a ConfigError naming it."""
+def _arguments(fn: Callable, positional: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """How `fn` is called: by TRL's keywords (all of them with a **kwargs, else those its signature names); a
+    function whose first two parameters are positional and named otherwise (`lambda p, c: ...`) gets the prompts
+    and the completions by position."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return (), kwargs
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return (), kwargs
+    ordered = [p.name for p in params.values() if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                             inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    if len(ordered) >= 2 and not {"prompts", "completions"} & set(ordered[:2]):
+        return positional, {k: v for k, v in kwargs.items() if k in params and k not in ordered[:2]}
+    return (), {k: v for k, v in kwargs.items() if k in params}
+
+
+def call_reward(fn: Callable, *, name: str, prompts: Sequence, completions: Sequence,
+                rows: Sequence[Mapping] = (), **keywords: Any) -> list[float]:
+    """A reward function's values, called as TRL calls it: `prompts=`, `completions=` and the rows' columns (but
+    prompt, completion and completion_ids, one list each), then `keywords` (`environments=`, `completion_ids=`,
+    `trainer_state`, `log_extra`, `log_metric`, or other columns such as `answer=`: lists, one value per
+    completion, or plain values); see `_arguments` for a function without **kwargs. A value of None means "not
+    applicable" (NaN, as in TRL); a wrong count or a value that is not a finite number is a ConfigError naming the
+    reward and the completion. The one call of every reward function in the package."""
     n = len(completions)
     keys = [k for k in (rows[0] if rows else {}) if k not in ("prompt", "completion", "completion_ids")]
     kwargs: dict[str, Any] = {k: [r.get(k) for r in rows] for k in keys}
-    kwargs.update(prompts=list(prompts), completions=list(completions),
-                  completion_ids=list(completion_ids) if completion_ids is not None else None,
-                  trainer_state=trainer_state, log_extra=log_extra or (lambda *a, **k: None),
-                  log_metric=log_metric or (lambda *a, **k: None))
-    if environments is not None:
-        kwargs["environments"] = list(environments)
-    try:
-        params = inspect.signature(fn).parameters
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            kwargs = {k: v for k, v in kwargs.items() if k in params}
-    except (TypeError, ValueError):
-        pass
-    values = fn(**kwargs)
+    kwargs.update(prompts=list(prompts), completions=list(completions), completion_ids=None, trainer_state=None,
+                  log_extra=lambda *a, **k: None, log_metric=lambda *a, **k: None)
+    kwargs.update({k: v for k, v in keywords.items() if v is not None})
+    args, kwargs = _arguments(fn, (kwargs["prompts"], kwargs["completions"]), kwargs)
+    values = fn(*args, **kwargs)
     if inspect.isawaitable(values):
         values = run_async(values)
     try:
@@ -246,8 +260,8 @@ def call_reward(fn: Callable, *, name: str, prompts: Sequence, completions: Sequ
     except TypeError:
         raise ConfigError(f"reward {name!r} returned a {type(values).__name__}, not a list of {n} numbers") from None
     if len(values) != n:
-        raise ConfigError(f"reward {name!r} returned {len(values)} values for {n} episodes; it must return one "
-                          "number (or None: not applicable) per episode")
+        raise ConfigError(f"reward {name!r} returned {len(values)} values for {n} completions; it must return one "
+                          "number (or None: not applicable) per completion")
     out = []
     for i, v in enumerate(values):
         if v is None:
@@ -255,6 +269,52 @@ def call_reward(fn: Callable, *, name: str, prompts: Sequence, completions: Sequ
         elif isinstance(v, numbers.Real) and math.isfinite(v):
             out.append(float(v))
         else:
-            raise ConfigError(f"reward {name!r} returned {v!r} for episode {i}; rewards must be finite numbers "
-                              "or None")
+            raise ConfigError(f"reward {name!r} returned {v!r} for completion {i} ({completions[i]!r:.80}); rewards "
+                              "must be finite numbers or None (not applicable)")
+    return out
+
+
+def _one(i: int, n: int, value: Any) -> Any:
+    """Row i of a per-completion argument (a list or tuple of n values); anything else as it is."""
+    return value[i:i + 1] if isinstance(value, (list, tuple)) and len(value) == n else value
+
+
+def call_rewards(funcs: Mapping[str, Callable], *, prompts: Sequence, completions: Sequence,
+                 rows: Sequence[Mapping] = (), warn: Callable[[str], None] | None = None,
+                 **keywords: Any) -> dict[str, list[float]]:
+    """Every reward function's values ({name: [float, NaN where not applicable]}), each called once on the batch
+    (`call_reward`). One that raises is called completion by completion: where it still raises, that completion's
+    value is NaN and `warn` (default: a UserWarning) says so, naming the reward, the completion and the error; one
+    that raises on every completion is a ConfigError naming it (a broken reward must not train on nothing)."""
+    n = len(completions)
+    out: dict[str, list[float]] = {}
+    for name, fn in funcs.items():
+        try:
+            out[name] = call_reward(fn, name=name, prompts=prompts, completions=completions, rows=rows, **keywords)
+            continue
+        except ConfigError:
+            raise
+        except Exception:  # noqa: BLE001 (a user's reward failed on some completion: find which, keep the others)
+            pass
+        values, failed = [], []
+        for i in range(n):
+            try:
+                values += call_reward(fn, name=name, prompts=list(prompts)[i:i + 1],
+                                      completions=list(completions)[i:i + 1], rows=list(rows)[i:i + 1],
+                                      **{k: _one(i, n, v) for k, v in keywords.items()})
+            except ConfigError:
+                raise
+            except Exception as err:  # noqa: BLE001
+                values.append(math.nan)
+                failed.append((i, err))
+        if failed and len(failed) == n:
+            i, err = failed[0]
+            raise ConfigError(f"reward {name!r} raised {type(err).__name__} on every one of the {n} completions "
+                              f"(the first: {completions[i]!r:.80}): {err}; a reward must return a number, or None "
+                              "(not applicable), for any completion") from err
+        for i, err in failed:
+            message = (f"reward {name!r} raised {type(err).__name__} on completion {i} ({completions[i]!r:.80}): "
+                       f"{str(err)[:200]}; its value there is NaN")
+            (warn or (lambda m: warnings.warn(m, UserWarning, stacklevel=4)))(message)
+        out[name] = values
     return out

@@ -491,3 +491,24 @@ def multiply_demonstrations(n: int, *, seed: int = 0, split: str = "train", digi
                     else {"role": "assistant", "content": _last_reply(done)})
 
     return [demo(row) for row in multiply_rows(n, seed=seed, split=split, digits=digits)]
+
+
+class Example:
+    """What an example DATASET name means (`EXAMPLES`): its rows and demonstrations, and the ENVIRONMENT, TOOLS and
+    REWARDS it is played with, which a run takes where it gives none of its own."""
+
+    def __init__(self, rows: Callable[..., list[dict]], demonstrations: Callable[..., list[dict]], *,
+                 environment: str | None = None, tools: str | None = None, rewards: str = "") -> None:
+        self.rows, self.demonstrations = rows, demonstrations
+        self.environment, self.tools, self.rewards = environment, tools, rewards
+
+
+_HERE = __name__
+# The example datasets by DATASET name: the one place that knows which environment, tools and rewards each has.
+EXAMPLES: dict[str, Example] = {
+    "lockers": Example(locker_rows, locker_demonstrations, environment=f"{_HERE}:Lockers",
+                       rewards=f"{_HERE}:locker_reward"),
+    "hunt": Example(hunt_rows, hunt_demonstrations, environment=f"{_HERE}:TreasureHunt", rewards=f"{_HERE}:hunt_reward"),
+    "guessing": Example(guessing_rows, guessing_demonstrations, environment=f"{_HERE}:GuessingGame"),
+    "multiply": Example(multiply_rows, multiply_demonstrations, tools=f"{_HERE}:multiply", rewards="answer"),
+}

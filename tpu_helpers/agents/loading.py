@@ -4,7 +4,8 @@
     factory = load_environment("envs/wordle.py:Wordle")          # a file, relative to the working directory
     tools = load_tools("my_tools:lookup, my_tools:calculator")   # the same forms, comma separated
 
-Each value is `module:Name` or `path/to/file.py:Name`. Every bad value is a ConfigError naming the parameter, the
+Each value is `module:Name` or `path/to/file.py:Name` (`module.Name` too), and REWARDS' import paths load here as
+well: one loader for every parameter that names code. Every bad value is a ConfigError naming the parameter, the
 value and what is allowed: not of that form, a module that does not import or a file that is not there, a name the
 module lacks (with the public names it has), something not callable, an environment without `reset` (checked on one
 probed instance, as TRL probes), and a tool or environment method without type hints or a docstring (what
@@ -18,15 +19,15 @@ import hashlib
 import importlib
 import importlib.util
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from tpu_helpers.agents.environments import probe
+from tpu_helpers.agents.environments import EnvironmentSpec, probe
 from tpu_helpers.agents.tools import tool_schema
 from tpu_helpers.core.choices import ConfigError
 
-FORMS = "'module:Name' or 'path/to/file.py:Name'"
+FORMS = "'module:Name' or 'path/to/file.py:Name'"  # 'module.Name' is taken too
 
 
 def _module(parameter: str, value: str, where: str) -> Any:
@@ -56,9 +57,10 @@ def _module(parameter: str, value: str, where: str) -> Any:
 
 def load_object(value: str, *, parameter: str) -> Any:
     """The object a `module:Name` or `path/to/file.py:Name` value names (see the module docstring)."""
-    if not isinstance(value, str) or value.count(":") < 1:
+    if not isinstance(value, str):
         raise ConfigError(f"{parameter}={value!r} is not of the form {FORMS}")
-    where, _, attr = value.strip().rpartition(":")
+    dotted = ":" not in value and "/" not in value and "\\" not in value and not value.strip().endswith(".py")
+    where, _, attr = value.strip().rpartition("." if dotted else ":")
     if not where or not attr.isidentifier():
         raise ConfigError(f"{parameter}={value!r} is not of the form {FORMS}")
     module = _module(parameter, value, where)
@@ -72,14 +74,35 @@ def load_object(value: str, *, parameter: str) -> Any:
     return obj
 
 
-def load_environment(value: str, *, parameter: str = "ENVIRONMENT") -> Callable[[], Any]:
-    """The environment factory ENVIRONMENT names, probed once (reset, its methods' schemas)."""
-    factory = load_object(value, parameter=parameter)
+def load_environments(value: Any, *, parameter: str = "ENVIRONMENT") -> dict[str | None, EnvironmentSpec]:
+    """The environments ENVIRONMENT names, each probed once (reset, its methods' schemas): {None: spec} for one
+    value (an import path, or a class or factory from Python), {name: spec} for a dict of them (TRL's
+    multi-environment mode: each row picks one by its `environment` column); {} for None."""
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        if not value:
+            raise ConfigError(f"{parameter}={{}} names no environment; give {{name: {FORMS}}}, one per value of the "
+                              "rows' 'environment' column")
+        for name in value:
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"{parameter} has the key {name!r}; the keys are the names the rows' 'environment' "
+                                  "column gives (strings)")
+        return {name: _probed(name, item, f"{parameter}[{name!r}]") for name, item in value.items()}
+    return {None: _probed(None, value, parameter)}
+
+
+def _probed(name: str | None, value: Any, parameter: str) -> EnvironmentSpec:
+    factory = value if callable(value) and not isinstance(value, str) else load_object(value, parameter=parameter)
     try:
-        probe(None, factory)
+        return probe(name, factory)
     except ConfigError as err:
         raise ConfigError(f"{parameter}={value!r}: {err}") from None
-    return factory
+
+
+def load_environment(value: str, *, parameter: str = "ENVIRONMENT") -> Callable[[], Any]:
+    """The environment factory ENVIRONMENT names, probed once (reset, its methods' schemas)."""
+    return load_environments(value, parameter=parameter)[None].factory
 
 
 def load_tools(value: str | list, *, parameter: str = "TOOLS") -> list[Callable]:

@@ -17,6 +17,7 @@ figures: turns, tool calls and their success rate, cut episodes, the host's seco
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import warnings
@@ -27,14 +28,61 @@ from typing import Any
 
 import torch
 
-from tpu_helpers.agents import Agent, ChatFormat, Episode
+from tpu_helpers.agents import Agent, ChatFormat, Episode, call_reward, load_environments, load_tools
 from tpu_helpers.agents.tools import ToolStats
-from tpu_helpers.algorithms.rewards import Reward, score
+from tpu_helpers.algorithms.rewards import BUILTIN, Reward, resolve_reward, reward_names
 from tpu_helpers.config import ConfigError
+from tpu_helpers.core.choices import check_positive
 from tpu_helpers.models.generation import Sampling, left_pad
 from tpu_helpers.models.turns import Turns, TurnShape
 
 CUT_REASONS = ("turn_tokens", "max_turns", "tool_tokens")  # what cut an episode short, as counted
+
+
+_PARSED = dict(init=False, repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """Agent mode's settings, apart from the model, the data and GRPO's own: each field is also a notebook parameter
+    of the GRPO recipe (`recipes.grpo.GRPOConfig` takes these fields as its own). Checked, and ENVIRONMENT and TOOLS
+    loaded and probed (one instance of each environment, as TRL probes), here, once: `agent(rewards)` builds the
+    `Agent` from what was loaded. With neither ENVIRONMENT nor TOOLS the rows are single answers (`enabled`)."""
+
+    environment: str | dict | type | None = None  # module:Class or path/to/file.py:Class, or {name: that} by row
+    tools: str | None = None  # comma-separated module:function or path/to/file.py:function tools
+    max_turns: int = 2  # rounds of tool calls per episode (TRL's max_tool_calling_iterations)
+    tool_tokens: int = 48  # tokens of tool text between two turns; more ends the episode (cut)
+    mask_truncated: bool = False  # an episode cut by its budget adds no loss (TRL's mask_truncated_completions)
+    tool_timeout: float = 30.0  # seconds a tool call may take before it becomes an error message
+
+    tool_functions: list = field(**_PARSED)  # TOOLS loaded
+    environments: dict = field(**_PARSED)  # {None or a row's environment name: its probed EnvironmentSpec}
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "tool_tokens"):
+            check_positive(name, getattr(self, name))
+        if not isinstance(self.mask_truncated, bool):
+            raise ConfigError(f"mask_truncated={self.mask_truncated!r} must be True or False")
+        t = self.tool_timeout
+        if isinstance(t, bool) or not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
+            raise ConfigError(f"tool_timeout={t!r} must be a number of seconds > 0")
+        object.__setattr__(self, "tool_functions", load_tools(self.tools) if self.tools else [])
+        object.__setattr__(self, "environments", load_environments(self.environment))
+
+    @property
+    def enabled(self) -> bool:
+        """Whether rows are agent episodes (ENVIRONMENT or TOOLS given)."""
+        return bool(self.environment or self.tools)
+
+    def shape(self, turn_tokens: int) -> TurnShape:
+        """An episode's token budget: turns of `turn_tokens` (MAX_NEW_TOKENS), MAX_TURNS rounds, TOOL_TOKENS."""
+        return TurnShape(turn_tokens, self.tool_tokens, self.max_turns)
+
+    def agent(self, rewards: dict) -> Agent:
+        """The `Agent` of the loaded tools and environments (probed once, when these settings were built)."""
+        return Agent(tools=self.tool_functions, environments=self.environments, reward_funcs=rewards,
+                     timeout_s=self.tool_timeout)
 
 
 @dataclass
@@ -162,24 +210,9 @@ class EpisodeRunner:
         return EpisodeBatch(ids, mask, own, out.logprobs, episodes, truncated, used, tokens, figures, shared)
 
     def score(self, episodes: Sequence[Episode], **keywords: Any) -> tuple[list[float], dict[str, list[float]]]:
-        """Each episode's summed reward (NaN terms left out, as TRL sums) and each source's values. A reward function
-        that raises on the batch is called episode by episode: where it still raises, that episode's value is NaN,
-        and the failure is counted and warned about once, naming the function and the error."""
-        values: dict[str, list[float]] = {}
-        for name in self.agent.rewards_funcs:
-            try:
-                values[name] = self.agent.rewards(episodes, **keywords, only=name)[name]
-                continue
-            except Exception:  # noqa: BLE001 (a user's reward failed on some episode: find which, keep the others)
-                pass
-            values[name] = []
-            for e in episodes:
-                try:
-                    values[name] += self.agent.rewards([e], **keywords, only=name)[name]
-                except Exception as err:  # noqa: BLE001
-                    self._warn("reward_failed", f"reward {name!r} raised {type(err).__name__} on an episode "
-                                                f"({str(err)[:200]}); its value there is NaN")
-                    values[name].append(math.nan)
+        """Each episode's summed reward (NaN terms left out, as TRL sums) and each source's values
+        (`agents.call_rewards`: an episode a reward raises on gets NaN, counted and warned about once)."""
+        values = self.agent.rewards(episodes, warn=lambda m: self._warn("reward_failed", m), **keywords)
         total = [sum(v for v in vals if not math.isnan(v)) for vals in zip(*values.values(), strict=True)]
         return total, values
 
@@ -190,19 +223,47 @@ def final_text(completion: Sequence[dict]) -> str:
     return str(last.get("content") or "") if last is not None else ""
 
 
+def transcript(completion: Sequence[dict]) -> str:
+    """An episode's messages after the prompt as readable lines: the model's text and tool calls, the tool results."""
+    lines = []
+    for m in completion:
+        if m.get("role") == "assistant":
+            text = str(m.get("content") or "").strip()
+            calls = [c.get("function", c) for c in m.get("tool_calls") or ()]
+            lines += [f"assistant: {text}"] if text else []
+            lines += [f"call {c.get('name')}({json.dumps(c.get('arguments'))})" for c in calls]
+        else:
+            lines.append(f"{m.get('role')} {m.get('name') or ''}: {m.get('content')}".replace("  ", " "))
+    return "\n".join(lines)
+
+
 def answer_rewards(rewards: dict[str, Reward]) -> dict[str, Any]:
     """The package's text rewards (algorithms.rewards: answer, format, ...) as TRL-style reward functions of
     episodes: each scores the episode's final answer text, with the rows' fields."""
 
     def wrap(name: str, fn: Reward) -> Any:
         def reward(prompts: list, completions: list, **fields: Any) -> list[float]:
-            texts = [final_text(c) for c in completions]
-            return score({name: fn}, prompts, texts, fields)[name]
+            return call_reward(fn, name=name, prompts=prompts, completions=[final_text(c) for c in completions],
+                               **fields)
 
         reward.__name__ = name
         return reward
 
     return {name: wrap(name, fn) for name, fn in rewards.items()}
+
+
+def episode_rewards(rewards: str | None, format_pattern: str) -> dict[str, Any]:
+    """REWARDS for episodes: built-in names score the final answer's text (`answer_rewards`), import paths are
+    TRL-style reward functions called as they are; empty: none (the environment's get_reward)."""
+    if not rewards or not str(rewards).strip():
+        return {}
+    out: dict[str, Any] = {}
+    for item in reward_names(rewards):
+        name, fn = resolve_reward(item, format_pattern=format_pattern)
+        if name in out:
+            raise ConfigError(f"REWARDS names {name!r} twice")
+        out.update(answer_rewards({name: fn}) if name in BUILTIN or name == "format" else {name: fn})
+    return out
 
 
 def episode_prompts(runner: EpisodeRunner, records: Sequence[dict], *, max_prompt_len: int) -> tuple[Any, dict]:

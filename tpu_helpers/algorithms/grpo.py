@@ -8,8 +8,10 @@ TRL's GRPOTrainer, on purpose:
    with no entropy masking or bonus, and bnpo divides by the whole step's tokens (TRL's by each micro-batch's);
 4. under LoRA the KL reference is the model with its adapter disabled: no second copy of the weights.
 
-    trainer = GRPOTrainer(model, prompts, config=cfg, tokenizer=tok, records=records,
-                          rewards=resolve_rewards("answer,format"), settings=GRPOSettings(loss_type="dapo"))
+    rollouts = AnswerRollouts(tok, resolve_rewards("answer,format"), settings, stop_ids=eos_ids(tok, model),
+                              backend=b, max_prompt_len=32)            # or EpisodeRollouts: agent episodes
+    prompts, _ = rollouts.prompts(records)
+    trainer = GRPOTrainer(model, prompts, config=cfg, rollouts=rollouts, settings=settings)
     report = trainer.fit()          # resume, signals, the run lock, the XLA detector and MFU as for SFT
 """
 
@@ -17,26 +19,22 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from tpu_helpers.algorithms import grpo_loss
-from tpu_helpers.algorithms.episodes import EpisodeRunner
-from tpu_helpers.algorithms.rewards import Reward, score
+from tpu_helpers.algorithms.rollouts import AnswerRollouts, EpisodeRollouts, sampling_key
 from tpu_helpers.config import ConfigError
 from tpu_helpers.core.choices import choose
-from tpu_helpers.data.rl import prompt_and_answer
 from tpu_helpers.models import lm_head, lora
-from tpu_helpers.models.generation import Sampling, generate_ids
-from tpu_helpers.models.hf import completion_lengths, completion_texts, eos_ids
+from tpu_helpers.models.generation import Sampling
 from tpu_helpers.training.cadence import Cadence
 from tpu_helpers.training.step import StepFigures
 from tpu_helpers.training.trainer import Trainer
 
-_RESERVED = ("prompts", "completions", "completion_tokens", "max_new_tokens")
 _PARSED = dict(init=False, repr=False, compare=False)
 
 
@@ -160,25 +158,6 @@ def used_columns(rollout: dict) -> dict:
     return out
 
 
-def score_completions(tokenizer: Any, rewards: dict[str, Reward], records: Sequence[dict], rows: list[list[int]],
-                      settings: GRPOSettings, stop_ids: list[int] | None = None) -> dict:
-    """Decode completion token rows (one per record) and score them with every reward: {"total", "rewards"
-    ({name: values}), "prompts", "completions", "completion_tokens"}; each record's fields go to the rewards.
-    `stop_ids`: where completions end (default the tokenizer's EOS; give `eos_ids(tokenizer, model)`)."""
-    stop_ids = eos_ids(tokenizer) if stop_ids is None else stop_ids
-    texts = completion_texts(tokenizer, rows, stop_ids)
-    lengths = completion_lengths(rows, stop_ids)
-    pairs = [prompt_and_answer(r, prompt_field=settings.prompt_field, answer_field=settings.answer_field)
-             for r in records]
-    fields: dict[str, Any] = {k: [r.get(k) for r in records] for k in sorted({k for r in records for k in r})
-                              if k not in _RESERVED}
-    fields.update(answer=[a for _, a in pairs], completion_tokens=lengths, max_new_tokens=settings.max_new_tokens)
-    prompts = [p for p, _ in pairs]
-    scores = score(rewards, prompts, texts, fields)
-    total = [sum(values) for values in zip(*scores.values(), strict=True)]
-    return {"total": total, "rewards": scores, "prompts": prompts, "completions": texts, "completion_tokens": lengths}
-
-
 class GRPOTrainer(Trainer):
     """GRPO over `prompts` (a `data.rl.PromptDataset`); see the module docstring."""
 
@@ -188,22 +167,16 @@ class GRPOTrainer(Trainer):
     # replayed; the surrogate's few element-wise ops on its output are traced as they are.
     replays_steps = True
 
-    def __init__(self, model: torch.nn.Module, prompts: Any, *, tokenizer: Any, records: Sequence[dict],
-                 rewards: dict[str, Reward], settings: GRPOSettings, ref_model: torch.nn.Module | None = None,
-                 episodes: EpisodeRunner | None = None, **kwargs: Any) -> None:
-        if not rewards and episodes is None:
-            raise ConfigError("REWARDS is empty: GRPO needs at least one reward function")
+    def __init__(self, model: torch.nn.Module, prompts: Any, *, rollouts: AnswerRollouts | EpisodeRollouts,
+                 settings: GRPOSettings, ref_model: torch.nn.Module | None = None, **kwargs: Any) -> None:
         super().__init__(model, prompts, None, **kwargs)
         cfg = self.config
         settings.check_split(cfg.batch_size, cfg.grad_accum)
         self.settings = settings
-        self.tokenizer, self.records, self.rewards = tokenizer, list(records), dict(rewards)
-        # Agent episodes (algorithms.episodes) instead of one answer per prompt: the loss then spans the episode's
-        # columns, the model's own tokens in them.
-        self.episodes = episodes
-        self.width = episodes.shape.width if episodes is not None else settings.max_new_tokens
-        # Where answers end: the tokenizer's EOS and the model's generation_config.eos_token_id (end of turn).
-        self.stop_ids = eos_ids(tokenizer, model)
+        # Where the step's rows come from (algorithms.rollouts): answers, or agent episodes whose loss spans the
+        # episode's columns, the model's own tokens in them. The step never asks which.
+        self.rollouts = rollouts
+        self.width = rollouts.width
         # The first of every num_iterations steps reads the sampled tokens: declared, so the detector expects it.
         self.cadence = Cadence.from_config(cfg, read_every=settings.num_iterations)
         if settings.disable_dropout:
@@ -220,7 +193,6 @@ class GRPOTrainer(Trainer):
             self.ref_model = self.backend.move_model(ref_model)  # not a submodule: no optimizer, no checkpoint
         self.rollout: dict | None = None  # the answers the current num_iterations steps train on
         self.rollout_seconds: list[float] = []
-        self.last_samples: list[dict] = []  # one completion per prompt of the latest generation step
 
     @property
     def tokens_per_step(self) -> int:
@@ -247,14 +219,14 @@ class GRPOTrainer(Trainer):
         return StepFigures(loss, self.apply_gradients(), device=device, host=host)  # 5: the optimizer step
 
     def make_rollout(self, prompts: dict) -> tuple[dict, dict[str, float]]:
-        """Sample G answers (or agent episodes) to each prompt, score them, and turn the rewards into advantages
-        within each group; with kl_beta > 0, the reference's log-probabilities of the answers too. Ends with a sync.
-        Returns the rollout (device tensors) and its host figures (rewards, completion length, seconds)."""
+        """Sample G answers (or agent episodes) to each prompt and score them (`self.rollouts`), and turn the
+        rewards into advantages within each group; with kl_beta > 0, the reference's log-probabilities of the
+        answers too. Ends with a sync. Returns the rollout (device tensors) and its host figures (rewards,
+        completion length, seconds)."""
         b, s = self.backend, self.settings
         t0 = time.perf_counter()
-        key = self.sampling_key(self.step // s.num_iterations)
-        sample = self.sample_answers if self.episodes is None else self.sample_episodes
-        rollout, rewards, host = sample(prompts, key)  # 1-2. sample and score
+        key = sampling_key(self.config.seed, self.step // s.num_iterations, b)
+        rollout, rewards, host = self.rollouts.sample(self.sampling_model, prompts, key)  # 1-2. sample and score
         if b.name == "cpu":  # eager: a shape of its own per rollout costs nothing, and the forward skips padding
             rollout = used_columns(rollout)
         rollout["advantages"] = self.advantages(rewards).to(b.device)  # 3. advantages within each group
@@ -266,48 +238,6 @@ class GRPOTrainer(Trainer):
         b.sync()  # the reference's forward in a graph of its own: the optimizer step's graph never changes
         self.rollout_seconds.append(time.perf_counter() - t0)
         return rollout, {**host, "generate_s": self.rollout_seconds[-1]}
-
-    def sample_answers(self, prompts: dict, key: torch.Tensor) -> tuple[dict, list[float], dict[str, float]]:
-        """One answer per row, G rows per prompt (the KV cache: one prefill and one decode graph; the prompt's pass
-        once per group), scored on the host after the step's one read: the rollout's tensors, the summed rewards
-        and the figures."""
-        b, s = self.backend, self.settings
-        with b.autocast():
-            gen = generate_ids(self.sampling_model, prompts["input_ids"], prompts["attention_mask"],
-                               max_new_tokens=s.max_new_tokens, eos_token_id=self.stop_ids,
-                               pad_token_id=self.tokenizer.pad_token_id, sampling=s.sampling, seed=key,
-                               sync=b.sync, replay=b.compile_step, loop=b.compile_loop,
-                               num_return_sequences=s.num_generations)
-        ids = prompts["input_ids"].repeat_interleave(s.num_generations, 0)
-        mask = prompts["attention_mask"].repeat_interleave(s.num_generations, 0)
-        host = b.to_cpu({"ids": gen.ids, "index": prompts["index"]})  # the step's one read
-        rewards, stats = self.score(host["ids"].tolist(), host["index"].tolist())
-        rollout = {"ids": torch.cat([ids, gen.ids], 1), "mask": torch.cat([mask, gen.mask], 1),
-                   "completion_mask": gen.mask, "old_logp": gen.logprobs, "group": s.num_generations}
-        return rollout, rewards, stats
-
-    def sample_episodes(self, prompts: dict, key: torch.Tensor) -> tuple[dict, list[float], dict[str, float]]:
-        """One agent episode per row, G rows per prompt (algorithms.episodes: a read per turn), scored by the
-        agent's reward sources: the rollout's tensors (the model's own tokens as the completion mask), the summed
-        rewards and the figures (turns, tool calls and their success, cut episodes, host seconds per turn)."""
-        b, s = self.backend, self.settings
-        index = b.to_cpu(prompts["index"]).tolist()
-        rows = [self.records[i] for i in index for _ in range(s.num_generations)]
-        with b.autocast():
-            batch = self.episodes.run(self.sampling_model, rows, backend=b, sampling=s.sampling, seed=key,
-                                      group=s.num_generations)
-        rewards, values = self.episodes.score(batch.episodes)
-        g = s.num_generations
-        groups = torch.tensor(rewards).reshape(-1, g)
-        lengths = batch.tokens  # counted from the turns' reads: no read of the device's mask
-        stats = {"reward": sum(rewards) / len(rewards), "reward_std": float(groups.std(1).mean()),
-                 "completion_tokens": sum(lengths) / len(lengths), **batch.figures,
-                 **{f"reward/{k}": _nanmean(v) for k, v in values.items()}}
-        self.last_samples = [{"prompt": e.prompt, "completion": e.completion, "reward": r}
-                             for e, r in zip(batch.episodes[::g], rewards[::g], strict=True)]
-        rollout = {"ids": batch.ids, "mask": batch.mask, "completion_mask": batch.own, "old_logp": batch.logprobs,
-                   "group": batch.shared}
-        return rollout, rewards, stats
 
     def accumulate(self, rollout: dict, micro_batches: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The backward passes of one optimizer step over `rollout`, split into `micro_batches`: (loss, KL sum,
@@ -344,26 +274,6 @@ class GRPOTrainer(Trainer):
         return loss, (kl * m).sum(), (clipped * m).sum()
 
     # ---- what the step calls ----------------------------------------------------------------------------------------
-    def sampling_key(self, index: int) -> torch.Tensor:
-        """The sampling stream of generation `index`: a function of the seed, the index and the process (the
-        backend's rank: under data parallelism every process samples its own rows, which must not share one
-        stream), sent as data (no recompile); the same on a resumed run of the same process."""
-        return torch.tensor([self.config.seed, index, self.backend.rank], dtype=torch.long).to(self.backend.device)
-
-    def score(self, rows: list[list[int]], indices: list[int]) -> tuple[list[float], dict]:
-        """The summed reward of each completion (token rows) of the records at `indices`, and what is logged."""
-        g = self.settings.num_generations
-        records = [self.records[i] for i in indices for _ in range(g)]
-        scored = score_completions(self.tokenizer, self.rewards, records, rows, self.settings, self.stop_ids)
-        total, lengths = scored["total"], scored["completion_tokens"]
-        groups = torch.tensor(total).reshape(-1, g)
-        stats = {"reward": sum(total) / len(total), "reward_std": float(groups.std(1).mean()),
-                 "completion_tokens": sum(lengths) / len(lengths),
-                 **{f"reward/{k}": sum(v) / len(v) for k, v in scored["rewards"].items()}}
-        self.last_samples = [{"prompt": p, "completion": c, "reward": r} for p, c, r in
-                             zip(scored["prompts"][::g], scored["completions"][::g], total[::g], strict=True)]
-        return total, stats
-
     def advantages(self, rewards: list[float]) -> torch.Tensor:
         """The rows' advantages from their summed rewards (host floats), scaled as SCALE_REWARDS says. The "batch"
         std spans the rows of every process (TRL's spans its gathered rewards): a host gather of the floats, where
@@ -405,7 +315,3 @@ class GRPOTrainer(Trainer):
         saved = state.get("grpo_rollout")
         self.rollout = None if saved is None else self.backend.to_device(saved)
 
-
-def _nanmean(values: list[float]) -> float:
-    kept = [v for v in values if not math.isnan(v)]
-    return sum(kept) / len(kept) if kept else math.nan

@@ -5,24 +5,25 @@
     scores = score(rewards, prompts, completions, {"answer": answers})  # {name: [float, ...]}, checked
 
 A reward is any callable `reward(prompts, completions, **fields) -> list[float]` with one number per completion,
-run on the host on the decoded text; it receives the records' other columns that its signature names (as TRL's
-do). A wrong count, a value that is not a finite number, or an exception is an error naming the reward and the
-completion. The built-ins (`BUILTIN`: answer, format, number, length, overlong) never raise on a completion: one
-they cannot score gets 0. The arguments, the checks and each built-in in full: docs/algorithms/grpo.md.
+run on the host on the decoded text, called as TRL calls it (`agents.call_reward`, the one call for answers and
+agent episodes alike): it receives the records' other columns that its signature names. None for a completion
+means "not applicable" (NaN, left out of the sum, as in TRL); a wrong count or a value that is not a finite number
+is an error naming the reward and the completion; a completion it raises on gets NaN and a warning naming both, and
+a reward that raises on every completion is an error. Import paths are `module:fn`, `path/to/file.py:fn` or
+`module.fn` (`agents.loading`, as ENVIRONMENT and TOOLS). The built-ins (`BUILTIN`: answer, format, number, length,
+overlong) never raise on a completion: one they cannot score gets 0. In full: docs/algorithms/grpo.md.
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
-import math
-import numbers
 import re
 import unicodedata
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tpu_helpers.agents.environments import call_rewards
+from tpu_helpers.agents.loading import FORMS, load_object
 from tpu_helpers.config import ConfigError
 
 Reward = Callable[..., Sequence[float]]
@@ -149,7 +150,8 @@ def reward_names(rewards: str | Sequence[str | Reward]) -> list[str | Reward]:
 
 
 def resolve_reward(name: str | Reward, *, format_pattern: str = DEFAULT_FORMAT) -> tuple[str, Reward]:
-    """(name, callable) for a built-in name, an import path ("pkg.mod:fn" or "pkg.mod.fn") or a callable."""
+    """(name, callable) for a built-in name, an import path (`agents.loading`: "pkg.mod:fn", "path/to/file.py:fn"
+    or "pkg.mod.fn") or a callable."""
     if callable(name):
         return getattr(name, "__name__", type(name).__name__), name
     if not isinstance(name, str):
@@ -158,18 +160,10 @@ def resolve_reward(name: str | Reward, *, format_pattern: str = DEFAULT_FORMAT) 
         return name, format_reward(format_pattern)
     if name in BUILTIN:
         return name, BUILTIN[name]()
-    module_name, sep, attr = name.partition(":") if ":" in name else name.rpartition(".")
-    if not sep or not module_name or not attr:
+    if ":" not in name and "." not in name:
         raise ConfigError(f"REWARDS names {name!r}, which is no built-in reward ({', '.join(sorted(BUILTIN))}) nor "
-                          "an import path such as 'my_module:my_reward'")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"REWARDS names {name!r}, which cannot be imported ({type(err).__name__}: {err}); "
-                          f"built-in rewards: {', '.join(sorted(BUILTIN))}") from None
-    if not callable(fn):
-        raise ConfigError(f"REWARDS names {name!r}, a {type(fn).__name__}, not a callable")
-    return name, fn
+                          f"an import path ({FORMS}, e.g. 'my_module:my_reward')")
+    return name, load_object(name, parameter="REWARDS")
 
 
 def resolve_rewards(rewards: str | Sequence[str | Reward], *, format_pattern: str = DEFAULT_FORMAT) -> dict[str, Reward]:
@@ -183,52 +177,14 @@ def resolve_rewards(rewards: str | Sequence[str | Reward], *, format_pattern: st
     return out
 
 
-def _call(fn: Reward, prompts: Sequence, completions: Sequence[str], fields: dict[str, Any]) -> Any:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return fn(prompts, completions, **fields)
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return fn(prompts, completions, **fields)
-    return fn(prompts, completions, **{k: v for k, v in fields.items() if k in params})
+def score(rewards: dict[str, Reward], prompts: Sequence, completions: Sequence[str], fields: dict[str, Any], *,
+          warn: Callable[[str], None] | None = None) -> dict[str, list[float]]:
+    """Every reward's values for the completions, checked (`agents.call_rewards`, the one reward call): one finite
+    number per completion, or None for "not applicable" (NaN, as in TRL); a completion a reward raises on gets NaN
+    and a warning naming both, a reward that raises on every completion is a ConfigError. `fields`: the other
+    keyword arguments (per-completion lists such as `answer`, or plain values such as `max_new_tokens`)."""
+    return call_rewards(rewards, prompts=prompts, completions=completions, warn=warn or _warn, **fields)
 
 
-def _culprit(fn: Reward, prompts: Sequence, completions: Sequence[str], fields: dict[str, Any]) -> int | None:
-    """The first completion a reward raises on when given it alone (per-completion fields sliced with it)."""
-    n = len(completions)
-    for i in range(n):
-        one = {k: v[i:i + 1] if isinstance(v, (list, tuple)) and len(v) == n else v for k, v in fields.items()}
-        try:
-            _call(fn, list(prompts)[i:i + 1], list(completions)[i:i + 1], one)
-        except Exception:  # noqa: BLE001 (looking for the one it raises on)
-            return i
-    return None
-
-
-def score(rewards: dict[str, Reward], prompts: Sequence, completions: Sequence[str],
-          fields: dict[str, Any]) -> dict[str, list[float]]:
-    """Every reward's values for the completions, checked: one finite number per completion."""
-    n = len(completions)
-    out = {}
-    for name, fn in rewards.items():
-        try:
-            values = _call(fn, prompts, completions, fields)
-        except Exception as err:
-            i = _culprit(fn, prompts, completions, fields)
-            where = f"on completion {i} ({completions[i][:80]!r})" if i is not None else \
-                f"on the batch of {n} completions (on none of them alone)"
-            raise ConfigError(f"reward {name!r} raised {type(err).__name__} {where}: {err}; a reward must return a "
-                              "number for any completion text") from err
-        try:
-            values = list(values)
-        except TypeError:
-            raise ConfigError(f"reward {name!r} returned a {type(values).__name__}, not a list of {n} numbers") from None
-        if len(values) != n:
-            raise ConfigError(f"reward {name!r} returned {len(values)} values for {n} completions; it must return "
-                              "one number per completion")
-        for i, v in enumerate(values):
-            if not isinstance(v, numbers.Real) or not math.isfinite(v):
-                raise ConfigError(f"reward {name!r} returned {v!r} for completion {i} ({completions[i][:80]!r}); "
-                                  "rewards must be finite numbers")
-        out[name] = [float(v) for v in values]
-    return out
+def _warn(message: str) -> None:
+    warnings.warn(message, RewardWarning, stacklevel=4)

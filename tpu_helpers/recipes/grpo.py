@@ -26,23 +26,18 @@ from typing import Any, ClassVar
 
 import torch
 
-from tpu_helpers.agents import Agent, ChatFormat, examples, load_environment, load_tools
-from tpu_helpers.algorithms.episodes import EpisodeRunner, answer_rewards, episode_prompts, final_text
-from tpu_helpers.algorithms.grpo import GRPOSettings, GRPOTrainer, score_completions
-from tpu_helpers.algorithms.rewards import (
-    BUILTIN,
-    DEFAULT_FORMAT,
-    resolve_reward,
-    resolve_rewards,
-    reward_names,
-)
+from tpu_helpers.agents import ChatFormat
+from tpu_helpers.agents.examples import EXAMPLES
+from tpu_helpers.algorithms.episodes import AgentSettings, EpisodeRunner, episode_rewards
+from tpu_helpers.algorithms.grpo import GRPOSettings, GRPOTrainer
+from tpu_helpers.algorithms.rewards import DEFAULT_FORMAT, resolve_rewards
+from tpu_helpers.algorithms.rollouts import AnswerRollouts, EpisodeRollouts
 from tpu_helpers.config import ConfigError, settings_fields, settings_from
 from tpu_helpers.core.extras import require_extra
-from tpu_helpers.data.loaders import fixed_batches
-from tpu_helpers.data.rl import SUMS, build_prompt_dataset, load_prompt_records
+from tpu_helpers.data.rl import SUMS, load_prompt_records
 from tpu_helpers.memory.grpo_plan import grpo_estimate
 from tpu_helpers.models import hf, lora
-from tpu_helpers.models.generation import check_generation_support, generate_ids
+from tpu_helpers.models.generation import check_generation_support
 from tpu_helpers.models.hf import eos_ids
 from tpu_helpers.models.turns import TurnShape
 from tpu_helpers.recipes.hf_job import HFJob, HFJobConfig, JobData
@@ -57,11 +52,6 @@ GRPO_FIGURE = "grpo.png"  # what save_results writes besides loss.png: the rewar
 CURVES = (("reward", "mean reward"), ("completion_tokens", "completion tokens"), ("kl", "KL to the reference"),
           ("loss", "loss"))
 AGENT_CURVES = (("turns", "turns per episode"), ("tool_success", "tool-call success rate"))
-# The offline example environments' rows (agents.examples), as DATASET names in agent mode.
-EXAMPLE_ROWS = {"lockers": examples.locker_rows, "hunt": examples.hunt_rows, "guessing": examples.guessing_rows,
-                "multiply": examples.multiply_rows}
-EXAMPLE_DEMOS = {"lockers": examples.locker_demonstrations, "hunt": examples.hunt_demonstrations,
-                 "guessing": examples.guessing_demonstrations, "multiply": examples.multiply_demonstrations}
 
 
 def curves_figure(curves: dict[str, list], *, pyplot: bool = False):
@@ -74,17 +64,24 @@ def curves_figure(curves: dict[str, list], *, pyplot: bool = False):
 
 @dataclass
 @settings_fields(GRPOSettings)  # NUM_GENERATIONS, MAX_NEW_TOKENS, TEMPERATURE, KL_BETA, LOSS_TYPE, ...: declared there
+@settings_fields(AgentSettings)  # ENVIRONMENT, TOOLS, MAX_TURNS, TOOL_TOKENS, MASK_TRUNCATED, TOOL_TIMEOUT
 class GRPOConfig(HFJobConfig):
     """`HFJobConfig` plus GRPO's settings, each a notebook parameter of the same UPPER_CASE name: the fields of
-    `algorithms.grpo.GRPOSettings` (built from them once, `config.grpo`, as the trainer takes them) and the
-    recipe's own below. BATCH_SIZE is prompts per chip and step; SEQ_LEN follows from MAX_PROMPT_LEN +
-    MAX_NEW_TOKENS."""
+    `algorithms.grpo.GRPOSettings` (built from them once, `config.grpo`, as the trainer takes them), of
+    `algorithms.episodes.AgentSettings` (agents, docs/guides/agents.md: with ENVIRONMENT or TOOLS each row is an
+    episode of tool calls, each turn at most MAX_NEW_TOKENS tokens; built once, `config.agent`, the environment
+    loaded and probed there) and the recipe's own below. BATCH_SIZE is prompts per chip and step; SEQ_LEN follows
+    from MAX_PROMPT_LEN + the completion's columns. An example DATASET of `agents.examples.EXAMPLES` (lockers,
+    hunt, ...) given without ENVIRONMENT or TOOLS brings its own, and its rewards where REWARDS is left at its
+    default."""
 
-    dataset: str = SUMS  # "sums" (generated, offline), a local .jsonl/.json/.csv/.parquet, or a hub name
+    dataset: str = SUMS  # "sums" (generated, offline), an example environment's name, a local file, or a hub name
     start_from: str | None = SFT  # None | "sft" (brief SFT here first) | adapter dir | model dir | fine-tuning OUT_DIR
     sft_steps: int = 150  # START_FROM "sft": fine-tuning steps (the instruction task; agents: the demonstrations)
     system_prompt: str | None = None
-    rewards: str = "answer"  # comma-separated built-in names (answer, format, number, length, overlong) or paths
+    # Comma-separated built-in names (answer, format, number, length, overlong: agents score the final answer's
+    # text) or import paths of TRL-style reward functions; agents: empty for the environment's get_reward.
+    rewards: str = "answer"
     format_pattern: str = DEFAULT_FORMAT  # the regex of the "format" reward
     max_prompt_len: int = 32
     batch_size: int = 8
@@ -94,38 +91,31 @@ class GRPOConfig(HFJobConfig):
     log_every: int = 10
     save_every: int = 100
     out_dir: str = "runs/grpo"
-    # Agents (docs/guides/agents.md): with ENVIRONMENT or TOOLS each row is an episode of tool calls, each turn at
-    # most MAX_NEW_TOKENS tokens, and REWARDS score it (built-in names: its final answer's text; import paths:
-    # TRL-style reward functions; empty: the environment's get_reward).
-    environment: str | None = None  # module:Class or path/to/file.py:Class, one instance per episode (TRL's)
-    tools: str | None = None  # comma-separated module:function or path/to/file.py:function tools
-    max_turns: int = 2  # rounds of tool calls per episode (TRL's max_tool_calling_iterations)
-    tool_tokens: int = 48  # tokens of tool text between two turns; more ends the episode (cut)
-    mask_truncated: bool = False  # an episode cut by its budget adds no loss (TRL's mask_truncated_completions)
-    tool_timeout: float = 30.0  # seconds a tool call may take before it becomes an error message
 
     recipe: ClassVar[str] = "GRPO"
 
     @property
     def agentic(self) -> bool:
         """Whether rows are agent episodes (ENVIRONMENT or TOOLS given)."""
-        return bool(self.environment or self.tools)
+        return self.agent.enabled
 
     @property
     def turn_shape(self) -> TurnShape | None:
-        """An episode's budget in agent mode (None otherwise)."""
-        return TurnShape(self.max_new_tokens, self.tool_tokens, self.max_turns) if self.agentic else None
+        """An episode's token budget (None for single answers)."""
+        return self.agent.shape(self.max_new_tokens) if self.agent.enabled else None
 
     @property
     def completion_tokens(self) -> int:
-        """The columns after the prompt: MAX_NEW_TOKENS, or an episode's whole width in agent mode."""
-        return self.turn_shape.width if self.agentic else self.max_new_tokens
+        """The columns after the prompt: MAX_NEW_TOKENS, or an episode's whole width."""
+        return self.turn_shape.width if self.agent.enabled else self.max_new_tokens
 
     def __post_init__(self) -> None:
-        if self.agentic:
-            self.turn_shape  # noqa: B018 (checks MAX_TURNS, TOOL_TOKENS)
-            if not (isinstance(self.tool_timeout, (int, float)) and self.tool_timeout > 0):
-                raise ConfigError(f"TOOL_TIMEOUT={self.tool_timeout!r} must be a number of seconds > 0")
+        example = EXAMPLES.get(self.dataset) if isinstance(self.dataset, str) else None
+        if example is not None and not (self.environment or self.tools):
+            self.environment, self.tools = example.environment, example.tools
+            if self.rewards == type(self).rewards:
+                self.rewards = example.rewards
+        self.agent = settings_from(self, AgentSettings)  # checked; ENVIRONMENT and TOOLS loaded and probed, once
         if isinstance(self.max_prompt_len, int) and isinstance(self.max_new_tokens, int):
             self.seq_len = self.max_prompt_len + self.completion_tokens
         super().__post_init__()
@@ -137,26 +127,14 @@ class GRPOConfig(HFJobConfig):
         if self.start_from not in (None, SFT) and not Path(self.start_from).expanduser().is_dir():
             raise ConfigError(f"START_FROM={self.start_from!r} is not {SFT!r}, None, nor a directory (a PEFT adapter, "
                               "a save_pretrained model, or a fine-tuning run's OUT_DIR)")
-        if self.agentic:
-            agent_rewards(self.rewards, self.format_pattern)  # an unknown name fails here
-            load_tools(self.tools) if self.tools else None
-            load_environment(self.environment) if self.environment else None
-        else:
-            resolve_rewards(self.rewards, format_pattern=self.format_pattern)  # an unknown name fails here
-
-
-def agent_rewards(rewards: str | None, format_pattern: str) -> dict:
-    """REWARDS in agent mode: built-in names score the final answer's text (`algorithms.episodes.answer_rewards`),
-    import paths are TRL-style reward functions called as they are; empty: none (the environment's get_reward)."""
-    if not rewards or not str(rewards).strip():
-        return {}
-    out: dict = {}
-    for item in reward_names(rewards):
-        name, fn = resolve_reward(item, format_pattern=format_pattern)
-        if name in out:
-            raise ConfigError(f"REWARDS names {name!r} twice")
-        out.update(answer_rewards({name: fn}) if name in BUILTIN or name == "format" else {name: fn})
-    return out
+        if self.start_from == SFT and self.agent.enabled and example is None:
+            raise ConfigError(f"START_FROM={SFT!r} with an environment fine-tunes on an example environment's "
+                              f"demonstrations (DATASET one of {sorted(EXAMPLES)}), not DATASET={self.dataset!r}: "
+                              "fine-tune on your own tool conversations with notebooks/finetune_llm.ipynb (TRL's SFT "
+                              "form) and give its OUT_DIR as START_FROM")
+        # The reward functions, parsed once (an unknown name fails here): episodes score their final answer's text.
+        self.reward_funcs = episode_rewards(self.rewards, self.format_pattern) if self.agent.enabled else \
+            resolve_rewards(self.rewards, format_pattern=self.format_pattern)
 
 
 def check_context(config: Any, max_prompt_len: int, max_new_tokens: int) -> None:
@@ -231,8 +209,9 @@ class GRPO(HFJob):
         out = Path(cfg.out_dir) / SFT
         if (out / "merged" / "config.json").is_file():
             return str(out / "merged")
-        if cfg.agentic:
-            return self._warm_start_on_demonstrations(out)
+        example = EXAMPLES.get(cfg.dataset)
+        if example is not None:
+            return self._warm_start_on_demonstrations(out, example)
         sft = FinetuneConfig(model=cfg.model, dataset="instructions", method="full", steps=cfg.sft_steps,
                              batch_size=16, seq_len=48, lr=3e-3, warmup_steps=min(20, cfg.sft_steps // 5),
                              eval_every=cfg.sft_steps, log_every=max(1, cfg.sft_steps // 10), save_every=cfg.sft_steps,
@@ -242,21 +221,15 @@ class GRPO(HFJob):
         job.train()
         return job.export()["merged"]
 
-    def _warm_start_on_demonstrations(self, out: Path) -> str:
-        """START_FROM "sft" in agent mode: MODEL fine-tuned with LoRA (merged after) for SFT_STEPS steps on the
-        example environment's demonstrations (`agents.examples`: its own tool results, the prompts the episodes
-        render), written to OUT_DIR/sft/demonstrations.jsonl; another seed than the GRPO rows', so SFT and RL see
-        other episodes."""
+    def _warm_start_on_demonstrations(self, out: Path, example: Any) -> str:
+        """START_FROM "sft" on an example environment: MODEL fine-tuned with LoRA (merged after) for SFT_STEPS steps
+        on its demonstrations (`agents.examples`: its own tool results, the prompts the episodes render), written to
+        OUT_DIR/sft/demonstrations.jsonl; another seed than the GRPO rows', so SFT and RL see other episodes."""
         from tpu_helpers.core.atomic_io import atomic_write_text
         from tpu_helpers.recipes.finetune import Finetune, FinetuneConfig
 
         cfg = self.config
-        if cfg.dataset not in EXAMPLE_DEMOS:
-            raise ConfigError(f"START_FROM={SFT!r} with an environment fine-tunes on an example environment's "
-                              f"demonstrations (DATASET one of {sorted(EXAMPLE_DEMOS)}), not DATASET="
-                              f"{cfg.dataset!r}: fine-tune on your own tool conversations with notebooks/"
-                              "finetune_llm.ipynb (TRL's SFT form) and give its OUT_DIR as START_FROM")
-        demos = EXAMPLE_DEMOS[cfg.dataset](SFT_DEMONSTRATIONS, seed=cfg.seed + 1)
+        demos = example.demonstrations(SFT_DEMONSTRATIONS, seed=cfg.seed + 1)
         path = out / "demonstrations.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, "".join(json.dumps(d) + "\n" for d in demos))
@@ -291,117 +264,47 @@ class GRPO(HFJob):
             return None
         return self.load(self.source, frozen=True)[0]
 
-    # ---- 3. prompts -----------------------------------------------------------------------------------------------
-    def load_data(self) -> JobData:
-        """Prompts of DATASET left-padded to MAX_PROMPT_LEN (stats: kept and skipped), no validation rows, and the
-        held-out prompts with answers (the generated sums' test split)."""
-        cfg = self.config
+    # ---- 3. prompts and rollouts ------------------------------------------------------------------------------
+    @cached_property
+    def rollouts(self) -> AnswerRollouts | EpisodeRollouts:
+        """Where the step's rows come from (`algorithms.rollouts`), chosen here, once: agent episodes with
+        ENVIRONMENT or TOOLS (the agent loaded once, by the config), else one answer per row."""
+        cfg, tok = self.config, self.tokenizer
         if cfg.agentic:
-            return self._load_episodes()
-        records = self.read_records(load_prompt_records)
-        data, stats = build_prompt_dataset(self.tokenizer, records, max_prompt_len=cfg.max_prompt_len,
-                                           prompt_field=cfg.prompt_field, answer_field=cfg.answer_field,
-                                           system_prompt=cfg.system_prompt)
-        held = load_prompt_records(SUMS, split="test") if cfg.dataset == SUMS else records[:64]
-        return JobData(data, None, stats, held, records)
+            runner = EpisodeRunner(cfg.agent.agent(cfg.reward_funcs), ChatFormat(tok), cfg.turn_shape,
+                                   prompt_tokens=cfg.max_prompt_len, stop_ids=eos_ids(tok),
+                                   pad_token_id=tok.pad_token_id, mask_truncated=cfg.mask_truncated)
+            return EpisodeRollouts(runner, cfg.grpo, backend=self.backend)
+        return AnswerRollouts(tok, cfg.reward_funcs, cfg.grpo, stop_ids=lambda: eos_ids(tok, self.model),
+                              backend=self.backend, max_prompt_len=cfg.max_prompt_len, system_prompt=cfg.system_prompt)
 
-    def _load_episodes(self) -> JobData:
-        """Agent mode: DATASET's rows (an example environment's name, or any source of rows with what reset needs),
-        each rendered as its episode's prompt to be kept or left out by MAX_PROMPT_LEN, and the held-out rows."""
+    def load_data(self) -> JobData:
+        """DATASET's records (an example environment's rows, or read), their prompts as the rollouts render them
+        (left-padded to MAX_PROMPT_LEN; stats: kept and too long), no validation rows, and the held-out records
+        (the generated sets' test split)."""
         cfg = self.config
-        if cfg.dataset in EXAMPLE_ROWS:
-            make = EXAMPLE_ROWS[cfg.dataset]
-            records = make(cfg.max_records or 2000, seed=cfg.seed, split="train")
-            held = make(64, seed=cfg.seed, split="test")
+        example = EXAMPLES.get(cfg.dataset)
+        if example is not None:
+            records = example.rows(cfg.max_records or 2000, seed=cfg.seed, split="train")
+            held = example.rows(64, seed=cfg.seed, split="test")
         else:
             records = self.read_records(load_prompt_records)
-            held = records[:64]
-        data, stats = episode_prompts(self.episode_runner, records, max_prompt_len=cfg.max_prompt_len)
+            held = load_prompt_records(SUMS, split="test") if cfg.dataset == SUMS else records[:64]
+        data, stats = self.rollouts.prompts(records)
         return JobData(data, None, stats, held, records)
-
-    @cached_property
-    def rewards(self) -> dict:
-        if self.config.agentic:
-            return agent_rewards(self.config.rewards, self.config.format_pattern)
-        return resolve_rewards(self.config.rewards, format_pattern=self.config.format_pattern)
-
-    @cached_property
-    def episode_runner(self) -> EpisodeRunner | None:
-        """Agent mode's episodes: the tools and environment loaded, the model's chat format, the turn shape."""
-        cfg = self.config
-        if not cfg.agentic:
-            return None
-        agent = Agent(tools=load_tools(cfg.tools) if cfg.tools else (),
-                      environment_factory=load_environment(cfg.environment) if cfg.environment else None,
-                      reward_funcs=self.rewards, timeout_s=cfg.tool_timeout)
-        tok = self.tokenizer
-        return EpisodeRunner(agent, ChatFormat(tok), cfg.turn_shape, prompt_tokens=cfg.max_prompt_len,
-                             stop_ids=eos_ids(tok), pad_token_id=tok.pad_token_id, mask_truncated=cfg.mask_truncated)
 
     # ---- 4. samples -----------------------------------------------------------------------------------------------
     def samples(self, n: int | None = None) -> dict:
-        """Held-out prompts answered with the run's sampling (a fixed stream) in the training step's shapes (on XLA
-        the generation graphs training compiled): mean reward, mean completion tokens, each reward's mean, rows,
-        graphs compiled."""
+        """Held-out records answered with the run's sampling (a fixed stream) in the training step's shapes (on XLA
+        the generation graphs training compiled; `rollouts.held_out`): mean reward, each reward's mean, the rows
+        (agents: turns, tool calls and their success, the episodes' messages) and graphs compiled."""
         cfg, b = self.config, self.backend
         records = self.held_out if n is None else self.held_out[:n]
-        if cfg.agentic:
-            return self._episode_samples(records)
-        held, _ = build_prompt_dataset(self.tokenizer, records, max_prompt_len=cfg.max_prompt_len,
-                                       prompt_field=cfg.prompt_field, answer_field=cfg.answer_field,
-                                       system_prompt=cfg.system_prompt)
         rows = cfg.grpo.rows(cfg.batch_size) * max(1, b.num_replicas // b.world_size)  # the rollout's shape
         model = self._model_on_device()
         before = b.metrics().get("compilations", 0)
-        tokens: list[list[int]] = []
-        stop = eos_ids(self.tokenizer, model)  # the tokenizer's EOS and the model's end of turn
-        for idx, real in fixed_batches(len(held), rows):
-            # A fixed stream per batch and process (the rank: data-parallel processes must not share one).
-            key = torch.tensor([cfg.seed, -1 - idx[0], b.rank], dtype=torch.long).to(b.device)
-            with b.autocast():
-                gen = generate_ids(model, held.input_ids[idx].to(b.device), held.attention_mask[idx].to(b.device),
-                                   max_new_tokens=cfg.max_new_tokens, eos_token_id=stop,
-                                   pad_token_id=self.tokenizer.pad_token_id, sampling=cfg.grpo.sampling, seed=key,
-                                   sync=b.sync, replay=b.compile_step, loop=b.compile_loop)
-            tokens += b.to_cpu(gen.ids).tolist()[:real]
-        kept = [records[i] for i in held.index.tolist()]
-        scored = score_completions(self.tokenizer, self.rewards, kept, tokens, cfg.grpo, stop)
-        total = scored["total"]
-        table = [{"prompt": p if isinstance(p, str) else p[-1]["content"], "answer": r.get(cfg.answer_field),
-                  "completion": c, "reward": t}
-                 for p, r, c, t in zip(scored["prompts"], kept, scored["completions"], total, strict=True)]
-        lengths = scored["completion_tokens"]
-        return {"reward": sum(total) / len(total), "completion_tokens": sum(lengths) / len(lengths),
-                "rewards": {k: sum(v) / len(v) for k, v in scored["rewards"].items()}, "rows": table,
-                "compilations": b.metrics().get("compilations", 0) - before}
-
-    def _episode_samples(self, records: list[dict]) -> dict:
-        """Held-out episodes in the training step's shapes: mean reward, turns, tool calls and their success, each
-        reward's mean, the rows (prompt, transcript, final answer, reward), the episodes' messages after the prompt
-        ("completions", as reward functions and metrics such as `note_following` take them) and graphs compiled."""
-        cfg, b = self.config, self.backend
-        runner = self.episode_runner
-        rows = cfg.grpo.rows(cfg.batch_size) * max(1, b.num_replicas // b.world_size)
-        model = self._model_on_device()
-        before = b.metrics().get("compilations", 0)
-        episodes, figures = [], []
-        for idx, real in fixed_batches(len(records), rows):
-            key = torch.tensor([cfg.seed, -1 - idx[0], b.rank], dtype=torch.long).to(b.device)
-            with b.autocast():
-                batch = runner.run(model, [records[i] for i in idx], backend=b, sampling=cfg.grpo.sampling, seed=key)
-            episodes += batch.episodes[:real]
-            figures.append((real, batch.figures))
-        total, values = runner.score(episodes)
-        table = [{"prompt": e.prompt[-1]["content"], "answer": e.row.get(cfg.answer_field),
-                  "completion": final_text(e.completion), "transcript": transcript(e.completion), "reward": t}
-                 for e, t in zip(episodes, total, strict=True)]
-        mean = {k: sum(r * f[k] for r, f in figures) / len(records) for k in ("turns", "tool_calls", "truncated")}
-        calls = sum(e.stats.calls for e in episodes)
-        success = 1.0 - sum(e.stats.failed for e in episodes) / calls if calls else float("nan")
-        return {"reward": sum(total) / len(total), **mean, "tool_success": success,
-                "rewards": {k: sum(v) / len(v) for k, v in values.items()}, "rows": table,
-                "completions": [e.completion for e in episodes],
-                "compilations": b.metrics().get("compilations", 0) - before}
+        out = self.rollouts.held_out(model, records, rows=rows, seed=cfg.seed)
+        return {**out, "compilations": b.metrics().get("compilations", 0) - before}
 
     @staticmethod
     def compare(before: dict, after: dict, n: int | None = None) -> list[dict]:
@@ -415,22 +318,21 @@ class GRPO(HFJob):
     def run_identity(self) -> dict:
         cfg = self.config
         agent = {"environment": cfg.environment, "tools": cfg.tools, "max_turns": cfg.max_turns,
-                 "tool_tokens": cfg.tool_tokens} if cfg.agentic else {}
+                 "tool_tokens": cfg.tool_tokens} if cfg.turn_shape else {}
         return {**super().run_identity(), "start_from": str(cfg.start_from), "rewards": cfg.rewards,
                 "num_generations": cfg.num_generations, "max_prompt_len": cfg.max_prompt_len,
                 "max_new_tokens": cfg.max_new_tokens, **agent}
 
     def make_trainer(self) -> GRPOTrainer:
-        return GRPOTrainer(self.model, self.train_data, tokenizer=self.tokenizer, records=self.records,
-                           rewards=self.rewards, settings=self.config.grpo, ref_model=self.reference,
-                           episodes=self.episode_runner, **self.trainer_options())
+        return GRPOTrainer(self.model, self.train_data, rollouts=self.rollouts, settings=self.config.grpo,
+                           ref_model=self.reference, **self.trainer_options())
 
     # ---- 6. results -----------------------------------------------------------------------------------------------
     def curves(self) -> dict[str, list]:
         """Per log step: step, reward, completion length, KL and loss (from the run's history)."""
         rows = self.history.train
-        keys = ("step", "reward", "completion_tokens", "kl", "loss") + \
-            (tuple(k for k, _ in AGENT_CURVES) if self.config.agentic else ())
+        keys = ("step", "reward", "completion_tokens", "kl", "loss")
+        keys += tuple(k for k, _ in AGENT_CURVES if any(k in r for r in rows))  # episodes' turns and tool success
         return {k: [r.get(k) for r in rows] for k in keys}
 
     def plot(self):
@@ -458,25 +360,10 @@ class GRPO(HFJob):
 
     def results(self, *, before: dict | None = None, after: dict | None = None, **extra: Any) -> dict:
         reward = {"before": before["reward"] if before else None, "after": after["reward"] if after else None}
-        if self.config.agentic:  # turns and tool-call success, before -> after (None: no tool call made)
-            for key, _ in AGENT_CURVES:
+        for key, _ in AGENT_CURVES:  # episodes: turns and tool-call success, before -> after (None: no tool call)
+            if any(key in (s or {}) for s in (before, after)):
                 extra.setdefault(key, {w: s[key] if s and s[key] == s[key] else None
                                        for w, s in (("before", before), ("after", after))})
         return super().results(before=before, after=after, reward=reward, curves=self.curves(),
                                data=self.data_stats, generation_seconds=sum(self.trainer.rollout_seconds), **extra)
 
-
-def transcript(completion: list[dict]) -> str:
-    """An episode's messages after the prompt as readable lines: the model's text and tool calls, the tool results."""
-    import json
-
-    lines = []
-    for m in completion:
-        if m.get("role") == "assistant":
-            text = str(m.get("content") or "").strip()
-            calls = [c.get("function", c) for c in m.get("tool_calls") or ()]
-            lines += [f"assistant: {text}"] if text else []
-            lines += [f"call {c.get('name')}({json.dumps(c.get('arguments'))})" for c in calls]
-        else:
-            lines.append(f"{m.get('role')} {m.get('name') or ''}: {m.get('content')}".replace("  ", " "))
-    return "\n".join(lines)
