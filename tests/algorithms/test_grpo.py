@@ -310,7 +310,7 @@ def test_bad_grpo_input_names_the_value(tmp_path):
         config_from_parameters({"NUM_GENERATIONS": 1}, base=GRPOConfig())
     with pytest.raises(ConfigError, match=r"REWARDS names 'exactness', which is no built-in reward \(answer, "):
         config_from_parameters({"REWARDS": "answer,exactness"}, base=GRPOConfig())
-    with pytest.raises(ConfigError, match=r"REWARDS names 'no_such_module:fn', which cannot be imported"):
+    with pytest.raises(ConfigError, match=r"REWARDS='no_such_module:fn': module 'no_such_module' cannot be imported"):
         GRPOConfig(rewards="no_such_module:fn")
     with pytest.raises(ConfigError, match=r"TEMPERATURE=0.0 must be > 0"):
         config_from_parameters({"TEMPERATURE": 0}, base=GRPOConfig())
@@ -342,7 +342,7 @@ def test_a_reward_returning_the_wrong_values_is_an_error_naming_it(tmp_path, ret
     def bad(prompts, completions):
         return returns(len(completions))
 
-    job.__dict__["rewards"] = {**job.rewards, "bad": bad}  # the configured ones and one that misbehaves
+    job.config.reward_funcs = {**job.config.reward_funcs, "bad": bad}  # the configured ones and one that misbehaves
     with pytest.raises(ConfigError, match=message):
         job.train()
 

@@ -208,7 +208,7 @@ def test_a_reward_that_fails_on_some_episodes_is_counted_and_the_others_scored(t
     batch = runner.run(job.model, job.records[:8], backend=job.backend, sampling=job.config.grpo.sampling,
                        seed=torch.tensor([1, 0, 0]))
     with pytest.warns(UserWarning, match="reward 'tests.algorithms.test_grpo_episodes:failing_on_long' raised "
-                                         "ValueError on an episode"):
+                                         "ValueError on completion"):
         total, values = runner.score(batch.episodes)
     name = "tests.algorithms.test_grpo_episodes:failing_on_long"
     long = [len(e.completion) > 1 for e in batch.episodes]

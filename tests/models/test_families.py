@@ -20,7 +20,7 @@ from tests.support import XLA_BACKEND
 from tpu_helpers.config import ConfigError
 from tpu_helpers.core.callbacks import Callback
 from tpu_helpers.data.sft import instruction_records, prompts_and_answers
-from tpu_helpers.models import generation, hf, lora
+from tpu_helpers.models import decode, generation, hf, lora
 from tpu_helpers.models.generation import generate_ids, left_pad
 
 SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -138,8 +138,8 @@ def test_the_cached_generation_answers_as_transformers_generate(name, family_dir
     # hf.generate (the fine-tuning samples): the chat template, the encoding, a bucketed cache, the texts.
     texts = hf.generate(model, tok, chats, device="cpu", max_new_tokens=NEW)
     assert texts == hf.completion_texts(tok, want.tolist(), stops)
-    if generation._sliding_window(model) is not None:  # the window is a mask here: without it other answers
-        monkeypatch.setattr(generation, "_sliding_window", lambda model: None)
+    if decode.sliding_window(model) is not None:  # the window is a mask here: without it other answers
+        monkeypatch.setattr(generation, "sliding_window", lambda model: None)
         unwindowed = generate_ids(model, p.ids, p.mask, max_new_tokens=NEW, eos_token_id=stops,
                                   pad_token_id=tok.pad_token_id)
         assert not torch.equal(unwindowed.ids, want)
@@ -287,7 +287,7 @@ def test_lora_sft_and_grpo_train_on_xla_without_recompiling_and_the_merged_expor
                 backend=XLA_BACKEND, progress=False, callbacks=[grpo_steps])
     grpo.train()
     assert grpo.data_stats["too_long"] == 0 and grpo_steps.steps[2] == 0, (grpo.data_stats, grpo_steps.steps)
-    assert grpo.trainer.stop_ids == hf.eos_ids(grpo.tokenizer, grpo.model)  # the family's stops end the answers
+    assert grpo.rollouts.stop_ids == hf.eos_ids(grpo.tokenizer, grpo.model)  # the family's stops end the answers
     print(f"{name} on XLA:CPU, compilations per step: LoRA SFT {sft_steps.steps}, GRPO {grpo_steps.steps}")
 
     # The merged export: plain transformers reloads it, with the family's tokenizer and stop tokens, and it computes

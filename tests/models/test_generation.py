@@ -10,7 +10,7 @@ import torch
 from tests.models.families import FAMILIES, random_lora, random_model
 from tests.support import XLA_BACKEND
 from tpu_helpers.config import ConfigError
-from tpu_helpers.models import generation, hf
+from tpu_helpers.models import decode, generation, hf
 from tpu_helpers.models.generation import (
     Sampling,
     exponentials,
@@ -87,9 +87,9 @@ def test_cached_greedy_equals_the_uncached_loop_across_model_families(family, mo
     want = generate_ids_uncached(model, p.ids, p.mask, max_new_tokens=9)
     got = generate_ids(model, p.ids, p.mask, max_new_tokens=9, eos_token_id=None, pad_token_id=0)
     assert torch.equal(got.ids, want), (got.ids, want)
-    if generation._sliding_window(model) is not None:
+    if decode.sliding_window(model) is not None:
         # The window is enforced by the mask: without it the answers differ.
-        monkeypatch.setattr(generation, "_sliding_window", lambda model: None)
+        monkeypatch.setattr(generation, "sliding_window", lambda model: None)
         unwindowed = generate_ids(model, p.ids, p.mask, max_new_tokens=9, eos_token_id=None, pad_token_id=0)
         assert not torch.equal(unwindowed.ids, want)
 
@@ -165,7 +165,7 @@ def test_a_sliding_window_without_layer_types_is_applied_as_hf_does(monkeypatch)
         logits = model(input_ids=full, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
     ref = torch.log_softmax(logits[:, 11:-1].float(), -1).gather(-1, want.unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(got.logprobs, ref, atol=1e-4, rtol=1e-4)
-    monkeypatch.setattr(generation, "_sliding_window", lambda model: None)
+    monkeypatch.setattr(generation, "sliding_window", lambda model: None)
     assert not torch.equal(generate_ids(model, p.ids, p.mask, max_new_tokens=9, eos_token_id=None,
                                         pad_token_id=0).ids, want)  # the window matters here
 
@@ -175,7 +175,7 @@ def test_use_sliding_window_false_means_no_window():
     model = random_model(FAMILIES["qwen2"].config(VOCAB, pad=0))
     assert model.config.use_sliding_window is False
     model.config.sliding_window, model.config.layer_types = 4, None  # as an older config.json would hold it
-    assert generation._sliding_window(model) is None
+    assert decode.sliding_window(model) is None
 
 
 def test_sampling_is_reproducible_and_top_k_1_is_greedy(tiny_lm_dir):

@@ -15,7 +15,7 @@ from tests.models.families import FAMILIES, random_model
 from tests.support import XLA_BACKEND
 from tpu_helpers.backend import generation_hooks
 from tpu_helpers.config import ConfigError
-from tpu_helpers.models import generation, replay
+from tpu_helpers.models import decode, generation, replay
 from tpu_helpers.models.generation import generate_ids, left_pad
 
 VOCAB = 97
@@ -73,7 +73,7 @@ def test_cuda_hooks_are_the_backends_and_touch_no_gpu():
 
     initialised = torch.cuda.is_initialized()
     hooks = generation_hooks(torch.device("cuda", 1))
-    step = generation._decode
+    step = decode.decode_step
     assert hooks.compile_step(step) is step and hooks.sync() is None
     loop = hooks.compile_loop()
     assert isinstance(loop, GraphLoop) and loop.device == torch.device("cuda", 1)
@@ -87,7 +87,7 @@ def test_cuda_hooks_are_the_backends_and_touch_no_gpu():
 def test_a_plain_call_on_xla_is_the_recipes_call():
     b = XLA_BACKEND
     hooks = generation_hooks(b.device, ())
-    assert hooks.compile_step(generation._decode) is b.compile_step(generation._decode)  # one capture, shared
+    assert hooks.compile_step(decode.decode_step) is b.compile_step(decode.decode_step)  # one capture, shared
     family = FAMILIES["llama3"].config(VOCAB, pad=0)
     cpu = random_model(family, seed=1)
     # Shapes no other test compiles (a width of 11, batches of 3 and 2), so the counts are this test's own.

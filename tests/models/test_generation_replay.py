@@ -12,7 +12,7 @@ import torch
 from tests.models.families import FAMILIES, lora_model, random_model
 from tests.support import XLA_BACKEND
 from tpu_helpers.backend.base import Backend
-from tpu_helpers.models import generation
+from tpu_helpers.models import decode, generation
 from tpu_helpers.models.generation import Sampling, generate_ids, left_pad
 
 pytestmark = [pytest.mark.xla, pytest.mark.skipif(XLA_BACKEND is None, reason="torch_xla not installed")]
@@ -39,7 +39,7 @@ def _gen(model, p, device, **kw):
 
 
 def test_eager_backends_replay_the_step_as_it_is():
-    fn = generation._decode
+    fn = decode.decode_step
     assert Backend().compile_step(fn) is fn
 
 

@@ -13,10 +13,10 @@ import shutil
 
 import pytest
 
+from tpu_helpers.algorithms.episodes import transcript
 from tpu_helpers.config import config_from_parameters
 from tpu_helpers.launch.runner import declared_parameters, highlights, run_notebook
 from tpu_helpers.platform.targets import TARGETS
-from tpu_helpers.algorithms.episodes import transcript
 from tpu_helpers.recipes.grpo import GRPOConfig, curves_figure
 from tpu_helpers.training.results import render_png
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tpu_helpers.agents.tools import Toolbox, ToolStats, binds, run_async, tool_schema
+from tpu_helpers.agents.tools import Toolbox, ToolStats, binds, block_text, run_async, tool_schema
 from tpu_helpers.core.choices import ConfigError
 
 RESERVED = ("reset", "get_reward")  # an environment's methods that are not tools
@@ -179,10 +179,9 @@ class Agent:
                                   f"({err}); TRL calls reset(**row) with every field of the row, the prompt "
                                   "included: give reset a **kwargs") from None
             if observation is not None:
-                if not isinstance(observation, str):
-                    raise ConfigError(f"{spec.cls.__qualname__}.reset returned a {type(observation).__name__}; it "
-                                      "must return a string (appended to the last user message) or None")
-                prompt[-1] = {**prompt[-1], "content": prompt[-1]["content"] + observation}
+                text = block_text(observation, where=f"{spec.cls.__qualname__}.reset")
+                prompt[-1] = {**prompt[-1], "content": block_text(prompt[-1]["content"], where="the row's prompt")
+                              + text}
             methods = [getattr(environment, m) for m in environment_methods(spec.cls)]
         return Episode(row, prompt, environment, Toolbox([*self.tools, *methods], timeout_s=self.timeout_s))
 

@@ -5,21 +5,25 @@
     messages = box.run(parsed.tool_calls, errors=parsed.errors)   # tool messages, one per call or error
     box.stats                                             # ToolStats: calls, failures, and each failure's kind
 
-A tool is what `GRPOTrainer(tools=[...])` takes: sync or async, any return value (a non-string one becomes its
-`str()`, as TRL does). A call never raises here: an exception, a call past `timeout_s`, wrong arguments, an unknown
-tool name, or a malformed call the parser found becomes the tool message's text, `str({"error": message})` as TRL
-writes it, and is counted in `ToolStats` by kind. TRL has no timeout: a hung call is ours to stop. A sync tool runs
-in a daemon thread joined with the timeout (a hung one keeps its thread until it returns; its result is dropped);
-an async tool is awaited on one event loop in a daemon thread, so this works inside a notebook's running loop too.
+A tool is what `GRPOTrainer(tools=[...])` takes: sync or async, any return value (a list of TRL's content blocks
+gives its text blocks' text; another non-string value becomes its `str()`, as TRL does). A call never raises here:
+an exception, a call past `timeout_s`, wrong arguments, an unknown tool name, or a malformed call the parser found
+becomes the tool message's text, `str({"error": message})` as TRL writes it, and is counted in `ToolStats` by kind.
+TRL has no timeout (it waits); here a hung call is stopped: a sync tool runs in a daemon thread joined with the
+timeout, past which the thread is ended (`_stop`: at once in Python, when its C call returns otherwise; its result
+is dropped); an async tool is awaited on one event loop in a daemon thread, so this works inside a notebook's
+running loop too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import inspect
 import threading
+import warnings
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +48,29 @@ def tool_schema(fn: Callable, *, where: str = "tool") -> dict:
         raise ConfigError(f"{where} {name!r} has no JSON schema ({type(err).__name__}: {err}); a tool needs a type "
                           "hint on every argument and a Google-style docstring with a description and an 'Args:' "
                           "line per argument (transformers' get_json_schema)") from None
+
+
+def block_text(content: Any, *, where: str) -> str:
+    """A message's content as text: a string as it is, or TRL's list of content blocks (`[{"type": "text", "text":
+    ...}]`, what `reset` and tools may return) with its text blocks joined. An image block is a ConfigError until the
+    package trains vision models; anything else is a ConfigError naming `where`."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for block in content:
+            kind = block.get("type") if isinstance(block, Mapping) else None
+            if kind == "text" and isinstance(block.get("text"), str):
+                texts.append(block["text"])
+            elif kind in ("image", "image_url", "video", "audio"):
+                raise ConfigError(f"{where} returned a {kind!r} content block; the package trains text-only models "
+                                  "for now, so only text blocks ({'type': 'text', 'text': ...}) are taken")
+            else:
+                raise ConfigError(f"{where} returned the content block {block!r:.120}; a content block is TRL's "
+                                  "{'type': 'text', 'text': ...}")
+        return "".join(texts)
+    raise ConfigError(f"{where} returned a {type(content).__name__}; it must return a string, a list of TRL's "
+                      "content blocks ([{'type': 'text', 'text': ...}]) or None")
 
 
 def error_text(message: str) -> str:
@@ -92,6 +119,31 @@ def run_async(coro: Any, timeout_s: float | None = None) -> Any:
     return asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout_s), _Loop.get()).result()
 
 
+class ToolTimeout(BaseException):
+    """Raised inside a tool's thread that ran past its timeout, to end it (a BaseException: the tool's own
+    `except Exception` does not swallow it)."""
+
+
+def _stop(thread: threading.Thread) -> None:
+    """End a timed-out tool's thread: ToolTimeout is raised in it at its next Python instruction, so a tool looping
+    in Python ends at once, one sleeping or blocked in C when that call returns. One still running a moment later
+    (in C) is said once, with how many are left: only a process can be killed (agents.sandbox runs code so)."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(ToolTimeout))
+    thread.join(0.05)
+    if thread.is_alive():
+        _STUCK.add(thread)
+        alive = sum(t.is_alive() for t in _STUCK)
+        if not _STUCK_SAID:
+            _STUCK_SAID.append(True)
+            warnings.warn(f"tool thread {thread.name!r} is still running past its timeout, in C code (a sleep, a "
+                          "blocking call), and ends only when that call returns; its result is dropped "
+                          f"({alive} such threads now). Give such a tool a timeout of its own", stacklevel=4)
+
+
+_STUCK: set = set()
+_STUCK_SAID: list = []
+
+
 def _run_sync(fn: Callable, arguments: dict, timeout_s: float | None) -> Any:
     box: dict[str, Any] = {}
 
@@ -105,6 +157,7 @@ def _run_sync(fn: Callable, arguments: dict, timeout_s: float | None) -> Any:
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
+        _stop(thread)
         raise TimeoutError
     if "error" in box:
         raise box["error"]
@@ -157,6 +210,11 @@ class Toolbox:
             return self._fail("raised", str(err))
         if isinstance(result, str):
             return result
+        if isinstance(result, list) and result and all(isinstance(b, dict) and "type" in b for b in result):
+            try:  # TRL's content blocks: their text
+                return block_text(result, where=f"tool {name!r}")
+            except ConfigError as err:
+                return self._fail("raised", str(err))
         self.stats.converted += 1
         return str(result)
 

@@ -17,8 +17,11 @@ figures: turns, tool calls and their success rate, cut episodes, the host's seco
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import random
+import sys
 import time
 import warnings
 from collections import Counter
@@ -113,7 +116,13 @@ class EpisodeRunner:
         self.pad = pad_token_id
         self.mask_truncated = mask_truncated
         self.warnings: Counter = Counter()  # what went wrong in episodes, counted over the run
+        self.needed: Counter = Counter()  # the largest tool text a cut episode needed ("tool_tokens")
         self.warmed = False  # whether a batch ran every turn (see `run`)
+
+    def _cut(self, cause: str, message: str) -> None:
+        """An episode cut short by its budget (CUT_REASONS): said once per cause with the size that would have fit,
+        then counted."""
+        self._warn(cause, f"an episode was cut: {message}")
 
     def _warn(self, kind: str, message: str) -> None:
         if not self.warnings[kind]:
@@ -133,10 +142,15 @@ class EpisodeRunner:
         return 1
 
     def run(self, model: torch.nn.Module, rows: Sequence[dict], *, backend: Any, sampling: Sampling,
-            seed: torch.Tensor | int = 0, group: int = 1) -> EpisodeBatch:
+            seed: torch.Tensor | int = 0, group: int = 1, reset_seed: str | int | None = None) -> EpisodeBatch:
         """One episode per row, to the end or the budget. `group`: the rows come in runs of `group` copies of a
-        row (GRPO's group); where each run's prompts are the same tokens, the prompt's pass runs once per run."""
+        row (GRPO's group); where each run's prompts are the same tokens, the prompt's pass runs once per run.
+        `reset_seed`: Python's `random` (and NumPy's, where imported) seeded with it before the environments'
+        resets, so an environment that draws its own task from them draws the same one on a resumed run, and the
+        held-out draws apart from training's."""
         b, s = backend, self.shape
+        if reset_seed is not None:
+            seed_python_random(reset_seed)
         episodes = [self.agent.start(row) for row in rows]
         prompts = []
         for e in episodes:
@@ -169,7 +183,8 @@ class EpisodeRunner:
                 if not own or own[-1] not in stop:  # the turn ran out of tokens before its end of turn
                     e.completion.append({"role": "assistant", "content": self.chat.tokenizer.decode(own)})
                     active[i], truncated[i] = False, True
-                    self.warnings["turn_tokens"] += 1
+                    self._cut("turn_tokens", f"a turn used all MAX_NEW_TOKENS={s.turn_tokens} tokens before its end "
+                                             "of turn: raise MAX_NEW_TOKENS for longer turns")
                     continue
                 parsed = self.chat.parse(own, prefix=prompts[i], tools=e.schemas)
                 if not (parsed.message.get("tool_calls") or parsed.errors):
@@ -179,13 +194,17 @@ class EpisodeRunner:
                 if k == s.max_turns:  # still calling tools with no turn left: the calls are not run
                     e.completion.append(parsed.message)
                     active[i], truncated[i] = False, True
-                    self.warnings["max_turns"] += 1
+                    self._cut("max_turns", f"an episode still called a tool after MAX_TURNS={s.max_turns} rounds of "
+                                           f"calls: MAX_TURNS={s.max_turns + 1} would have run it")
                     continue
                 e.answer(parsed.message, parsed.errors)
                 more = self.chat.continuation_ids(e.messages, tools=e.schemas)
                 if len(more) > s.tool_tokens:
                     active[i], truncated[i] = False, True
-                    self.warnings["tool_tokens"] += 1
+                    self.needed["tool_tokens"] = max(self.needed["tool_tokens"], len(more))
+                    self._cut("tool_tokens", f"a tool result took {len(more)} tokens of tool text (with the next "
+                                             f"turn's header), more than TOOL_TOKENS={s.tool_tokens}: TOOL_TOKENS="
+                                             f"{len(more)} would have fit it")
                     continue
                 tool_ids[i] = more
             host_s += time.perf_counter() - t0
@@ -221,6 +240,15 @@ def final_text(completion: Sequence[dict]) -> str:
     """An episode's final answer as text: the content of its last assistant message ("" without one)."""
     last = next((m for m in reversed(completion) if m.get("role") == "assistant"), None)
     return str(last.get("content") or "") if last is not None else ""
+
+
+def seed_python_random(seed: str | int) -> None:
+    """Seed Python's `random` (and NumPy's global generator, where NumPy is imported) from `seed`, whatever
+    PYTHONHASHSEED: an environment that draws its own task from them draws it again on a resumed run."""
+    random.seed(str(seed))
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(int.from_bytes(hashlib.sha256(str(seed).encode()).digest()[:4], "little"))
 
 
 def transcript(completion: Sequence[dict]) -> str:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from tpu_helpers.algorithms import grpo_loss
-from tpu_helpers.algorithms.rollouts import AnswerRollouts, EpisodeRollouts, sampling_key
+from tpu_helpers.algorithms.rollouts import AnswerRollouts, EpisodeRollouts
 from tpu_helpers.config import ConfigError
 from tpu_helpers.core.choices import choose
 from tpu_helpers.models import lm_head, lora
@@ -225,8 +225,8 @@ class GRPOTrainer(Trainer):
         completion length, seconds)."""
         b, s = self.backend, self.settings
         t0 = time.perf_counter()
-        key = sampling_key(self.config.seed, self.step // s.num_iterations, b)
-        rollout, rewards, host = self.rollouts.sample(self.sampling_model, prompts, key)  # 1-2. sample and score
+        # 1-2. sample and score: draw step // num_iterations (its sampling stream: the same on a resumed run)
+        rollout, rewards, host = self.rollouts.sample(self.sampling_model, prompts, self.step // s.num_iterations)
         if b.name == "cpu":  # eager: a shape of its own per rollout costs nothing, and the forward skips padding
             rollout = used_columns(rollout)
         rollout["advantages"] = self.advantages(rewards).to(b.device)  # 3. advantages within each group

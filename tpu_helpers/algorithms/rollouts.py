@@ -4,8 +4,8 @@
                               max_prompt_len=32)                        # one answer per row
     rollouts = EpisodeRollouts(runner, settings, backend=b)            # one agent episode per row (episodes.py)
     dataset, stats = rollouts.prompts(records)                         # the training prompts: indices into records
-    rollout, rewards, figures = rollouts.sample(model, prompts, key)   # the step's tensors, summed rewards, figures
-    samples = rollouts.held_out(model, held_records, rows=16, seed=0)  # the held-out figures and table
+    rollout, rewards, figures = rollouts.sample(model, prompts, index)  # draw `index`: tensors, rewards, figures
+    samples = rollouts.held_out(model, held_records, rows=16)          # the held-out figures and table
 
 `GRPOTrainer` takes either and never asks which: both sample `settings.num_generations` rows per prompt of the
 batch (`prompts["index"]` points into `records`) and return the same rollout dict ("ids", "mask", "completion_mask",
@@ -82,10 +82,11 @@ class AnswerRollouts:
 
     def __init__(self, tokenizer: Any, rewards: dict[str, Reward], settings: Any, *,
                  stop_ids: Sequence[int] | Callable[[], Sequence[int]], backend: Any, max_prompt_len: int,
-                 system_prompt: str | None = None) -> None:
+                 system_prompt: str | None = None, seed: int = 0) -> None:
         if not rewards:
             raise ConfigError("REWARDS is empty: GRPO needs at least one reward function")
         self.tokenizer, self.rewards, self.settings, self.backend = tokenizer, dict(rewards), settings, backend
+        self.seed = seed  # the run's: every draw's sampling stream is made of it (`sampling_key`)
         self._stops = stop_ids  # a callable: asked on first use (the model's end of turn, once it is loaded)
         self.max_prompt_len, self.system_prompt = max_prompt_len, system_prompt
         self.width = settings.max_new_tokens  # the completion's columns
@@ -119,10 +120,12 @@ class AnswerRollouts:
     def _score(self, records: Sequence[dict], rows: list[list[int]]) -> dict:
         return score_completions(self.tokenizer, self.rewards, records, rows, self.settings, self.stop_ids)
 
-    def sample(self, model: torch.nn.Module, prompts: dict, key: torch.Tensor) -> tuple[dict, list[float], dict]:
-        """G answers to each prompt of the batch: the rollout's tensors, the summed rewards and the figures."""
+    def sample(self, model: torch.nn.Module, prompts: dict, index: int) -> tuple[dict, list[float], dict]:
+        """G answers to each prompt of the batch, draw `index` of the run: the rollout's tensors, the summed rewards
+        and the figures."""
         b, g = self.backend, self.settings.num_generations
-        gen = self._generate(model, prompts["input_ids"], prompts["attention_mask"], key, g)
+        gen = self._generate(model, prompts["input_ids"], prompts["attention_mask"], sampling_key(self.seed, index, b),
+                             g)
         ids = prompts["input_ids"].repeat_interleave(g, 0)
         mask = prompts["attention_mask"].repeat_interleave(g, 0)
         host = b.to_cpu({"ids": gen.ids, "index": prompts["index"]})  # the step's one read
@@ -133,7 +136,7 @@ class AnswerRollouts:
         figures = batch_figures(scored["total"], g, scored["completion_tokens"], scored["rewards"])
         return rollout, scored["total"], figures
 
-    def held_out(self, model: torch.nn.Module, records: Sequence[dict], *, rows: int, seed: int) -> dict:
+    def held_out(self, model: torch.nn.Module, records: Sequence[dict], *, rows: int) -> dict:
         """Each record's prompt answered once, `rows` at a time: mean reward, mean completion tokens, each reward's
         mean and the rows (prompt, answer, completion, reward). A prompt longer than MAX_PROMPT_LEN is left out."""
         b, s = self.backend, self.settings
@@ -141,7 +144,7 @@ class AnswerRollouts:
         tokens: list[list[int]] = []
         for idx, real in fixed_batches(len(data), rows):
             gen = self._generate(model, data.input_ids[idx].to(b.device), data.attention_mask[idx].to(b.device),
-                                 sampling_key(seed, -1 - idx[0], b), 1)
+                                 sampling_key(self.seed, -1 - idx[0], b), 1)
             tokens += b.to_cpu(gen.ids).tolist()[:real]
         kept = [records[i] for i in data.index.tolist()]
         scored = self._score(kept, tokens)
@@ -157,8 +160,8 @@ class EpisodeRollouts:
     """One agent episode per row, G rows per prompt (`episodes.EpisodeRunner`: a read per turn), scored by the
     agent's reward sources; the completion mask is the model's own tokens."""
 
-    def __init__(self, runner: EpisodeRunner, settings: Any, *, backend: Any) -> None:
-        self.runner, self.settings, self.backend = runner, settings, backend
+    def __init__(self, runner: EpisodeRunner, settings: Any, *, backend: Any, seed: int = 0) -> None:
+        self.runner, self.settings, self.backend, self.seed = runner, settings, backend, seed
         self.width = runner.shape.width
         self.records: list[dict] = []  # what the prompts' indices point into (`prompts`)
 
@@ -169,29 +172,31 @@ class EpisodeRollouts:
         self.records = list(records)
         return episode_prompts(self.runner, self.records, max_prompt_len=self.runner.prompt_tokens)
 
-    def sample(self, model: torch.nn.Module, prompts: dict, key: torch.Tensor) -> tuple[dict, list[float], dict]:
-        """G episodes of each prompt's row: the rollout's tensors, the summed rewards and the figures (turns, tool
-        calls and their success, cut episodes, host seconds per turn besides the rewards)."""
+    def sample(self, model: torch.nn.Module, prompts: dict, index: int) -> tuple[dict, list[float], dict]:
+        """G episodes of each prompt's row, draw `index` of the run: the rollout's tensors, the summed rewards and the
+        figures (turns, tool calls and their success, cut episodes, host seconds per turn besides the rewards)."""
         b, g = self.backend, self.settings.num_generations
-        index = b.to_cpu(prompts["index"]).tolist()
-        rows = [self.records[i] for i in index for _ in range(g)]
+        rows = [self.records[i] for i in b.to_cpu(prompts["index"]).tolist() for _ in range(g)]
         with b.autocast():
-            batch = self.runner.run(model, rows, backend=b, sampling=self.settings.sampling, seed=key, group=g)
+            batch = self.runner.run(model, rows, backend=b, sampling=self.settings.sampling,
+                                    seed=sampling_key(self.seed, index, b), group=g,
+                                    reset_seed=f"{self.seed}:{index}:{b.rank}")
         rewards, values = self.runner.score(batch.episodes)
         rollout = {"ids": batch.ids, "mask": batch.mask, "completion_mask": batch.own, "old_logp": batch.logprobs,
                    "group": batch.shared}
         return rollout, rewards, {**batch_figures(rewards, g, batch.tokens, values), **batch.figures}
 
-    def held_out(self, model: torch.nn.Module, records: Sequence[dict], *, rows: int, seed: int) -> dict:
+    def held_out(self, model: torch.nn.Module, records: Sequence[dict], *, rows: int) -> dict:
         """One episode per record, `rows` at a time: mean reward, turns, tool calls and their success, each reward's
         mean, the rows (the episode's own prompt, transcript, final answer, reward) and the episodes' messages after
         the prompt ("completions", as reward functions and metrics such as `note_following` take them)."""
         b, runner = self.backend, self.runner
         episodes, figures = [], []
         for idx, real in fixed_batches(len(records), rows):
-            with b.autocast():
+            with b.autocast():  # the environments' resets seeded apart from training's (negative draws)
                 batch = runner.run(model, [records[i] for i in idx], backend=b, sampling=self.settings.sampling,
-                                   seed=sampling_key(seed, -1 - idx[0], b))
+                                   seed=sampling_key(self.seed, -1 - idx[0], b),
+                                   reset_seed=f"{self.seed}:{-1 - idx[0]}:{b.rank}")
             episodes += batch.episodes[:real]
             figures.append((real, batch.figures))
         total, values = runner.score(episodes)

@@ -27,27 +27,26 @@ import torch
 
 from tpu_helpers.backend.base import ReplayUnsupported
 from tpu_helpers.core.choices import check_positive
-from tpu_helpers.models.generation import (
-    GREEDY,
+from tpu_helpers.models.decode import (
     Generated,
-    Sampling,
-    _autocast,
-    _eos_tensor,
-    _every_row,
-    _forward,
-    _hooks,
-    _hybrid,
-    _masks,
-    _prefill,
-    _put_rows,
-    _record,
-    _rows_of,
-    _sliding_window,
-    check_generation_support,
+    autocast_dtype,
+    choose_hooks,
     decode_steps,
+    eos_tensor,
+    every_row,
+    forward,
+    hybrid_masks,
     make_cache,
+    masks,
+    prefill,
+    put_rows,
+    record,
+    rows_of,
+    sliding_window,
 )
+from tpu_helpers.models.generation import check_generation_support
 from tpu_helpers.models.replay import kept_cache, replayed_prefill
+from tpu_helpers.models.sampling import GREEDY, Sampling
 
 
 @dataclass(frozen=True)
@@ -85,7 +84,7 @@ def _continue(model: torch.nn.Module, cache: Any, chunk: torch.Tensor, start: to
     """The pass over a turn's new slots (the last answer's final token, then the tool text), written into the cache
     from slot `start` on, and the next answer's first token recorded at column `st[1]`. Everything it reads is an
     argument, so it replays like the decode step. `rows` (the CPU's): only those rows' pass, `cache` holding
-    theirs (models/generation.py's `_rows_of`)."""
+    theirs (models/decode.py's `rows_of`)."""
     slots, valid, slot_pos = fixed[:3]
     if rows is not None:
         chunk, valid, slot_pos = chunk[rows], valid[rows], slot_pos[rows]
@@ -95,8 +94,8 @@ def _continue(model: torch.nn.Module, cache: Any, chunk: torch.Tensor, start: to
     allowed = ((slots[None, :] <= q[:, None]) & valid[:, None, :]) | (slots[None, :] == q[:, None])
     pos = slot_pos.gather(1, q.expand(chunk.shape[0], -1))
     distance = pos[:, :, None] - slot_pos[:, None, :]
-    logits = _forward(model, chunk, _masks(allowed, distance, window, dtype, hybrid), pos, cache, keep_last=True)
-    return _record(_every_row(logits, rows, st[0].shape[0]), st, fixed, sampling, pad)
+    logits = forward(model, chunk, masks(allowed, distance, window, dtype, hybrid), pos, cache, keep_last=True)
+    return record(every_row(logits, rows, st[0].shape[0]), st, fixed, sampling, pad)
 
 
 class Turns:
@@ -117,21 +116,21 @@ class Turns:
         n = num_return_sequences
         self.model, self.shape = model, shape
         self.device = device = input_ids.device
-        self.sync, self.replay, self.loop = _hooks(model, device, sync, replay, loop)
+        self.sync, self.replay, self.loop = choose_hooks(model, device, sync, replay, loop)
         self.width = input_ids.shape[1]
         self.batch = input_ids.shape[0] * n
         self.total = self.width + shape.width
         dtype = mask_dtype or next(model.parameters()).dtype
         dtype = dtype if dtype.is_floating_point else torch.float32
-        self.args = (self.width, _sliding_window(model), _hybrid(model), dtype, sampling, pad_token_id)
+        self.args = (self.width, sliding_window(model), hybrid_masks(model), dtype, sampling, pad_token_id)
         self.pad = pad_token_id
         self.seed = seed.to(device=device, dtype=torch.long) if isinstance(seed, torch.Tensor) else \
             torch.tensor([int(seed)], dtype=torch.long).to(device)
-        self.eos = _eos_tensor(eos_token_id, device)
+        self.eos = eos_tensor(eos_token_id, device)
         self.input_ids, self.attention_mask = input_ids, attention_mask
         kept = self.replay is not None or self.loop is not None
         make = lambda: make_cache(model, self.total, self.batch)  # noqa: E731
-        self.cache = kept_cache(model, ("turns", self.batch, self.total, dtype, _autocast(device)), make) if kept \
+        self.cache = kept_cache(model, ("turns", self.batch, self.total, dtype, autocast_dtype(device)), make) if kept \
             else make()
         # The host's copy of which slots hold a token: the prompt's, then each turn's as the host learns them.
         self.valid = torch.cat([attention_mask.detach().to("cpu", torch.bool).repeat_interleave(n, 0),
@@ -153,7 +152,7 @@ class Turns:
     def first(self) -> None:
         """Turn 0: the prompt's pass and `turn_tokens - 1` decode steps."""
         def run() -> None:
-            st, self.fixed = replayed_prefill(self.replay, _prefill, self.model, self.cache,
+            st, self.fixed = replayed_prefill(self.replay, prefill, self.model, self.cache,
                                               (self.input_ids, self.attention_mask, self.eos, self.seed),
                                               self.shape.width, self.args, self.sync)
             self.sync()
@@ -217,9 +216,9 @@ class Turns:
             if self.device.type == "cpu" and len(live) < self.batch:
                 # The CPU passes the live rows only (where none is, one finished row: its outputs stay padding).
                 rows = torch.tensor(live or [0], dtype=torch.long)
-                part = _rows_of(self.cache, rows)
+                part = rows_of(self.cache, rows)
                 first = _continue(self.model, part, chunk, start, st, self.fixed, *self.args, rows=rows)
-                _put_rows(self.cache, part, rows)
+                put_rows(self.cache, part, rows)
             else:
                 fn = self.replay(_continue) if self.replay is not None else _continue
                 try:

@@ -75,9 +75,12 @@ class GRPOConfig(HFJobConfig):
     hunt, ...) given without ENVIRONMENT or TOOLS brings its own, and its rewards where REWARDS is left at its
     default."""
 
-    dataset: str = SUMS  # "sums" (generated, offline), an example environment's name, a local file, or a hub name
+    # "sums" (generated, offline), an example environment's name, a local file or a hub name; agents: None when the
+    # environment's reset returns the prompt (TRL's train_dataset=None: STEPS sets the length)
+    dataset: str | None = SUMS
     start_from: str | None = SFT  # None | "sft" (brief SFT here first) | adapter dir | model dir | fine-tuning OUT_DIR
     sft_steps: int = 150  # START_FROM "sft": fine-tuning steps (the instruction task; agents: the demonstrations)
+    sft_dataset: str | None = None  # START_FROM "sft", agents: a file of your tool conversations (messages, tools)
     system_prompt: str | None = None
     # Comma-separated built-in names (answer, format, number, length, overlong: agents score the final answer's
     # text) or import paths of TRL-style reward functions; agents: empty for the environment's get_reward.
@@ -127,11 +130,20 @@ class GRPOConfig(HFJobConfig):
         if self.start_from not in (None, SFT) and not Path(self.start_from).expanduser().is_dir():
             raise ConfigError(f"START_FROM={self.start_from!r} is not {SFT!r}, None, nor a directory (a PEFT adapter, "
                               "a save_pretrained model, or a fine-tuning run's OUT_DIR)")
-        if self.start_from == SFT and self.agent.enabled and example is None:
-            raise ConfigError(f"START_FROM={SFT!r} with an environment fine-tunes on an example environment's "
-                              f"demonstrations (DATASET one of {sorted(EXAMPLES)}), not DATASET={self.dataset!r}: "
-                              "fine-tune on your own tool conversations with notebooks/finetune_llm.ipynb (TRL's SFT "
-                              "form) and give its OUT_DIR as START_FROM")
+        if self.dataset is None and not self.agent.enabled:
+            raise ConfigError("DATASET=None: only agents run without a dataset (ENVIRONMENT given, its reset returning "
+                              "the prompt, as TRL's train_dataset=None); give DATASET, the prompts with answers")
+        if self.dataset is None and len(self.agent.environments) > 1:
+            raise ConfigError("DATASET=None with a dict of environments: each row picks its environment by its "
+                              "'environment' column, so give DATASET (TRL's rule too)")
+        if self.sft_dataset is not None and not Path(self.sft_dataset).expanduser().is_file():
+            raise ConfigError(f"SFT_DATASET={self.sft_dataset!r} is no file; give a .jsonl/.json/.csv/.parquet file "
+                              "of tool conversations in TRL's SFT form (a 'messages' and a 'tools' column), or None")
+        if self.start_from == SFT and self.agent.enabled and example is None and self.sft_dataset is None:
+            raise ConfigError(f"START_FROM={SFT!r} with an environment fine-tunes on tool conversations first: an "
+                              f"example environment's demonstrations (DATASET one of {sorted(EXAMPLES)}), or yours "
+                              f"as SFT_DATASET (TRL's SFT form: messages and tools); DATASET={self.dataset!r} has "
+                              "none. Or set START_FROM None, or a fine-tuning run's OUT_DIR")
         # The reward functions, parsed once (an unknown name fails here): episodes score their final answer's text.
         self.reward_funcs = episode_rewards(self.rewards, self.format_pattern) if self.agent.enabled else \
             resolve_rewards(self.rewards, format_pattern=self.format_pattern)
@@ -210,7 +222,7 @@ class GRPO(HFJob):
         if (out / "merged" / "config.json").is_file():
             return str(out / "merged")
         example = EXAMPLES.get(cfg.dataset)
-        if example is not None:
+        if example is not None or cfg.sft_dataset is not None:
             return self._warm_start_on_demonstrations(out, example)
         sft = FinetuneConfig(model=cfg.model, dataset="instructions", method="full", steps=cfg.sft_steps,
                              batch_size=16, seq_len=48, lr=3e-3, warmup_steps=min(20, cfg.sft_steps // 5),
@@ -222,26 +234,31 @@ class GRPO(HFJob):
         return job.export()["merged"]
 
     def _warm_start_on_demonstrations(self, out: Path, example: Any) -> str:
-        """START_FROM "sft" on an example environment: MODEL fine-tuned with LoRA (merged after) for SFT_STEPS steps
-        on its demonstrations (`agents.examples`: its own tool results, the prompts the episodes render), written to
-        OUT_DIR/sft/demonstrations.jsonl; another seed than the GRPO rows', so SFT and RL see other episodes."""
+        """START_FROM "sft" on tool conversations: MODEL fine-tuned with LoRA (merged after) for SFT_STEPS steps on
+        SFT_DATASET (TRL's SFT form: "messages" and "tools"), or on the example environment's demonstrations
+        (`agents.examples`: its own tool results, the prompts the episodes render; another seed than the GRPO
+        rows', so SFT and RL see other episodes), written to OUT_DIR/sft/demonstrations.jsonl."""
         from tpu_helpers.core.atomic_io import atomic_write_text
         from tpu_helpers.recipes.finetune import Finetune, FinetuneConfig
 
         cfg = self.config
-        demos = example.demonstrations(SFT_DEMONSTRATIONS, seed=cfg.seed + 1)
-        path = out / "demonstrations.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, "".join(json.dumps(d) + "\n" for d in demos))
-        # Rows as long as the longest demonstration (a multiple of 8), within the episode budget: padding costs as
-        # much as tokens in a forward. MODEL's tokenizer: the job's own loads the start model, this one's output.
-        from transformers import AutoTokenizer
+        seq_len = cfg.max_prompt_len + cfg.completion_tokens  # the episode's budget
+        if cfg.sft_dataset is not None:
+            path = Path(cfg.sft_dataset).expanduser()
+        else:
+            demos = example.demonstrations(SFT_DEMONSTRATIONS, seed=cfg.seed + 1)
+            path = out / "demonstrations.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, "".join(json.dumps(d) + "\n" for d in demos))
+            # Rows as long as the longest demonstration (a multiple of 8), within the budget: padding costs as much
+            # as tokens in a forward. MODEL's tokenizer: the job's own loads the start model, this one's output.
+            from transformers import AutoTokenizer
 
-        from tpu_helpers.data.sft import encode_tool_conversation
+            from tpu_helpers.data.sft import encode_tool_conversation
 
-        tok = AutoTokenizer.from_pretrained(self.model_source)
-        longest = max(len(encode_tool_conversation(tok, d["messages"], d["tools"])[0]) for d in demos)
-        seq_len = min(-(-longest // 8) * 8, cfg.max_prompt_len + cfg.completion_tokens)
+            tok = AutoTokenizer.from_pretrained(self.model_source)
+            longest = max(len(encode_tool_conversation(tok, d["messages"], d["tools"])[0]) for d in demos)
+            seq_len = min(-(-longest // 8) * 8, seq_len)
         sft = FinetuneConfig(model=cfg.model, dataset=str(path), method="lora", lora_r=16, lora_alpha=32,
                              steps=cfg.sft_steps, batch_size=8, seq_len=seq_len,
                              lr=2e-3, warmup_steps=min(5, cfg.sft_steps // 5), eval_every=cfg.sft_steps,
@@ -274,9 +291,10 @@ class GRPO(HFJob):
             runner = EpisodeRunner(cfg.agent.agent(cfg.reward_funcs), ChatFormat(tok), cfg.turn_shape,
                                    prompt_tokens=cfg.max_prompt_len, stop_ids=eos_ids(tok),
                                    pad_token_id=tok.pad_token_id, mask_truncated=cfg.mask_truncated)
-            return EpisodeRollouts(runner, cfg.grpo, backend=self.backend)
+            return EpisodeRollouts(runner, cfg.grpo, backend=self.backend, seed=cfg.seed)
         return AnswerRollouts(tok, cfg.reward_funcs, cfg.grpo, stop_ids=lambda: eos_ids(tok, self.model),
-                              backend=self.backend, max_prompt_len=cfg.max_prompt_len, system_prompt=cfg.system_prompt)
+                              backend=self.backend, max_prompt_len=cfg.max_prompt_len, system_prompt=cfg.system_prompt,
+                              seed=cfg.seed)
 
     def load_data(self) -> JobData:
         """DATASET's records (an example environment's rows, or read), their prompts as the rollouts render them
@@ -287,6 +305,10 @@ class GRPO(HFJob):
         if example is not None:
             records = example.rows(cfg.max_records or 2000, seed=cfg.seed, split="train")
             held = example.rows(64, seed=cfg.seed, split="test")
+        elif cfg.dataset is None:  # the environment's reset makes each episode's task: empty prompts drive the loop
+            empty = {"prompt": [{"role": "user", "content": ""}]}
+            records = [dict(empty) for _ in range(cfg.batch_size * max(1, self.backend.num_replicas))]
+            held = [dict(empty) for _ in range(64)]  # fresh resets, seeded apart from training's
         else:
             records = self.read_records(load_prompt_records)
             held = load_prompt_records(SUMS, split="test") if cfg.dataset == SUMS else records[:64]
@@ -303,13 +325,15 @@ class GRPO(HFJob):
         rows = cfg.grpo.rows(cfg.batch_size) * max(1, b.num_replicas // b.world_size)  # the rollout's shape
         model = self._model_on_device()
         before = b.metrics().get("compilations", 0)
-        out = self.rollouts.held_out(model, records, rows=rows, seed=cfg.seed)
+        out = self.rollouts.held_out(model, records, rows=rows)
         return {**out, "compilations": b.metrics().get("compilations", 0) - before}
 
     @staticmethod
     def compare(before: dict, after: dict, n: int | None = None) -> list[dict]:
-        """The same held-out prompts' completions and rewards before and after training, side by side."""
-        rows = [{"prompt": b["prompt"], "answer": b["answer"], "before": b["completion"], "after": a["completion"],
+        """The same held-out records' completions and rewards before and after training, side by side; where an
+        environment chose another task for the same record (its reset's own randomness), each side's own prompt."""
+        rows = [{"prompt": b["prompt"] if b["prompt"] == a["prompt"] else f"{b['prompt']} | after: {a['prompt']}",
+                 "answer": b["answer"], "before": b["completion"], "after": a["completion"],
                  "reward": f"{b['reward']:g} -> {a['reward']:g}"}
                 for b, a in zip(before["rows"], after["rows"], strict=True)]
         return rows if n is None else rows[:n]
