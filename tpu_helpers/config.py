@@ -158,7 +158,7 @@ class TrainConfig:
             raise ConfigError(f"weight_decay={self.weight_decay!r} must be >= 0")
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ConfigError(f"grad_clip={self.grad_clip!r} must be > 0, or None to disable clipping")
-        if not self.dataset:
+        if self.dataset is not None and not self.dataset:  # None: only where the type allows it (GRPO's agents)
             raise ConfigError("dataset='' is empty: use 'embedded', a local path, or a hub dataset name")
         if not self.out_dir:
             raise ConfigError("out_dir='' is empty: give a directory for checkpoints and results")

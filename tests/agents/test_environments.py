@@ -213,3 +213,31 @@ def test_bad_environments_and_missing_rewards_are_clear_errors():
         Agent(environment_factory=Strict, reward_funcs=[reward_func]).start({"prompt": "hi"})
     with pytest.raises(ConfigError, match=r"factory .* raised ZeroDivisionError when called with no arguments"):
         Agent(environment_factory=lambda: 1 / 0, reward_funcs=[reward_func])
+
+
+class BlockEnv:
+    def reset(self, **kwargs) -> list:
+        return [{"type": "text", "text": " Guess "}, {"type": "text", "text": "a number."}]
+
+    def guess(self, n: int) -> str:
+        """Guess.
+
+        Args:
+            n: The guess.
+        """
+        return "right"
+
+
+class ImageEnv(BlockEnv):
+    def reset(self, **kwargs) -> list:
+        return [{"type": "image", "image": None}, {"type": "text", "text": "What is this?"}]
+
+
+def test_reset_may_return_trls_content_blocks_text_joined_and_an_image_refused():
+    agent = Agent(environment_factory=BlockEnv, reward_funcs=[reward_func])
+    episode = agent.start({"prompt": [{"role": "user", "content": [{"type": "text", "text": "Play."}]}]})
+    assert episode.prompt[-1]["content"] == "Play. Guess a number."
+    images = Agent(environment_factory=ImageEnv, reward_funcs=[reward_func])
+    with pytest.raises(ConfigError, match=r"ImageEnv.reset returned a content block of type 'image'; the package "
+                                          r"trains text-only models"):
+        images.start({"prompt": "Look."})

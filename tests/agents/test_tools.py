@@ -4,6 +4,7 @@ counted by kind; a sync tool past its timeout and an async one are handled; a no
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -127,3 +128,48 @@ def test_a_tool_without_hints_or_docstring_and_duplicate_names_are_refused_namin
         tool_schema(3)
     with pytest.raises(ConfigError, match=r"the tool timeout is 0"):
         Toolbox([add], timeout_s=0)
+
+
+def spin(n: int) -> int:
+    """Loop in Python until stopped.
+
+    Args:
+        n: Where to start counting.
+    """
+    while True:
+        n += 1
+
+
+def blocks(text: str) -> list:
+    """Answer in TRL's content blocks.
+
+    Args:
+        text: The text to answer with.
+    """
+    return [{"type": "text", "text": text}, {"type": "text", "text": "!"}]
+
+
+def picture(text: str) -> list:
+    """Answer with an image block.
+
+    Args:
+        text: Ignored.
+    """
+    return [{"type": "image", "image": object()}]
+
+
+def test_a_tool_looping_past_its_timeout_leaves_no_thread_running():
+    # Before, its daemon thread spun for the rest of the process: 16 such threads after one short run.
+    box = Toolbox([spin], timeout_s=0.2)
+    assert box.call("spin", {"n": 0}) == "{'error': 'Tool spin timed out after 0.2 s'}"
+    deadline = time.time() + 2
+    while any(t.name == "tool-spin" for t in threading.enumerate()) and time.time() < deadline:
+        time.sleep(0.02)
+    assert not any(t.name == "tool-spin" for t in threading.enumerate())
+
+
+def test_a_tool_returning_content_blocks_gives_their_text_and_an_image_is_a_clear_error():
+    box = Toolbox([blocks, picture])
+    assert box.call("blocks", {"text": "hi"}) == "hi!"
+    text = box.call("picture", {"text": "x"})
+    assert "content block of type 'image'" in text and "text-only" in text and box.stats.failures["raised"] == 1

@@ -60,6 +60,11 @@ def _scripted_parse(self, ids, *, prefix=None, tools=None):
 
 @pytest.fixture
 def scripted(monkeypatch):
+    script_turns(monkeypatch)
+
+
+def script_turns(monkeypatch) -> None:
+    """Turns end at a third of the vocabulary and parse as `_scripted_parse` says (see the module docstring)."""
     monkeypatch.setattr(ChatFormat, "parse", _scripted_parse)
     real_init = EpisodeRunner.__init__
 

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from tests.algorithms.test_grpo_episodes import _job, scripted, tool_tiny_dir  # noqa: F401 (fixtures)
+from tests.algorithms.test_grpo_episodes import _job, script_turns, tool_tiny_copy
 from tpu_helpers.config import ConfigError, config_from_parameters
 from tpu_helpers.recipes.grpo import GRPO, GRPOConfig
 
@@ -64,6 +64,16 @@ ENVIRONMENTS = textwrap.dedent('''
 ''')
 
 
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory, tiny_lm_dir):
+    return tool_tiny_copy(tiny_lm_dir, tmp_path_factory.mktemp("tiny_tools") / "model")
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    script_turns(monkeypatch)
+
+
 @pytest.fixture
 def user_code(tmp_path, monkeypatch):
     """The user's file, named by path as a notebook parameter would name it (relative to the working directory)."""
@@ -79,9 +89,9 @@ def _agent_job(tmp_path, model_dir, path, **overrides):
     return _job(tmp_path, model_dir, **{**base, **overrides})
 
 
-def test_no_dataset_the_environment_makes_each_task_and_held_out_resets_are_seeded_apart(tmp_path, tool_tiny_dir,
+def test_no_dataset_the_environment_makes_each_task_and_held_out_resets_are_seeded_apart(tmp_path, tool_model,
                                                                                           scripted, user_code):
-    job = _agent_job(tmp_path, tool_tiny_dir, user_code)
+    job = _agent_job(tmp_path, tool_model, user_code)
     before = job.samples(4)
     again = job.samples(4)
     prompts = [r["prompt"] for r in before["rows"]]
@@ -95,26 +105,26 @@ def test_no_dataset_the_environment_makes_each_task_and_held_out_resets_are_seed
     assert [p["prompt"] for p in pairs] == prompts  # each held-out episode beside its own prompt
 
 
-def test_rewards_from_a_file_none_for_not_applicable(tmp_path, tool_tiny_dir, scripted, user_code):
-    job = _agent_job(tmp_path, tool_tiny_dir, user_code, dataset="multiply")
+def test_rewards_from_a_file_none_for_not_applicable(tmp_path, tool_model, scripted, user_code):
+    job = _agent_job(tmp_path, tool_model, user_code, dataset="multiply")
     assert list(job.config.reward_funcs) == [f"{user_code}:solved", f"{user_code}:brevity"]
     job.train()
     for row in job.history.train:  # brevity returns None for long episodes: left out of the mean, never a crash
         assert row[f"reward/{user_code}:brevity"] <= 0
 
 
-def test_reset_returning_content_blocks_joins_their_text(tmp_path, tool_tiny_dir, scripted, user_code):
-    job = _agent_job(tmp_path, tool_tiny_dir, user_code, environment=f"{user_code}:Blocks")
+def test_reset_returning_content_blocks_joins_their_text(tmp_path, tool_model, scripted, user_code):
+    job = _agent_job(tmp_path, tool_model, user_code, environment=f"{user_code}:Blocks")
     episode = job.rollouts.runner.agent.start({"prompt": [{"role": "user", "content": "Q: "}]})
     assert episode.prompt[-1]["content"].startswith("Q: What is ") and episode.prompt[-1]["content"].endswith("?")
     job.train()
     assert len(job.history.train) == 2
 
 
-def test_a_dict_of_environments_from_the_notebook_picks_one_per_row(tmp_path, tool_tiny_dir, scripted, user_code):
+def test_a_dict_of_environments_from_the_notebook_picks_one_per_row(tmp_path, tool_model, scripted, user_code):
     rows = [{"prompt": [{"role": "user", "content": ""}], "environment": name} for name in ("times", "other") * 8]
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    params = dict(MODEL=tool_tiny_dir, DATASET="rows.jsonl", ENVIRONMENT={"times": f"{user_code}:Times",
+    params = dict(MODEL=tool_model, DATASET="rows.jsonl", ENVIRONMENT={"times": f"{user_code}:Times",
                                                                           "other": f"{user_code}:Other"},
                   TOOLS=None, REWARDS=f"{user_code}:solved", START_FROM=None, DEVICE="cpu", STEPS=2, BATCH_SIZE=2,
                   NUM_GENERATIONS=2, MAX_PROMPT_LEN=96, MAX_NEW_TOKENS=6, TOOL_TOKENS=24, SAVE_EVERY=2, LORA_R=4,
@@ -132,7 +142,7 @@ def test_a_dict_of_environments_from_the_notebook_picks_one_per_row(tmp_path, to
         config_from_parameters({**params, "ENVIRONMENT": {"times": f"{user_code}:Nope"}}, base=GRPOConfig())
 
 
-def test_the_environment_is_probed_once_per_config(tmp_path, tool_tiny_dir, user_code):
+def test_the_environment_is_probed_once_per_config(tmp_path, tool_model, user_code):
     (tmp_path / "envs" / "counted.py").write_text(ENVIRONMENTS + textwrap.dedent('''
         BUILT = []
 
@@ -141,7 +151,7 @@ def test_the_environment_is_probed_once_per_config(tmp_path, tool_tiny_dir, user
             def __init__(self):
                 BUILT.append(1)
     '''))
-    job = _agent_job(tmp_path, tool_tiny_dir, user_code, environment="envs/counted.py:Counted")
+    job = _agent_job(tmp_path, tool_model, user_code, environment="envs/counted.py:Counted")
     import sys
 
     module = next(m for n, m in sys.modules.items() if n.startswith("tpu_helpers_user_counted"))
@@ -150,15 +160,15 @@ def test_the_environment_is_probed_once_per_config(tmp_path, tool_tiny_dir, user
     assert len(module.BUILT) == 1
 
 
-def test_start_from_sft_on_your_own_tool_conversations(tmp_path, tool_tiny_dir, user_code):
+def test_start_from_sft_on_your_own_tool_conversations(tmp_path, tool_model, user_code):
     from tpu_helpers.agents.examples import multiply_demonstrations
 
     demos = tmp_path / "my_demos.jsonl"
-    demos.write_text("".join(json.dumps(d) + "\n" for d in multiply_demonstrations(16, seed=3)))
+    demos.write_text("".join(json.dumps(d) + "\n" for d in multiply_demonstrations(256, seed=3)))
     with pytest.raises(ConfigError, match=r"START_FROM='sft' with an environment fine-tunes on tool conversations"):
-        _agent_job(tmp_path, tool_tiny_dir, user_code, start_from="sft")
+        _agent_job(tmp_path, tool_model, user_code, start_from="sft")
     with pytest.raises(ConfigError, match=r"SFT_DATASET='nope.jsonl' is no file"):
-        _agent_job(tmp_path, tool_tiny_dir, user_code, start_from="sft", sft_dataset="nope.jsonl")
-    job = _agent_job(tmp_path, tool_tiny_dir, user_code, start_from="sft", sft_dataset=str(demos), sft_steps=1)
+        _agent_job(tmp_path, tool_model, user_code, start_from="sft", sft_dataset="nope.jsonl")
+    job = _agent_job(tmp_path, tool_model, user_code, start_from="sft", sft_dataset=str(demos), sft_steps=1)
     assert job.start_source == str(tmp_path / "run" / "sft" / "merged")
     assert json.loads((tmp_path / "run" / "sft" / "finetune.json").read_text())["dataset"] == str(demos)

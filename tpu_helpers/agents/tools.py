@@ -63,7 +63,7 @@ def block_text(content: Any, *, where: str) -> str:
             if kind == "text" and isinstance(block.get("text"), str):
                 texts.append(block["text"])
             elif kind in ("image", "image_url", "video", "audio"):
-                raise ConfigError(f"{where} returned a {kind!r} content block; the package trains text-only models "
+                raise ConfigError(f"{where} returned a content block of type {kind!r}; the package trains text-only models "
                                   "for now, so only text blocks ({'type': 'text', 'text': ...}) are taken")
             else:
                 raise ConfigError(f"{where} returned the content block {block!r:.120}; a content block is TRL's "
