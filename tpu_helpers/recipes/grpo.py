@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -274,7 +274,8 @@ class GRPO(HFJob):
                              lr=2e-3, warmup_steps=min(5, cfg.sft_steps // 5), eval_every=cfg.sft_steps,
                              log_every=max(1, cfg.sft_steps // 10), save_every=cfg.sft_steps, out_dir=str(out),
                              device=cfg.device, precision=cfg.precision, sharding=cfg.sharding,
-                             xla_checks=cfg.xla_checks, seed=cfg.seed, export_merged=True)
+                             xla_checks=cfg.xla_checks, seed=cfg.seed, export_merged=True,
+                             eval_share=0)  # nothing measured on the demonstrations: every one trains
         job = Finetune(sft, backend=self.backend, progress=self.progress)
         job.train()
         return job.export()["merged"]
@@ -294,7 +295,8 @@ class GRPO(HFJob):
     # ---- 3. prompts -----------------------------------------------------------------------------------------------
     def load_data(self) -> JobData:
         """Prompts of DATASET left-padded to MAX_PROMPT_LEN (stats: kept and skipped), no validation rows, and the
-        held-out prompts with answers (the generated sums' test split)."""
+        held-out prompts with answers (`hold_out`: the generated sums' test split, EVAL_DATASET or EVAL_SHARE of
+        DATASET), whose rows never train."""
         cfg = self.config
         if cfg.agentic:
             return self._load_episodes()
@@ -302,7 +304,9 @@ class GRPO(HFJob):
         data, stats = build_prompt_dataset(self.tokenizer, records, max_prompt_len=cfg.max_prompt_len,
                                            prompt_field=cfg.prompt_field, answer_field=cfg.answer_field,
                                            system_prompt=cfg.system_prompt)
-        held = load_prompt_records(SUMS, split="test") if cfg.dataset == SUMS else records[:64]
+        test = partial(load_prompt_records, SUMS, split="test") if cfg.dataset == SUMS else None
+        held = self.hold_out(records, load_prompt_records, generated=test)  # never trains: its rows are left out
+        data, stats = held.training_rows(data, stats)
         return JobData(data, None, stats, held, records)
 
     def _load_episodes(self) -> JobData:
@@ -312,11 +316,13 @@ class GRPO(HFJob):
         if cfg.dataset in EXAMPLE_ROWS:
             make = EXAMPLE_ROWS[cfg.dataset]
             records = make(cfg.max_records or 2000, seed=cfg.seed, split="train")
-            held = make(64, seed=cfg.seed, split="test")
+            test = partial(make, 64, seed=cfg.seed, split="test")
         else:
             records = self.read_records(load_prompt_records)
-            held = records[:64]
-        data, stats = episode_prompts(self.episode_runner, records, max_prompt_len=cfg.max_prompt_len)
+            test = None
+        held = self.hold_out(records, load_prompt_records, generated=test)  # never trains: its rows are left out
+        data, stats = held.training_rows(*episode_prompts(self.episode_runner, records,
+                                                          max_prompt_len=cfg.max_prompt_len))
         return JobData(data, None, stats, held, records)
 
     @cached_property
