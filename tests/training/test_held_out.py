@@ -218,3 +218,11 @@ def test_the_runner_says_where_the_held_out_records_come_from(tmp_path):
            "held_out": {"source": "EVAL_DATASET", "records": 41}}
     assert highlights(RunResult("x.ipynb", tmp_path, True, 1.0, results=dpo)) == [
         "held-out preference accuracy: 0.50 -> 0.75 (EVAL_DATASET, 41 records)"]
+
+
+def test_a_run_resumed_with_another_held_out_split_is_refused(tmp_path):
+    """The held-out split decides which records train: it is part of the run's identity."""
+    data = write(tmp_path / "data.jsonl", sft_records(80))
+    job_of("finetune", tmp_path, dataset=data, steps=2, save_every=2, eval_every=2).train()
+    with pytest.raises(ConfigError, match=r"held_out: '10% of DATASET' there vs '20% of DATASET' now"):
+        job_of("finetune", tmp_path, dataset=data, steps=4, save_every=2, eval_every=2, eval_share=0.2).train()
