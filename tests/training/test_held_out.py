@@ -226,3 +226,18 @@ def test_a_run_resumed_with_another_held_out_split_is_refused(tmp_path):
     job_of("finetune", tmp_path, dataset=data, steps=2, save_every=2, eval_every=2).train()
     with pytest.raises(ConfigError, match=r"held_out: '10% of DATASET' there vs '20% of DATASET' now"):
         job_of("finetune", tmp_path, dataset=data, steps=4, save_every=2, eval_every=2, eval_share=0.2).train()
+
+
+@pytest.mark.parametrize("name, config", [("finetune_llm", FinetuneConfig), ("grpo_llm", GRPOConfig),
+                                          ("agents_llm", GRPOConfig), ("preference_llm", PreferenceConfig)])
+def test_every_notebook_with_a_held_out_figure_takes_the_held_out_parameters(notebooks, tmp_path, name, config):
+    from tpu_helpers.config import config_from_parameters
+    from tpu_helpers.launch.runner import declared_parameters
+
+    declared = declared_parameters(notebooks[name])
+    assert {k: declared[k] for k in ("EVAL_DATASET", "EVAL_SHARE", "EVAL_RECORDS")} == {
+        "EVAL_DATASET": None, "EVAL_SHARE": 0.1, "EVAL_RECORDS": 64}
+    evals = write(tmp_path / "eval.jsonl", sft_records(3))
+    cfg = config_from_parameters({**declared, "EVAL_DATASET": evals, "EVAL_SHARE": 0.2, "EVAL_RECORDS": 3},
+                                 base=config(), extra={"INSTALL": bool, "REPO_URL": str})
+    assert (cfg.eval_dataset, cfg.eval_share, cfg.eval_records) == (evals, 0.2, 3)
