@@ -49,7 +49,7 @@ class HeldOut(list):
     def __init__(self, records: list[dict], source: str, training: list[int], *, where: str = "held-out record",
                  numbers: list[int] | None = None) -> None:
         super().__init__(records)
-        self.source = source  # "EVAL_DATASET", "10% of DATASET", "the test split of 'sums'", "none (...)"
+        self.source = source  # "EVAL_DATASET", "10% of DATASET", "the test split of 'sums'", "none: ..."
         self.training = training  # the indices of DATASET's records that may train
         self.where, self.numbers = where, numbers  # how an error names a held-out record: where + its number
 
