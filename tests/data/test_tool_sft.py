@@ -206,8 +206,8 @@ def test_held_out_prompts_of_tool_conversations_are_the_episodes_prompt(tiny_lm_
 
 def _multiply_records(n: int) -> list[dict]:
     out = []
-    for k in range(n):
-        a, b = k % 10, (k * 7) % 10
+    for k in range(n):  # distinct conversations: a held-out one has no twin in training
+        a, b = k % 10, k // 10
         out.append({"messages": [
             {"role": "user", "content": f"What is {a} times {b}?"},
             {"role": "assistant", "tool_calls": [{"type": "function", "function": {

@@ -47,7 +47,8 @@ def test_make_runs_entry_prints_the_held_out_figure_answers_and_the_figure(tmp_p
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
-    figure = [x for x in lines if re.fullmatch(r"   held-out reward: \d\.\d\d -> \d\.\d\d", x)]
+    figure = [x for x in lines if re.fullmatch(r"   held-out reward: \d\.\d\d -> \d\.\d\d \(the test split of 'sums', "
+                                               r"100 records\)", x)]
     assert len(figure) == 1, proc.stdout
     answers = lines.index("   held-out answers, before -> after:")
     assert all(re.fullmatch(r"     '.+' \(\d+\): '.*' -> '.*'", x, re.S) for x in lines[answers + 1:answers + 5]), lines

@@ -82,8 +82,12 @@ def test_agents_notebook_on_cpu_shows_episodes_curves_and_exports(notebooks, tmp
     assert "| tool-call success" in text and "checkpoints: ckpt-00000002.pt" in text
     # The runner's highlights: the reward, turns and tool-call success before -> after, the episodes' answers.
     shown = highlights(result)
-    assert shown[0] == f"held-out reward: {before:.2f} -> {after:.2f}"
-    assert shown[1] == "held-out turns per episode: {:.2f} -> {:.2f}".format(*results["turns"].values())
+    # Where the held-out episodes come from, and how many were played: the example's own test split, NUM_SAMPLES.
+    assert results["held_out"]["source"] == "the test split of 'lockers'" and results["held_out"]["records"] == 64
+    assert "held-out (the test split of 'lockers', 4 records) | mean reward" in text
+    assert shown[0] == f"held-out reward: {before:.2f} -> {after:.2f} (the test split of 'lockers', 4 records)"
+    assert shown[1] == "held-out turns per episode: {:.2f} -> {:.2f} (the test split of 'lockers', 4 records)".format(
+        *results["turns"].values())
     assert shown[2].startswith("held-out tool-call success: ") and shown[3] == "held-out answers, before -> after:"
     assert shown[4].startswith(f"  {first['prompt']!r}: ")
 

@@ -152,10 +152,3 @@ def build_preference_dataset(tokenizer: Any, records: Sequence[dict], *, seq_len
                              torch.tensor(labels).view(shape))
     return data, stats
 
-
-def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """(train, validation) indices of `n` records, shuffled with `seed` (at least one for validation)."""
-    order = list(range(n))
-    random.Random(seed).shuffle(order)
-    n_val = max(1, int(n * val_fraction))
-    return order[n_val:], order[:n_val]

@@ -14,7 +14,7 @@ record's index, so the trainer hands the record's fields to the rewards. `sum_re
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +100,11 @@ class PromptDataset(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.input_ids[i], "attention_mask": self.attention_mask[i], "index": self.index[i]}
+
+    def of_records(self, records: Collection[int]) -> PromptDataset:
+        """The rows of the records whose index is in `records` (the others', e.g. held-out records', left out)."""
+        keep = torch.tensor([int(i) in records for i in self.index.tolist()], dtype=torch.bool)
+        return PromptDataset(self.input_ids[keep], self.attention_mask[keep], self.index[keep])
 
 
 def build_prompt_dataset(tokenizer: Any, records: Sequence[dict], *, max_prompt_len: int,

@@ -387,18 +387,36 @@ def tokenize_records(tokenizer: Any, records: Sequence[dict], seq_len: int, *,
     return SFTDataset(torch.tensor(rows), torch.tensor(masks), torch.tensor(labels)), stats
 
 
+def check_records(records: Sequence[dict], where: str = "record") -> None:
+    """Every record's form (and a tool conversation's messages) checked; an error names the record's index."""
+    for k, record in enumerate(records):
+        if record_form(record, where=f"{where} {k}") == "chat":
+            tool_conversation(record, where=f"{where} {k}")
+
+
+def split_indices(n: int, share: float, seed: int, *, at_most: int | None = None) -> tuple[list[int], list[int]]:
+    """(kept, split off) indices of `n` records shuffled with `seed`: `share` of them split off, at least one and at
+    most `at_most` (the validation split, the held-out split)."""
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    k = max(1, int(n * share))
+    k = k if at_most is None else min(k, at_most)
+    return order[k:], order[:k]
+
+
+def record_key(record: Any) -> str:
+    """A record's identity, its content as canonical JSON: two records with the same key are the same data."""
+    return json.dumps(record, sort_keys=True, default=str)
+
+
 def build_sft_datasets(tokenizer: Any, records: Sequence[dict], *, seq_len: int, val_fraction: float = 0.05,
                        seed: int = 0, pack: bool = False) -> tuple[SFTDataset, SFTDataset, dict]:
     """Check every record (errors name its index in `records`), shuffle (seeded), split and tokenize; returns
     (train, val, stats)."""
-    for k, record in enumerate(records):
-        if record_form(record, where=f"record {k}") == "chat":
-            tool_conversation(record, where=f"record {k}")
-    order = list(range(len(records)))
-    random.Random(seed).shuffle(order)
-    n_val = max(1, int(len(order) * val_fraction))
-    val_rec = [records[i] for i in order[:n_val]]
-    train_rec = [records[i] for i in order[n_val:]]
+    check_records(records)
+    train_idx, val_idx = split_indices(len(records), val_fraction, seed)
+    val_rec = [records[i] for i in val_idx]
+    train_rec = [records[i] for i in train_idx]
     train, stats = tokenize_records(tokenizer, train_rec, seq_len, pack=pack)
     val, _ = tokenize_records(tokenizer, val_rec, seq_len, pack=pack)
     return train, val, stats

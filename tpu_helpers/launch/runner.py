@@ -265,26 +265,40 @@ def _figure(value: Any) -> str:
     return f"{value:.2f}" if isinstance(value, (int, float)) else "-"
 
 
+def _held_out(res: dict, measured: Any) -> str:
+    """' (10% of DATASET, 41 records)': where the held-out records of results.json came from and how many a figure
+    was measured on (`measured`, else all of them); empty for results that do not say."""
+    held = res.get("held_out")
+    if not isinstance(held, dict) or "source" not in held:
+        return ""
+    n = measured if isinstance(measured, int) else held.get("records")
+    return f" ({held['source']}, {n} record{'' if n == 1 else 's'})"
+
+
 def highlights(result: RunResult, *, answers: int = 4) -> list[str]:
     """What a finished run of a Hugging Face notebook shows on the terminal (`python -m tpu_helpers run`): its
-    held-out figure before and after training, as "held-out reward: 0.09 -> 0.84" (GRPO's mean reward; fine-tuning's
-    exact match; DPO's preference accuracy), for agents also the turns per episode and the tool-call success rate,
-    `answers` held-out answers before -> after (an episode's final answer), and the figures it saved (`*.png` in the
-    run directory). Nothing for a notebook whose results hold none of these."""
+    held-out figure before and after training, as "held-out reward: 0.09 -> 0.84 (10% of DATASET, 41 records)"
+    (GRPO's mean reward; fine-tuning's exact match; DPO's preference accuracy; where the held-out records come from
+    and how many), for agents also the turns per episode and the tool-call success rate, `answers` held-out answers
+    before -> after (an episode's final answer), and the figures it saved (`*.png` in the run directory). Nothing
+    for a notebook whose results hold none of these."""
     res = result.results or {}
     before, after = res.get("samples_before") or {}, res.get("samples_after") or {}
+    held = _held_out(res, len(after["rows"]) if after.get("rows") else None)  # the samples' figures: every row
     lines = []
     for key, name in (("reward", "held-out reward"), ("accuracy", "held-out preference accuracy")):
         pair = res.get(key)
         if isinstance(pair, dict) and {"before", "after"} <= set(pair):
             was, now = (v.get("accuracy") if isinstance(v, dict) else v for v in (pair["before"], pair["after"]))
-            lines.append(f"{name}: {_figure(was)} -> {_figure(now)}")
+            where = _held_out(res, pair["after"].get("pairs")) if isinstance(pair["after"], dict) else held
+            lines.append(f"{name}: {_figure(was)} -> {_figure(now)}{where}")
     for key, name in (("turns", "held-out turns per episode"), ("tool_success", "held-out tool-call success")):
         pair = res.get(key)  # the agents notebook's (GRPO on episodes); a rate of None: no tool call made
         if isinstance(pair, dict) and {"before", "after"} <= set(pair):
-            lines.append(f"{name}: {_figure(pair['before'])} -> {_figure(pair['after'])}")
+            lines.append(f"{name}: {_figure(pair['before'])} -> {_figure(pair['after'])}{held}")
     if "exact_match" in before and "exact_match" in after:
-        lines.append(f"held-out exact match: {_figure(before['exact_match'])} -> {_figure(after['exact_match'])}")
+        lines.append(f"held-out exact match: {_figure(before['exact_match'])} -> {_figure(after['exact_match'])}"
+                     f"{held}")
     rows = list(zip(before.get("rows") or [], after.get("rows") or [], strict=False))[:answers]
     if rows:
         lines.append("held-out answers, before -> after:")

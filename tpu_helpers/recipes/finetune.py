@@ -16,7 +16,7 @@ a quantized export. Every parameter: README, "Fine-tune a Hugging Face model".
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any, ClassVar
 
 import torch
@@ -35,6 +35,7 @@ from tpu_helpers.core.extras import require_extra
 from tpu_helpers.data.sft import (
     DEFAULT_DATASET,
     build_sft_datasets,
+    check_records,
     exact_match,
     load_records,
     prompts_and_answers,
@@ -180,17 +181,19 @@ class Finetune(HFJob):
 
     # ---- 3. data -----------------------------------------------------------------------------------------------
     def load_data(self) -> JobData:
-        """Fixed-shape SFT rows of DATASET (stats: rows, tokens, the share of trained tokens), and its held-out
-        records with answers (the generated set's test split)."""
+        """Fixed-shape SFT rows of DATASET's training records (stats: rows, tokens, the share of trained tokens),
+        validation rows split off them (VAL_FRACTION), and the held-out records with answers (`hold_out`: the
+        generated set's test split, EVAL_DATASET, or EVAL_SHARE of DATASET; none of them trains)."""
         cfg = self.config
         records = self.read_records(load_records)
         record_form(records[0], where=f"DATASET={cfg.dataset!r} record 0")
-        train, val, stats = build_sft_datasets(self.tokenizer, records, seq_len=cfg.seq_len,
-                                               val_fraction=cfg.val_fraction, seed=cfg.seed, pack=cfg.pack)
-        if cfg.dataset == DEFAULT_DATASET:
-            held = load_records(DEFAULT_DATASET, split="test")
-        else:
-            held = [r for r in records[:64] if record_form(r) != "text"]
+        check_records(records, where=f"DATASET={cfg.dataset!r} record")  # errors name the record as read
+        test = partial(load_records, DEFAULT_DATASET, split="test") if cfg.dataset == DEFAULT_DATASET else None
+        held = self.hold_out(records, load_records, generated=test,
+                             usable=lambda record, where: record_form(record, where=where) != "text")
+        train, val, stats = build_sft_datasets(self.tokenizer, [records[i] for i in held.training],
+                                               seq_len=cfg.seq_len, val_fraction=cfg.val_fraction, seed=cfg.seed,
+                                               pack=cfg.pack)
         return JobData(train, val, stats, held, records)
 
     # ---- 4. samples --------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -40,7 +40,7 @@ from tpu_helpers.models import hf, lora
 from tpu_helpers.models.generation import check_generation_support
 from tpu_helpers.models.hf import eos_ids
 from tpu_helpers.models.turns import TurnShape
-from tpu_helpers.recipes.hf_job import HFJob, HFJobConfig, JobData
+from tpu_helpers.recipes.hf_job import HeldOut, HFJob, HFJobConfig, JobData
 from tpu_helpers.training.results import panels_figure
 
 # As fine-tuning does: without transformers/peft the notebook stops at its first cell, naming the extra.
@@ -264,7 +264,8 @@ class GRPO(HFJob):
                              lr=2e-3, warmup_steps=min(5, cfg.sft_steps // 5), eval_every=cfg.sft_steps,
                              log_every=max(1, cfg.sft_steps // 10), save_every=cfg.sft_steps, out_dir=str(out),
                              device=cfg.device, precision=cfg.precision, sharding=cfg.sharding,
-                             xla_checks=cfg.xla_checks, seed=cfg.seed, export_merged=True)
+                             xla_checks=cfg.xla_checks, seed=cfg.seed, export_merged=True,
+                             eval_share=0)  # nothing measured on the demonstrations: every one trains
         job = Finetune(sft, backend=self.backend, progress=self.progress)
         job.train()
         return job.export()["merged"]
@@ -299,20 +300,24 @@ class GRPO(HFJob):
     def load_data(self) -> JobData:
         """DATASET's records (an example environment's rows, or read), their prompts as the rollouts render them
         (left-padded to MAX_PROMPT_LEN; stats: kept and too long), no validation rows, and the held-out records
-        (the generated sets' test split)."""
+        (`hold_out`: a generated set's test split, EVAL_DATASET or EVAL_SHARE of DATASET; without DATASET, fresh
+        resets), whose rows never train."""
         cfg = self.config
         example = EXAMPLES.get(cfg.dataset)
-        if example is not None:
-            records = example.rows(cfg.max_records or 2000, seed=cfg.seed, split="train")
-            held = example.rows(64, seed=cfg.seed, split="test")
-        elif cfg.dataset is None:  # the environment's reset makes each episode's task: empty prompts drive the loop
+        if cfg.dataset is None:  # the environment's reset makes each episode's task: empty prompts drive the loop
             empty = {"prompt": [{"role": "user", "content": ""}]}
             records = [dict(empty) for _ in range(cfg.batch_size * max(1, self.backend.num_replicas))]
-            held = [dict(empty) for _ in range(64)]  # fresh resets, seeded apart from training's
+            held = HeldOut([dict(empty) for _ in range(cfg.eval_records)],
+                           "fresh resets of ENVIRONMENT, seeded apart from training's", list(range(len(records))))
         else:
-            records = self.read_records(load_prompt_records)
-            held = load_prompt_records(SUMS, split="test") if cfg.dataset == SUMS else records[:64]
-        data, stats = self.rollouts.prompts(records)
+            if example is not None:
+                records = example.rows(cfg.max_records or 2000, seed=cfg.seed, split="train")
+                test = partial(example.rows, cfg.eval_records, seed=cfg.seed, split="test")
+            else:
+                records = self.read_records(load_prompt_records)
+                test = partial(load_prompt_records, SUMS, split="test") if cfg.dataset == SUMS else None
+            held = self.hold_out(records, load_prompt_records, generated=test)  # never trains: its rows left out
+        data, stats = held.training_rows(*self.rollouts.prompts(records))
         return JobData(data, None, stats, held, records)
 
     # ---- 4. samples -----------------------------------------------------------------------------------------------

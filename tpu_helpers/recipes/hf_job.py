@@ -9,6 +9,8 @@ it; each adds only its own settings and parts.
 
 Every part is built on first use (no call-order traps): `model` and `tokenizer` (from `source`), `plan()` (from the
 model's config alone), `data` (DATASET read once), `export()` (the PEFT adapter, a merged safetensors model).
+The held-out records (`hold_out`) never train: EVAL_DATASET's, a generated set's test split, or EVAL_SHARE of
+DATASET split off before training (seeded by SEED).
 QUANTIZE_BASE loads the frozen base in 4 bits (`models.quant4`; parsed once, `config.base_format`). The shared
 fields are checked here, once; a field of another recipe's config is refused by name.
 """
@@ -16,6 +18,7 @@ fields are checked here, once; a field of another recipe's config is refused by 
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -30,12 +33,35 @@ from tpu_helpers.core.atomic_io import atomic_write_text
 from tpu_helpers.core.choices import EXPORT_WEIGHTS, check_choice
 from tpu_helpers.core.hardware import format_bytes
 from tpu_helpers.core.sharding import is_sharded, mesh_shape
+from tpu_helpers.data.sft import record_key, split_indices
 from tpu_helpers.memory.hf_plan import gathered_bytes_per_param, meta_model
 from tpu_helpers.memory.per_chip import shard_estimate, sharding_plan
 from tpu_helpers.memory.report import MemoryEstimate, memory_report
 from tpu_helpers.models import hf, lm_head, lora, quant4
 from tpu_helpers.recipes.base import Recipe
 from tpu_helpers.recipes.hub import check_repo_id
+
+
+class HeldOut(list):
+    """The held-out records (a list of them, with reference answers for `samples`), which never train, and where
+    they come from (`HFJob.hold_out`)."""
+
+    def __init__(self, records: list[dict], source: str, training: list[int], *, where: str = "held-out record",
+                 numbers: list[int] | None = None) -> None:
+        super().__init__(records)
+        self.source = source  # "EVAL_DATASET", "10% of DATASET", "the test split of 'sums'", "none: ..."
+        self.training = training  # the indices of DATASET's records that may train
+        self.where, self.numbers = where, numbers  # how an error names a held-out record: where + its number
+
+    def label(self, n: int | None = None) -> str:
+        """'held-out (10% of DATASET, 41 records)': where the records come from and how many (`n` of them)."""
+        n = len(self) if n is None else min(n, len(self))
+        return f"held-out ({self.source}, {n} record{'' if n == 1 else 's'})"
+
+    def training_rows(self, data: Any, stats: dict) -> tuple[Any, dict]:
+        """Prompt rows (`data.rl.PromptDataset`) less those of records that may not train, and their stats."""
+        kept = data.of_records(set(self.training))
+        return kept, {**stats, "prompts": len(kept)}
 
 
 @dataclass
@@ -45,7 +71,7 @@ class JobData:
     train: Any  # the training rows (a Dataset of fixed-shape rows)
     val: Any  # the validation rows, or None
     stats: dict  # figures of the rows (counts, tokens, what was skipped)
-    held_out: list[dict]  # records with reference answers for `samples`
+    held_out: HeldOut  # records with reference answers for `samples`, none of which trains
     records: list[dict]  # DATASET's records as read
 
 
@@ -64,6 +90,10 @@ class HFJobConfig(TrainConfig):
     quantize_base: str | None = None  # nf4 | int4 | None: QLoRA, the frozen base's linear layers in 4 bits (lora)
     quantize_group_size: int = 64  # QUANTIZE_BASE: input columns that share one scale
     max_records: int | None = None
+    # The held-out figures' records never train (docs/guides/data.md); a generated DATASET has its own test split.
+    eval_dataset: str | None = None  # records for the held-out figures, read like DATASET (a hub name: its test split)
+    eval_share: float = 0.1  # without EVAL_DATASET: the share of DATASET held out of training (seeded); 0: none
+    eval_records: int = 64  # held-out records at most: EVAL_DATASET's first ones, or EVAL_SHARE of DATASET
     attn_implementation: str = hf.DEFAULT_ATTN  # sdpa | eager (see models/hf.py for the measured figures)
     export_merged: bool = True
     export: str = "best"  # best: the best checkpoint's weights (lowest validation loss) when training evaluated | last
@@ -101,11 +131,28 @@ class HFJobConfig(TrainConfig):
                               "divides the width of every linear layer's input (e.g. 32, 64, 128)")
         if self.max_records is not None and self.max_records < 1:
             raise ConfigError(f"max_records={self.max_records!r} must be >= 1, or None for all")
+        self._check_held_out()
         lm_head.check_loss_chunk(self.loss_chunk)
         check_repo_id(self.push_to_hub)
         for name in ("num_samples", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 1")
+
+    def _check_held_out(self) -> None:
+        if not 0 <= self.eval_share < 1:
+            raise ConfigError(f"eval_share={self.eval_share!r} must be at least 0 and below 1 (the share of DATASET "
+                              "held out of training for the held-out figures; 0 for none)")
+        if isinstance(self.eval_records, bool) or not isinstance(self.eval_records, int) or self.eval_records < 1:
+            raise ConfigError(f"eval_records={self.eval_records!r} must be an integer >= 1 (held-out records at most)")
+        if self.eval_dataset is None:
+            return
+        if not isinstance(self.eval_dataset, str) or not self.eval_dataset.strip():
+            raise ConfigError(f"eval_dataset={self.eval_dataset!r}: give a local .jsonl/.json/.csv/.parquet file or a "
+                              "hub name, or None to hold out EVAL_SHARE of DATASET")
+        same = Path(self.eval_dataset).expanduser()
+        if same.is_file() and same.resolve() == Path(str(self.dataset)).expanduser().resolve():
+            raise ConfigError(f"eval_dataset={self.eval_dataset!r} is DATASET itself, whose records train; give a "
+                              "file of other records, or None to hold out EVAL_SHARE of DATASET")
 
     @property
     def uses_lora(self) -> bool:
@@ -273,9 +320,19 @@ class HFJob(Recipe):
         return self.data.stats
 
     @property
-    def held_out(self) -> list[dict]:
-        """Records with reference answers for `samples` (the generated sets' held-out split)."""
-        return self.data.held_out
+    def held_out(self) -> HeldOut:
+        """Records with reference answers for `samples`, none of which trains (`hold_out`); with EVAL_SHARE=0 and
+        no EVAL_DATASET there are none to measure, which is an error here."""
+        held = self.data.held_out
+        if not held and self.config.eval_share == 0 and self.config.eval_dataset is None:
+            raise ConfigError(f"no held-out records to measure: EVAL_SHARE=0 holds none of DATASET="
+                              f"{self.config.dataset!r} out; set EVAL_SHARE (e.g. 0.1) or give EVAL_DATASET")
+        return held
+
+    def held_out_label(self, n: int | None = None) -> str:
+        """Where the held-out records come from and how many (`n` of them, e.g. the samples shown), as the
+        notebooks print it: 'held-out (EVAL_DATASET, 64 records)', 'held-out (10% of DATASET, 41 records)'."""
+        return self.data.held_out.label(n)
 
     @property
     def records(self) -> list[dict]:
@@ -289,12 +346,69 @@ class HFJob(Recipe):
             raise ConfigError(f"DATASET={cfg.dataset!r} has no records")
         return records
 
+    eval_split = "test"  # the split of a hub EVAL_DATASET (and the test split of a generated one)
+
+    def hold_out(self, records: list[dict], load: Callable[..., list[dict]], *,
+                 generated: Callable[[], list[dict]] | None = None,
+                 usable: Callable[[dict, str], bool] | None = None) -> HeldOut:
+        """The held-out records, none of which trains, and which of DATASET's `records` may train:
+
+        - EVAL_DATASET given: its first EVAL_RECORDS records, read by `load(source, split=, max_records=)`;
+        - else a generated DATASET's own test split, `generated()`;
+        - else EVAL_SHARE of DATASET's records (at least one, at most EVAL_RECORDS), drawn with SEED.
+
+        `usable(record, where)`: whether a record can be measured (has an answer); only those are held out. A
+        DATASET record equal to a held-out one (the same content) does not train either, and a warning counts them."""
+        cfg = self.config
+        everything = list(range(len(records)))
+        if cfg.eval_dataset is None and generated is not None:
+            return HeldOut(generated(), f"the test split of {cfg.dataset!r}", everything)
+        if cfg.eval_dataset is not None:
+            where = f"EVAL_DATASET={cfg.eval_dataset!r} record"
+            held = load(cfg.eval_dataset, split=self.eval_split, max_records=cfg.eval_records + 1)
+            if len(held) > cfg.eval_records:
+                warnings.warn(f"EVAL_DATASET={cfg.eval_dataset!r} holds more than EVAL_RECORDS={cfg.eval_records} "
+                              f"records: its first {cfg.eval_records} are the held-out set; raise EVAL_RECORDS to "
+                              "measure more", stacklevel=2)
+                held = held[:cfg.eval_records]
+            numbers = [k for k, r in enumerate(held) if usable is None or usable(r, f"{where} {k}")]
+            if not numbers:
+                raise ConfigError(f"EVAL_DATASET={cfg.eval_dataset!r} has no record to measure ({len(held)} read, "
+                                  "none with an answer)")
+            source, taken = "EVAL_DATASET", [held[k] for k in numbers]
+        else:
+            where = f"DATASET={cfg.dataset!r} record"
+            candidates = [i for i in everything if usable is None or usable(records[i], f"{where} {i}")]
+            if cfg.eval_share == 0 or not candidates:
+                why = "EVAL_SHARE=0" if cfg.eval_share == 0 else "no record of DATASET has an answer to measure"
+                return HeldOut([], f"none: {why}", everything)
+            if len(records) < 2:
+                raise ConfigError(f"DATASET={cfg.dataset!r} has {len(records)} record: none would be left to train "
+                                  f"once EVAL_SHARE={cfg.eval_share} is held out; give more records, EVAL_DATASET, "
+                                  "or EVAL_SHARE=0")
+            numbers = sorted(candidates[k] for k in split_indices(len(candidates), cfg.eval_share, cfg.seed,
+                                                                  at_most=cfg.eval_records)[1])
+            taken = [records[i] for i in numbers]
+            source = f"{100 * len(taken) / len(records):.2g}% of DATASET"
+        keys = {record_key(r) for r in taken}
+        training = [i for i in everything if record_key(records[i]) not in keys]
+        twins = len(records) - len(training) - (0 if cfg.eval_dataset is not None else len(taken))
+        if twins:
+            warnings.warn(f"{twins} of DATASET's records equal a held-out record ({source}) and are left out of "
+                          "training too, so that no held-out record trains; remove the repeats from DATASET (or "
+                          "from EVAL_DATASET) to train on them", stacklevel=2)
+        if not training:
+            raise ConfigError(f"DATASET={cfg.dataset!r}: no record is left to train once the held-out records "
+                              f"({source}) are kept out")
+        return HeldOut(taken, source, training, where=where, numbers=numbers)
+
     # ---- 4. training -------------------------------------------------------------------------------------------
     def run_identity(self) -> dict:
         """What the checkpoints are of, beyond TrainConfig's identity: the method, model and adapters."""
         cfg = self.config
         ident = {"method": cfg.method, "model_source": self.source, "lora_r": cfg.lora_r if cfg.uses_lora else 0,
-                 "lora_targets": cfg.lora_targets if cfg.uses_lora else ""}
+                 "lora_targets": cfg.lora_targets if cfg.uses_lora else "",
+                 "held_out": self.data.held_out.source}  # which of DATASET's records train
         if cfg.uses_lora:
             ident.update(lora.base_fingerprint(self.model, self.source))
         if cfg.quantize_base:
@@ -386,9 +500,12 @@ class HFJob(Recipe):
 
     def results(self, *, before: dict | None = None, after: dict | None = None, paths: dict | None = None,
                 plan: Any = None, **extra: Any) -> dict:
-        """The run's results plus the samples before and after, the exports, the plan and the sharding."""
+        """The run's results plus the samples before and after, where the held-out records come from, the exports,
+        the plan and the sharding."""
+        held = self.data.held_out
         return super().results(
             samples_before=before, samples_after=after, exports=paths or {},
+            held_out={"source": held.source, "records": len(held), "label": held.label()},
             parameters=self.parameter_summary(), plan=plan.to_dict() if plan is not None else None,
             sharding={"sharding": self.config.sharding, "chips": self.chips, "mesh": list(self.backend.mesh_shape)},
             export_weights=self.exported, **extra)

@@ -18,7 +18,7 @@ docs/algorithms/preference.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any, ClassVar
 
 import torch
@@ -30,10 +30,9 @@ from tpu_helpers.core.extras import require_extra
 from tpu_helpers.data.preference import (
     build_preference_dataset,
     load_preference_records,
-    split_indices,
     split_pair,
 )
-from tpu_helpers.data.sft import DEFAULT_DATASET, exact_match
+from tpu_helpers.data.sft import DEFAULT_DATASET, exact_match, split_indices
 from tpu_helpers.memory.preference_plan import preference_estimate
 from tpu_helpers.models import hf
 from tpu_helpers.recipes.hf_job import HFJob, HFJobConfig, JobData
@@ -114,28 +113,39 @@ class Preference(HFJob):
         return self.load(self.source, frozen=True)[0]
 
     # ---- 3. data ------------------------------------------------------------------------------------------------
+    @property
+    def eval_split(self) -> str:
+        """A hub EVAL_DATASET's split: DATASET_SPLIT's test counterpart (train_prefs -> test_prefs), else "test"."""
+        split = self.config.dataset_split
+        return split.replace("train", "test") if "train" in split else "test"
+
     def load_data(self) -> JobData:
-        """Pairs of DATASET as fixed-shape rows (train and validation), and the held-out records (the generated
-        set's test split, else the validation records)."""
+        """Pairs of DATASET's training records as fixed-shape rows (train, and validation split off them by
+        VAL_FRACTION), and the held-out records (`hold_out`: the generated set's test split, EVAL_DATASET, or
+        EVAL_SHARE of DATASET; none of them trains, none is a validation pair)."""
         cfg = self.config
         records = self.read_records(lambda source, max_records: load_preference_records(
             source, split=cfg.dataset_split, max_records=max_records))
         split_pair(records[0], f"DATASET={cfg.dataset!r} record 0")
+        generated = cfg.dataset == DEFAULT_DATASET
+        test = partial(load_preference_records, DEFAULT_DATASET, split="test") if generated else None
+        held = self.hold_out(records, load_preference_records, generated=test,
+                             usable=lambda record, where: bool(split_pair(record, where)))
         where = f"DATASET={cfg.dataset!r} record"
         built = []
-        for idx in split_indices(len(records), cfg.val_fraction, cfg.seed):  # errors name the record as read
+        for part in split_indices(len(held.training), cfg.val_fraction, cfg.seed):
+            idx = [held.training[k] for k in part]  # errors name the record as read
             built.append(build_preference_dataset(self.tokenizer, [records[i] for i in idx], seq_len=cfg.seq_len,
                                                   where=where, numbers=idx))
         (train, stats), (val, _) = built
-        val_rec = [records[i] for i in split_indices(len(records), cfg.val_fraction, cfg.seed)[1]]
-        held = load_preference_records(DEFAULT_DATASET, split="test") if cfg.dataset == DEFAULT_DATASET else val_rec
         return JobData(train, val, stats, held, records)
 
     @cached_property
     def held_rows(self):
         """The held-out pairs as rows (what `preference_accuracy` scores)."""
-        return build_preference_dataset(self.tokenizer, self.held_out, seq_len=self.config.seq_len,
-                                        where="held-out record")[0]
+        held = self.held_out
+        return build_preference_dataset(self.tokenizer, held, seq_len=self.config.seq_len, where=held.where,
+                                        numbers=held.numbers)[0]
 
     @cached_property
     def held_reference(self) -> torch.Tensor | None:
