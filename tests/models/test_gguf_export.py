@@ -1,0 +1,194 @@
+"""The GGUF export (models/gguf_export.py, EXPORT_GGUF): a fine-tuning job's merged model as a .gguf file that
+transformers' GGUF reader loads back answering as the merged model does (f16: the same greedy tokens; q8_0: on most
+prompts), each family the writer maps, the tokenizer's vocabulary, merges and chat template in the file, and the bad
+inputs refused when the config or the job is built, before training."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from tests.models.families import SIZES, family_tokenizer, random_model
+from tpu_helpers.config import ConfigError, config_from_parameters
+from tpu_helpers.core.extras import MissingExtra
+from tpu_helpers.data.sft import prompts_and_answers
+from tpu_helpers.models import gguf_export
+from tpu_helpers.recipes.finetune import Finetune, FinetuneConfig
+
+gguf = pytest.importorskip("gguf")
+
+
+def _load(path):
+    """The model transformers' GGUF reader builds from `path`, in float32."""
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                             dtype=torch.float32).eval()
+
+
+def _greedy(model, prompts: list[torch.Tensor], n: int = 8) -> list[list[int]]:
+    with torch.no_grad():
+        return [model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                               min_new_tokens=n, pad_token_id=0)[0, ids.shape[1]:].tolist() for ids in prompts]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(job, paths) of a short LoRA fine-tuning of the tiny Qwen2 whose export writes model-f16.gguf. Its adapters'
+    B matrices are then drawn at random (as tests/models/families.py's random_lora): a few steps leave the tiny
+    model answering one token over and over, which would make the token-for-token comparisons vacuous."""
+    out = tmp_path_factory.mktemp("gguf")
+    job = Finetune(FinetuneConfig(device="cpu", steps=4, batch_size=8, seq_len=32, lr=3e-3, warmup_steps=2,
+                                  eval_every=4, eval_batches=1, log_every=4, save_every=4, out_dir=str(out / "run"), max_records=200,
+                                  xla_checks="off", export_gguf="f16"), progress=False)
+    job.train()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in job.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.3)
+    return job, job.export(weights="last")
+
+
+def _prompts(job) -> list[torch.Tensor]:
+    chats, _ = prompts_and_answers(job.held_out[:10], job.tokenizer)
+    texts = [job.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
+    return [job.tokenizer(t, return_tensors="pt", add_special_tokens=False).input_ids for t in texts]
+
+
+def test_the_f16_gguf_answers_with_the_merged_exports_greedy_tokens(exported):
+    job, paths = exported
+    assert paths["gguf"] == str(Path(job.config.out_dir) / "model-f16.gguf")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(paths["merged"], dtype=torch.float32).eval()
+    gguf_model = _load(Path(paths["gguf"]))
+    prompts = _prompts(job)
+    want = _greedy(merged, prompts)
+    assert len({tuple(w) for w in want}) > 1, want  # answers that differ: the comparison can fail
+    assert _greedy(gguf_model, prompts) == want
+    # The LoRA training is in the file: the untrained base answers otherwise.
+    base = transformers.AutoModelForCausalLM.from_pretrained(job.source, dtype=torch.float32).eval()
+    assert _greedy(base, prompts) != want
+
+
+def test_the_q8_0_gguf_is_about_half_the_size_and_agrees_on_most_prompts(exported, tmp_path):
+    job, paths = exported
+    q8 = gguf_export.write_gguf(paths["merged"], tmp_path / gguf_export.file_name("q8_0"), "q8_0")
+    assert q8.stat().st_size < 0.6 * Path(paths["gguf"]).stat().st_size
+    reader = gguf.GGUFReader(str(q8))
+    kinds = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert kinds["blk.0.attn_q.weight"] == "Q8_0" and kinds["blk.0.attn_norm.weight"] == "F32", kinds
+    merged = transformers.AutoModelForCausalLM.from_pretrained(paths["merged"], dtype=torch.float32).eval()
+    prompts = _prompts(job)
+    same = sum(a == b for a, b in zip(_greedy(_load(q8), prompts), _greedy(merged, prompts), strict=True))
+    assert same >= 0.7 * len(prompts), same
+
+
+def test_the_gguf_holds_the_tokenizer_and_its_chat_template(exported):
+    job, paths = exported
+    reader = gguf.GGUFReader(paths["gguf"])
+    field = lambda key: reader.fields[key].contents()  # noqa: E731
+    tok = job.tokenizer
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    assert field("tokenizer.ggml.tokens") == [t for t, _ in vocab]
+    # transformers loads the tiny tokenizer as Qwen2's, with Qwen2's split: the export's tokenizer.json says so.
+    assert field("tokenizer.ggml.model") == "gpt2" and field("tokenizer.ggml.pre") == "qwen2"
+    assert field("tokenizer.ggml.eos_token_id") == tok.eos_token_id
+    assert field("tokenizer.chat_template") == tok.chat_template
+    assert len(field("tokenizer.ggml.merges")) > 100
+    # transformers' reader rebuilds the tokenizer from the file: the same ids.
+    path = Path(paths["gguf"])
+    back = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    text = "<|im_start|>user\nWhat is 128 plus 77? Answer in words.<|im_end|>\n"
+    assert back(text).input_ids == tok(text).input_ids
+
+
+# Each family the writer maps, at toy size, with the values transformers' GGUF reader assumes where the file does
+# not say (it takes Qwen3's head_dim, Gemma's query_pre_attn_scalar and Gemma 3's layer pattern from its config
+# defaults, the released models' values, and reads no sliding window for Mistral or Phi-3).
+READER_CONFIGS = {
+    "llama": ("llama3", lambda **kw: transformers.LlamaConfig(tie_word_embeddings=True, **SIZES, **kw)),
+    "mistral": ("mistral", lambda **kw: transformers.MistralConfig(sliding_window=None, **SIZES, **kw)),
+    "qwen2": ("qwen2", lambda **kw: transformers.Qwen2Config(tie_word_embeddings=True, **SIZES, **kw)),
+    "qwen3": ("qwen3", lambda **kw: transformers.Qwen3Config(head_dim=128, tie_word_embeddings=True, **SIZES, **kw)),
+    "gemma2": ("gemma2", lambda **kw: transformers.Gemma2Config(head_dim=8, query_pre_attn_scalar=256,
+                                                                sliding_window=6, **SIZES, **kw)),
+    "gemma3_text": ("gemma3", lambda **kw: transformers.Gemma3TextConfig(head_dim=8, query_pre_attn_scalar=256,
+                                                                         sliding_window=6, **SIZES, **kw)),
+    "phi3": ("phi3", lambda **kw: transformers.Phi3Config(sliding_window=None, **SIZES, **kw)),
+}
+
+
+def test_the_family_table_is_the_one_tested():
+    assert set(READER_CONFIGS) == set(gguf_export.FAMILIES)
+
+
+@pytest.mark.parametrize("model_type", sorted(READER_CONFIGS))
+def test_each_family_round_trips_through_transformers_gguf_reader(model_type, tiny_lm_dir, tmp_path):
+    family, make = READER_CONFIGS[model_type]
+    tok = family_tokenizer(family, tiny_lm_dir)
+    tok.pad_token = tok.pad_token or tok.eos_token
+    model = random_model(make(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                              pad_token_id=tok.pad_token_id))
+    assert model.config.model_type == model_type
+    with torch.no_grad():  # norms away from their init, so Gemma's stored 1 + w is checked
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    path = gguf_export.write_gguf(tmp_path / "m", tmp_path / "m.gguf", "f16", name="tiny")
+    back = _load(path)
+    with torch.no_grad():  # the file's matrices are f16 and its vectors f32: so are the reference's now
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(p.half().float())
+    ids = tok(["What is 12 plus 7? Say it in words, please.", "Hi there, who are you?"], padding=True,
+              return_tensors="pt")
+    with torch.no_grad():  # the prompts' own positions (padding's logits mean nothing)
+        want, got = (m(**ids).logits[ids.attention_mask.bool()] for m in (model, back))
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
+
+
+def test_llama3_rope_scaling_writes_the_rope_factors_llama_cpp_reads(tiny_lm_dir, tmp_path):
+    tok = family_tokenizer("llama3", tiny_lm_dir)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+    config = transformers.LlamaConfig(rope_scaling=scaling, vocab_size=len(tok), **SIZES)
+    random_model(config).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    reader = gguf.GGUFReader(str(gguf_export.write_gguf(tmp_path / "m", tmp_path / "m.gguf", "f16")))
+    factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight").data
+    head = SIZES["hidden_size"] // SIZES["num_attention_heads"]
+    assert len(factors) == head // 2 and factors[0] == 1.0 and factors[-1] == 8.0  # fast ones kept, slow ones / 8
+
+
+def test_a_bad_export_gguf_is_refused_naming_the_allowed_types():
+    with pytest.raises(ConfigError, match=r"^EXPORT_GGUF='q4_k' is not one of \('f16', 'bf16', 'q8_0'\)$"):
+        config_from_parameters({"EXPORT_GGUF": "q4_k"}, base=FinetuneConfig())
+    with pytest.raises(ConfigError, match=r"export_gguf='f16' is written from the merged model: it needs "
+                                          r"export_merged=True"):
+        FinetuneConfig(export_gguf="f16", export_merged=False)
+    assert config_from_parameters({"EXPORT_GGUF": "q8_0"}, base=FinetuneConfig()).export_gguf == "q8_0"
+
+
+def test_a_family_the_writer_cannot_map_is_refused_when_the_job_is_built(tmp_path):
+    model = tmp_path / "gpt2"
+    transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(model)  # its config is all it reads
+    config = FinetuneConfig(model=str(model), export_gguf="f16", device="cpu", out_dir=str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match=r"^EXPORT_GGUF: a 'gpt2' model is not one the GGUF export writes; it writes "
+                                          r"gemma2, gemma3_text, llama, mistral, phi3, qwen2, qwen3 "):
+        Finetune(config, progress=False)
+    Finetune(config.replace(export_gguf=None), progress=False)  # no EXPORT_GGUF: nothing to refuse
+    yarn = transformers.Qwen2Config(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                  "original_max_position_embeddings": 32768})
+    with pytest.raises(ConfigError, match=r"qwen2 with rope scaling 'yarn' is not written by the GGUF export"):
+        gguf_export.check_exportable(yarn)
+
+
+def test_without_the_gguf_package_the_job_names_what_to_install(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf then raises ImportError, as where it is absent
+    with pytest.raises(MissingExtra, match=r"EXPORT_GGUF writes the file with llama.cpp's 'gguf' package, which is "
+                                           r"not installed here. Install it with: pip install 'gguf>=0.17'"):
+        Finetune(FinetuneConfig(export_gguf="f16", device="cpu", out_dir=str(tmp_path)), progress=False)
