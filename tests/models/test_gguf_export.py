@@ -5,6 +5,7 @@ inputs refused when the config or the job is built, before training."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -41,7 +42,8 @@ def exported(tmp_path_factory):
     model answering one token over and over, which would make the token-for-token comparisons vacuous."""
     out = tmp_path_factory.mktemp("gguf")
     job = Finetune(FinetuneConfig(device="cpu", steps=4, batch_size=8, seq_len=32, lr=3e-3, warmup_steps=2,
-                                  eval_every=4, eval_batches=1, log_every=4, save_every=4, out_dir=str(out / "run"), max_records=200,
+                                  eval_every=4, eval_batches=1, log_every=4, save_every=4, max_records=200,
+                                  out_dir=str(out / "run"),
                                   xla_checks="off", export_gguf="f16"), progress=False)
     job.train()
     torch.manual_seed(0)
@@ -189,6 +191,62 @@ def test_a_family_the_writer_cannot_map_is_refused_when_the_job_is_built(tmp_pat
 
 def test_without_the_gguf_package_the_job_names_what_to_install(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf then raises ImportError, as where it is absent
-    with pytest.raises(MissingExtra, match=r"EXPORT_GGUF writes the file with llama.cpp's 'gguf' package, which is "
-                                           r"not installed here. Install it with: pip install 'gguf>=0.17'"):
+    with pytest.raises(MissingExtra, match=r"^EXPORT_GGUF \(the GGUF export, tpu_helpers.models.gguf_export\) needs the "
+                                           r"'gguf' extra \(gguf\); not installed here: gguf\. Install it with: pip "
+                                           r"install \"tpu_helpers\[gguf\]\""):
         Finetune(FinetuneConfig(export_gguf="f16", device="cpu", out_dir=str(tmp_path)), progress=False)
+
+
+def _byte_fallback_tokenizer():
+    """A tiny tokenizer in the form Llama 2's, Mistral's, Gemma's and Phi-3's tokenizer.json take: BPE over "▁"-joined
+    words with byte fallback (<unk>, <s>, </s>, then the 256 byte tokens, then the learned ones) that starts every
+    text with <s>, trained on the package's offline text."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors, trainers
+
+    from tpu_helpers.models.hf_tiny import _training_text
+
+    words = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    learner = Tokenizer(models.BPE(unk_token="<unk>"))
+    learner.normalizer = words
+    learner.train_from_iterator(_training_text(), trainers.BpeTrainer(vocab_size=300))
+    learned = learner.get_vocab()
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{i:02X}>": 3 + i for i in range(256)}}
+    for token, _ in sorted(learned.items(), key=lambda kv: kv[1]):
+        vocab.setdefault(token, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
+              for m in json.loads(learner.to_str())["model"]["merges"]]
+    spm = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    spm.normalizer = words
+    spm.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    spm.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")])
+    spm.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=spm, bos_token="<s>", eos_token="</s>",
+                                               unk_token="<unk>")
+    tok.chat_template = "{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"
+    return tok, merges
+
+
+def test_a_byte_fallback_tokenizer_is_written_as_llama_cpps_sentencepiece_vocabulary(tmp_path):
+    tok, merges = _byte_fallback_tokenizer()
+    config = transformers.MistralConfig(vocab_size=len(tok), sliding_window=None, **SIZES)
+    random_model(config).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    path = gguf_export.write_gguf(tmp_path / "m", tmp_path / "m.gguf", "q8_0")
+    fields = gguf.GGUFReader(str(path)).fields
+    field = lambda key: fields[key].contents()  # noqa: E731
+    assert (field("tokenizer.ggml.model"), field("tokenizer.ggml.add_space_prefix")) == ("llama", True)
+    assert (field("tokenizer.ggml.bos_token_id"), field("tokenizer.ggml.add_bos_token")) == (1, True)
+    types, scores, tokens = field("tokenizer.ggml.token_type"), field("tokenizer.ggml.scores"), \
+        field("tokenizer.ggml.tokens")
+    assert types[:3] == [gguf.TokenType.CONTROL] * 3 and set(types[3:259]) == {gguf.TokenType.BYTE}
+    assert set(types[259:]) == {gguf.TokenType.NORMAL}
+    # A merge's result scores by its rank (llama.cpp merges the best-scoring pair first): the first merge scores 0.
+    first, second = ("".join(m) for m in merges[:2])
+    assert (scores[tokens.index(first)], scores[tokens.index(second)]) == (0.0, -1.0)
+    back = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    mine = transformers.AutoTokenizer.from_pretrained(tmp_path / "m")
+    # (Text that starts with a space is left out: transformers' rebuild prefixes it its own way, llama.cpp as above.)
+    for text in ["What is 12 plus 7?", "Hello there, general Kenobi. ünïcödé ✓", "two  spaces\nand a line"]:
+        assert back(text).input_ids == mine(text).input_ids, text

@@ -28,9 +28,7 @@ from typing import Any
 
 from tpu_helpers.config import ConfigError
 from tpu_helpers.core.choices import GGUF_TYPES, check_choice
-from tpu_helpers.core.extras import MissingExtra
-
-INSTALL = "pip install 'gguf>=0.17' (or pip install \"tpu_helpers[gguf]\")"
+from tpu_helpers.core.extras import require_extra
 
 
 @dataclass(frozen=True)
@@ -87,19 +85,17 @@ FAMILIES: dict[str, Family] = {
 }
 # llama.cpp's pre-tokenizer names for the byte-level BPE splits it knows, by the split each tokenizer.json states:
 # llama.cpp picks its split regex by this name (an unknown one makes it refuse the file).
-QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
-def require_gguf(feature: str = "EXPORT_GGUF") -> Any:
-    """The `gguf` module, or MissingExtra naming the package and the extra that bring it."""
-    try:
-        import gguf
-    except ImportError:
-        raise MissingExtra(f"{feature} writes the file with llama.cpp's 'gguf' package, which is not installed here. "
-                           f"Install it with: {INSTALL}; in a notebook the setup cell installs it when EXPORT_GGUF is "
-                           "set.") from None
+def require_gguf() -> Any:
+    """The `gguf` module, or MissingExtra naming the `gguf` extra that brings it."""
+    require_extra("gguf", "EXPORT_GGUF (the GGUF export, tpu_helpers.models.gguf_export)")
+    import gguf
+
     return gguf
 
 
