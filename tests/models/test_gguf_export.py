@@ -172,7 +172,11 @@ def test_a_bad_export_gguf_is_refused_naming_the_allowed_types():
     with pytest.raises(ConfigError, match=r"export_gguf='f16' is written from the merged model: it needs "
                                           r"export_merged=True"):
         FinetuneConfig(export_gguf="f16", export_merged=False)
-    assert config_from_parameters({"EXPORT_GGUF": "q8_0"}, base=FinetuneConfig()).export_gguf == "q8_0"
+    from tpu_helpers.recipes.grpo import GRPOConfig
+    from tpu_helpers.recipes.preference import PreferenceConfig
+
+    for base in (FinetuneConfig(), GRPOConfig(), PreferenceConfig()):  # every Hugging Face job has it
+        assert config_from_parameters({"EXPORT_GGUF": "q8_0"}, base=base).export_gguf == "q8_0"
 
 
 def test_a_family_the_writer_cannot_map_is_refused_when_the_job_is_built(tmp_path):

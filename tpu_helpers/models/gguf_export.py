@@ -153,7 +153,9 @@ def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike, gguf_type:
     family = check_exportable(config)
     arch = getattr(gguf.MODEL_ARCH, family.arch)
     tmp = path.with_name(path.name + ".tmp")
-    writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[arch])
+    # use_temp_file: each tensor goes to a spooled temporary file as it is converted, not held until the end (a 7B
+    # model in f16 would otherwise hold 14 GB of host memory).
+    writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[arch], use_temp_file=True)
     try:
         _write_parameters(gguf, writer, config, family, name or model_dir.name, gguf_type)
         _write_vocab(gguf, writer, model_dir, AutoTokenizer.from_pretrained(model_dir), config.vocab_size)
