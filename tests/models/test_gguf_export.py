@@ -74,16 +74,17 @@ def test_the_f16_gguf_answers_with_the_merged_exports_greedy_tokens(exported):
     assert _greedy(base, prompts) != want
 
 
-def test_the_q8_0_gguf_is_about_half_the_size_and_agrees_on_most_prompts(exported, tmp_path):
+@pytest.mark.parametrize("kind, matrices, share", [("q8_0", "Q8_0", 0.6), ("bf16", "BF16", 1.01)])
+def test_the_q8_0_and_bf16_files_agree_with_the_merged_export_on_most_prompts(exported, tmp_path, kind, matrices,
+                                                                               share):
     job, paths = exported
-    q8 = gguf_export.write_gguf(paths["merged"], tmp_path / gguf_export.file_name("q8_0"), "q8_0")
-    assert q8.stat().st_size < 0.6 * Path(paths["gguf"]).stat().st_size
-    reader = gguf.GGUFReader(str(q8))
-    kinds = {t.name: t.tensor_type.name for t in reader.tensors}
-    assert kinds["blk.0.attn_q.weight"] == "Q8_0" and kinds["blk.0.attn_norm.weight"] == "F32", kinds
+    path = gguf_export.write_gguf(paths["merged"], tmp_path / gguf_export.file_name(kind), kind)
+    assert path.stat().st_size < share * Path(paths["gguf"]).stat().st_size  # q8_0: about half of f16
+    kinds = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert kinds["blk.0.attn_q.weight"] == matrices and kinds["blk.0.attn_norm.weight"] == "F32", kinds
     merged = transformers.AutoModelForCausalLM.from_pretrained(paths["merged"], dtype=torch.float32).eval()
     prompts = _prompts(job)
-    same = sum(a == b for a, b in zip(_greedy(_load(q8), prompts), _greedy(merged, prompts), strict=True))
+    same = sum(a == b for a, b in zip(_greedy(_load(path), prompts), _greedy(merged, prompts), strict=True))
     assert same >= 0.7 * len(prompts), same
 
 
@@ -254,3 +255,17 @@ def test_a_byte_fallback_tokenizer_is_written_as_llama_cpps_sentencepiece_vocabu
     # (Text that starts with a space is left out: transformers' rebuild prefixes it its own way, llama.cpp as above.)
     for text in ["What is 12 plus 7?", "Hello there, general Kenobi. ünïcödé ✓", "two  spaces\nand a line"]:
         assert back(text).input_ids == mine(text).input_ids, text
+
+
+def test_a_split_llama_cpp_has_no_name_for_is_written_as_default_with_a_warning(tiny_lm_dir, tmp_path):
+    import shutil
+
+    model = shutil.copytree(tiny_lm_dir, tmp_path / "m")
+    spec = json.loads((model / "tokenizer.json").read_text())
+    spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": "\\w+|\\s+"}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+    (model / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.warns(UserWarning, match=r"splits text in a way this export does not name for llama.cpp"):
+        path = gguf_export.write_gguf(model, tmp_path / "m.gguf", "f16")
+    assert gguf.GGUFReader(str(path)).fields["tokenizer.ggml.pre"].contents() == "default"
