@@ -98,6 +98,8 @@ def test_the_gguf_holds_the_tokenizer_and_its_chat_template(exported):
     # transformers loads the tiny tokenizer as Qwen2's, with Qwen2's split: the export's tokenizer.json says so.
     assert field("tokenizer.ggml.model") == "gpt2" and field("tokenizer.ggml.pre") == "qwen2"
     assert field("tokenizer.ggml.eos_token_id") == tok.eos_token_id
+    # The tiny tokenizer adds neither BOS nor EOS: the file says so (llama.cpp would guess otherwise).
+    assert (field("tokenizer.ggml.add_bos_token"), field("tokenizer.ggml.add_eos_token")) == (False, False)
     assert field("tokenizer.chat_template") == tok.chat_template
     assert len(field("tokenizer.ggml.merges")) > 100
     # transformers' reader rebuilds the tokenizer from the file: the same ids.
@@ -243,6 +245,7 @@ def test_a_byte_fallback_tokenizer_is_written_as_llama_cpps_sentencepiece_vocabu
     field = lambda key: fields[key].contents()  # noqa: E731
     assert (field("tokenizer.ggml.model"), field("tokenizer.ggml.add_space_prefix")) == ("llama", True)
     assert (field("tokenizer.ggml.bos_token_id"), field("tokenizer.ggml.add_bos_token")) == (1, True)
+    assert field("tokenizer.ggml.add_eos_token") is False
     types, scores, tokens = field("tokenizer.ggml.token_type"), field("tokenizer.ggml.scores"), \
         field("tokenizer.ggml.tokens")
     assert types[:3] == [gguf.TokenType.CONTROL] * 3 and set(types[3:259]) == {gguf.TokenType.BYTE}

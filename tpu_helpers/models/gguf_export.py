@@ -238,7 +238,12 @@ def _write_vocab(gguf: Any, writer: Any, model_dir: Path, tokenizer: Any, vocab_
         writer.add_tokenizer_pre(_pre_tokenizer(spec, model_dir))
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    gguf.SpecialVocab(model_dir, load_merges=not byte_fallback, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
+    special = gguf.SpecialVocab(model_dir, load_merges=not byte_fallback, n_vocab=len(tokens))
+    # Whether to add BOS and EOS as the tokenizer does, where its files do not say (llama.cpp guesses otherwise).
+    ids, plain = tokenizer("a").input_ids, tokenizer("a", add_special_tokens=False).input_ids
+    special.add_special_token.setdefault("bos", ids[:1] != plain[:1] and ids[:1] == [tokenizer.bos_token_id])
+    special.add_special_token.setdefault("eos", ids[-1:] != plain[-1:] and ids[-1:] == [tokenizer.eos_token_id])
+    special.add_to_gguf(writer, quiet=True)
 
 
 def _adds_space_prefix(spec: dict) -> bool:
