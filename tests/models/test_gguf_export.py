@@ -1,6 +1,6 @@
 """The GGUF export (models/gguf_export.py, EXPORT_GGUF): a fine-tuning job's merged model as a .gguf file that
-transformers' GGUF reader loads back answering as the merged model does (f16: the same greedy tokens; q8_0: on most
-prompts), each family the writer maps, the tokenizer's vocabulary, merges and chat template in the file, and the bad
+transformers' GGUF reader loads back answering as the merged model does (f16: the same greedy tokens; q8_0 and bf16: on
+most prompts), each family the writer maps, the tokenizer's vocabulary, merges and chat template in the file, and the bad
 inputs refused when the config or the job is built, before training."""
 
 from __future__ import annotations
@@ -43,8 +43,7 @@ def exported(tmp_path_factory):
     out = tmp_path_factory.mktemp("gguf")
     job = Finetune(FinetuneConfig(device="cpu", steps=4, batch_size=8, seq_len=32, lr=3e-3, warmup_steps=2,
                                   eval_every=4, eval_batches=1, log_every=4, save_every=4, max_records=200,
-                                  out_dir=str(out / "run"),
-                                  xla_checks="off", export_gguf="f16"), progress=False)
+                                  out_dir=str(out / "run"), xla_checks="off", export_gguf="f16"), progress=False)
     job.train()
     torch.manual_seed(0)
     with torch.no_grad():
