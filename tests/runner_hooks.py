@@ -71,6 +71,7 @@ UNIT_SECONDS = {
     f"{_REAL}::test_agent_grpo_teaches_the_real_model_to_use_the_feedback_across_turns": 935,
     f"{_REAL}::test_agent_grpo_raises_the_real_models_held_out_tool_use": 600,
     "tests/stacks/test_latest_torch.py::test_the_cpu_suite_passes_on_the_newest_torch": 186,
+    "tests/real/test_gguf_export.py::test_the_real_models_f16_gguf_answers_with_the_merged_exports_greedy_tokens": 207,
     f"{_REAL}::test_grpo_raises_the_real_models_held_out_reward": 168,
     f"{_REAL}@unquantized_lora": 140,  # QAT's and QLoRA's tests, which share the unquantized run
     "tests/stacks/test_profiles.py::test_v5e8_notebook_with_fsdp_on_eight_simulated_devices[kaggle]": 79,

@@ -157,7 +157,7 @@ def test_setup_notebook_installs_what_qat_and_trackers_ask_for_and_only_where_ab
     # A runtime that has none of them (versions looked up from a fake): what each parameter asks for, at the extra's
     # range, and nothing for the parameters' defaults.
     real = platform.installed_version
-    absent = {"torchao", "tensorboard", "wandb", "trackio"}
+    absent = {"torchao", "tensorboard", "wandb", "trackio", "gguf"}
     monkeypatch.setattr(platform, "installed_version", lambda dist: None if dist in absent else real(dist))
 
     def missing(notebook, **params):
@@ -168,6 +168,7 @@ def test_setup_notebook_installs_what_qat_and_trackers_ask_for_and_only_where_ab
     assert missing("finetune_llm", qat="int4", trackers="wandb") == ["torchao==0.16.0", "wandb>=0.19.10"]
     assert missing("grpo_llm", trackers="TensorBoard, trackio") == ["tensorboard>=2.16", "trackio>=0.43"]
     assert missing("quickstart", trackers="none") == [] and missing("colab_tpu", trackers="wandb") == ["wandb>=0.19.10"]
+    assert missing("preference_llm", export_gguf="q8_0") == ["gguf>=0.17"]  # EXPORT_GGUF
     assert pip.calls == []  # install=False only reports
     report = platform.setup_notebook("finetune_llm", qat="int4", trackers="tensorboard", installer=pip)
     assert pip.calls == [["torchao==0.16.0", "tensorboard>=2.16"]] and set(report.installed) == {"torchao", "tensorboard"}
@@ -176,6 +177,8 @@ def test_setup_notebook_installs_what_qat_and_trackers_ask_for_and_only_where_ab
         platform.setup_notebook("finetune_llm", qat="int3", installer=pip)
     with pytest.raises(ConfigError, match=r"unknown tracker\(s\) 'mlflow'"):
         platform.setup_notebook("quickstart", trackers="mlflow", installer=pip)
+    with pytest.raises(ConfigError, match=r"export_gguf='q4_k' is not one of \('f16', 'bf16', 'q8_0'\)"):
+        platform.setup_notebook("grpo_llm", export_gguf="q4_k", installer=pip)
     assert len(pip.calls) == 1
 
 

@@ -1,5 +1,6 @@
-"""The fine-tuning notebook under papermill with the offline default (tiny Qwen2, generated task), CPU and XLA:CPU,
-with SHARDING="fsdp" on 8 simulated XLA:CPU devices, and distilling from a teacher cache with int4 QAT."""
+"""The fine-tuning notebook under papermill with the offline default (tiny Qwen2, generated task), CPU (with a GGUF
+export) and XLA:CPU, with SHARDING="fsdp" on 8 simulated XLA:CPU devices, and distilling from a teacher cache with
+int4 QAT."""
 
 from __future__ import annotations
 
@@ -46,9 +47,12 @@ def _check(results, out_dir):
 
 
 def test_finetune_notebook_on_cpu_watched_in_tensorboard(notebooks, tmp_path):
-    results, out_dir = _run(notebooks, tmp_path, "cpu", TRACKERS="tensorboard")
+    results, out_dir = _run(notebooks, tmp_path, "cpu", TRACKERS="tensorboard", EXPORT_GGUF="q8_0")
     report = _check(results, out_dir)
     assert report["device"].startswith("CPU")
+    # EXPORT_GGUF: the merged model once more, as a GGUF file beside it (tests/models/test_gguf_export.py: its answers).
+    assert results["exports"]["gguf"] == str(out_dir / "model-q8_0.gguf")
+    assert (out_dir / "model-q8_0.gguf").read_bytes()[:4] == b"GGUF"
     # TRACKERS: the curves, the config with the memory plan, and the samples before and after as text tables.
     log_dir = tensorboard_run(out_dir)
     scalars = tensorboard_scalars(log_dir)

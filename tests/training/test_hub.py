@@ -123,6 +123,17 @@ def test_the_exports_and_a_model_card_are_uploaded_in_one_commit(job, tmp_path, 
     assert _tree(tmp_path / "out") == {**export, hub.LOCAL_CARD: hashlib.sha256(card.encode()).hexdigest()}
 
 
+def test_the_gguf_file_goes_to_the_root_beside_the_merged_model(job, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token")
+    fake = FakeHub(monkeypatch)
+    paths = _export(tmp_path / "out")
+    (tmp_path / "out" / "model-q8_0.gguf").write_bytes(b"GGUF" * 8)
+    hub.push_export(job, {**paths, "gguf": str(tmp_path / "out" / "model-q8_0.gguf")}, before=BEFORE, after=AFTER)
+    assert fake.uploaded["model-q8_0.gguf"] == b"GGUF" * 8 and "model.safetensors" in fake.uploaded
+    assert "- `model-q8_0.gguf`, the merged model for llama.cpp, Ollama and LM Studio" in \
+        fake.uploaded["README.md"].decode()
+
+
 def test_an_adapter_alone_goes_to_the_root_and_a_hub_base_is_named(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_test_token")
     fake = FakeHub(monkeypatch)

@@ -39,6 +39,9 @@ ON_DIVERGENCE = ("stop", "warn", "off")
 # Which weights the fine-tuning exports take: the best checkpoint's (by `best_metric`) or the last step's.
 EXPORT_WEIGHTS = ("best", "last")
 RESUME = (True, False, "force_new")
+# EXPORT_GGUF (models/gguf_export.py): the merged model's matrices in the .gguf file for llama.cpp, Ollama and LM
+# Studio: 16-bit floats, bfloat16, or llama.cpp's 8-bit blocks (Q8_0: about half of f16, close to it in quality).
+GGUF_TYPES = ("f16", "bf16", "q8_0")
 # Experiment trackers a run can log to (TrainConfig.trackers, comma separated; none by default), each an optional
 # extra of the package: pip install "tpu_helpers[tracking]" for all of them, or "tpu_helpers[wandb]" for one.
 TRACKERS = ("tensorboard", "wandb", "trackio")

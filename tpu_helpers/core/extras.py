@@ -10,7 +10,8 @@ memory estimates. The extras (pyproject.toml's optional-dependencies; a test kee
 - `hf`: transformers, peft, tokenizers, safetensors: fine-tuning Hugging Face models (`recipes.finetune`,
   `models.lora`, `models.hf_tiny`, `models.hf.load_causal_lm`);
 - `notebooks`: papermill, ipywidgets, nbformat, ipykernel, datasets: headless notebook runs, the tuning panel's
-  widgets, hub datasets.
+  widgets, hub datasets;
+- `gguf`: llama.cpp's gguf library: the GGUF export (EXPORT_GGUF, `models.gguf_export`).
 
 Light on purpose (no third-party import): modules call it at import time, before they need what it checks.
 """
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 EXTRAS: dict[str, tuple[str, ...]] = {
     "hf": ("transformers", "peft", "tokenizers", "safetensors"),
     "notebooks": ("papermill", "ipywidgets", "nbformat", "ipykernel", "datasets"),
+    "gguf": ("gguf",),
 }
 
 

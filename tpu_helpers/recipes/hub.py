@@ -5,7 +5,8 @@
 
 One commit to the repo (created when absent): the merged model at the repo's root (`from_pretrained("me/x")`
 loads it) and the adapter under `adapter/` (`PeftModel.from_pretrained(base, "me/x", subfolder="adapter")`), or the
-adapter at the root when nothing merged was exported; and README.md, the model card: the base model, the job, its
+adapter at the root when nothing merged was exported; EXPORT_GGUF's file at the root too (llama.cpp, Ollama and LM
+Studio fetch a GGUF from a hub repo); and README.md, the model card: the base model, the job, its
 settings and the held-out figures before and after training. The upload reads the export through links in a
 temporary folder, so the export is never touched; the card is also written next to it (`model_card.md`), for an
 upload by hand when the hub refuses.
@@ -110,6 +111,8 @@ def model_card(job: Any, paths: Mapping[str, str], *, before: Mapping | None = N
         where = "the root" if adapter_only else "`adapter/`"
         sub = "" if adapter_only else ', subfolder="adapter"'
         lines.append(f"- the PEFT adapter in {where}: `PeftModel.from_pretrained(base_model, repo_id{sub})`")
+    if "gguf" in paths:
+        lines.append(f"- `{Path(paths['gguf']).name}`, the merged model for llama.cpp, Ollama and LM Studio")
     lines += ["", "## Settings", "", "```json", json.dumps(settings, indent=1, sort_keys=True, default=str), "```", ""]
     return "\n".join(lines)
 
@@ -152,6 +155,8 @@ def push_export(job: Any, paths: Mapping[str, str], *, before: Mapping | None = 
         _link_tree(root, stage)
         if "merged" in folders and "adapter" in folders:
             _link_tree(folders["adapter"], stage / "adapter")
+        if "gguf" in paths:
+            (stage / Path(paths["gguf"]).name).symlink_to(Path(paths["gguf"]).resolve())
         (stage / CARD).write_text(card)
         try:
             url = api.create_repo(repo_id, token=token, exist_ok=True)
