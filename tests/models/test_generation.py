@@ -4,6 +4,8 @@ windows), two graphs on XLA and none for a second call or more tokens, reproduci
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -369,3 +371,31 @@ def test_hf_generate_keeps_its_signature_and_compiles_nothing_for_more_tokens(ti
         counts.append(b.metrics()["compilations"] - start)
     assert counts[0] <= 3 and counts[1] == 0, counts  # the cache's reset, the captured prompt pass, the loop
     assert out == cpu and len(out) == 5 and any(out)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_cpus_grouped_decode_attention_reads_the_cache_as_it_is_and_gives_eagers_numbers(family, monkeypatch):
+    """The CPU's decode steps attend with the query heads grouped by their key/value head (decode.grouped_attention):
+    no copy of the cache per step (eager's repeat_kv), the same tokens and log-probabilities on every family."""
+    model = random_model(FAMILIES[family].config(VOCAB, pad=0), seed=1)
+    p = _prompt_rows()
+    kw = dict(max_new_tokens=9, eos_token_id=3, pad_token_id=0, sampling=Sampling(temperature=1.5, top_k=20),
+              seed=torch.tensor([4, 2]))
+    calls = []
+    real = decode.grouped_attention
+
+    def counted(module, query, *args, **kwargs):
+        calls.append(query.shape[2])
+        return real(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(decode, "grouped_attention", counted)
+    decode._registered.cache_clear()
+    got = generate_ids(model, p.ids, p.mask, **kw)
+    grouped = any(getattr(m, "num_key_value_groups", 1) > 1 for m in model.modules())
+    assert (1 in calls) == grouped  # the decode steps' one query position, where the heads are grouped
+    assert model.config.get_text_config()._attn_implementation == "eager"  # set back after the steps
+    monkeypatch.setattr(decode, "grouped_decode_attention", lambda model: contextlib.nullcontext())
+    want = generate_ids(model, p.ids, p.mask, **kw)
+    assert torch.equal(got.ids, want.ids) and torch.equal(got.mask, want.mask)
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
+    decode._registered.cache_clear()

@@ -15,8 +15,10 @@ docs/guides/generation.md.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -313,15 +315,72 @@ def _live_steps(model: torch.nn.Module, cache: Any, st: tuple, fixed: tuple, ste
     batch's would be (`every_row`), so the tokens are the same."""
     batch = st[5].shape[0]
     rows, part = None, cache
-    for _ in range(steps):
-        live = st[4].index_select(1, st[1] - 1).squeeze(1).nonzero().squeeze(1)
-        if live.numel() == 0:
-            break
-        if live.numel() <= (batch if rows is None else rows.numel()) // 2:
-            if rows is not None:
-                put_rows(cache, part, rows)
-            rows, part = live, rows_of(cache, live)
-        st = decode_step(model, part, st, fixed, *args, rows=rows)
+    with grouped_decode_attention(model):
+        for _ in range(steps):
+            live = st[4].index_select(1, st[1] - 1).squeeze(1).nonzero().squeeze(1)
+            if live.numel() == 0:
+                break
+            if live.numel() <= (batch if rows is None else rows.numel()) // 2:
+                if rows is not None:
+                    put_rows(cache, part, rows)
+                rows, part = live, rows_of(cache, live)
+            st = decode_step(model, part, st, fixed, *args, rows=rows)
     if rows is not None:
         put_rows(cache, part, rows)
     return st
+
+
+# ---- grouped-query attention for one query position (the CPU's decode steps) ------------------------------------
+GROUPED = "tpu_helpers_grouped_decode"
+
+
+def grouped_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                      softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Eager attention for one query position over a cache with fewer key/value heads than query heads: the query
+    heads are grouped by their key/value head, (B, kv heads, group, D), so the cache is read as it is. The eager
+    attention of every family copies the whole cache `num_key_value_groups` times at every decode step
+    (`repeat_kv`): 3x SmolLM2's keys and values, per layer and token. The same products, sums and soft-capping;
+    anything else (a longer query, no groups, dropout in training, attention sinks) runs the family's own eager."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if query.shape[2] != 1 or groups == 1 or (dropout and module.training) or \
+            any(kwargs.get(k) is not None for k in ("sinks", "s_aux", "position_bias")):
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        extra = {"softcap": softcap} if softcap is not None else {}
+        return eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **extra, **kwargs)
+    b, heads, _, dim = query.shape
+    grouped = query.reshape(b, key.shape[1], groups, dim)
+    scores = torch.matmul(grouped, key.transpose(2, 3)) * (dim ** -0.5 if scaling is None else scaling)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        scores = scores + attention_mask[:, :, :, :key.shape[-2]]  # (B, 1, 1, T): the same for every head
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(probs, value)  # (B, kv heads, group, Dv)
+    return out.reshape(b, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+@functools.cache
+def _registered() -> str:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(GROUPED, grouped_attention)
+    return GROUPED
+
+
+@contextlib.contextmanager
+def grouped_decode_attention(model: torch.nn.Module):
+    """Within it, the layers of `model` that attend eagerly with grouped key/value heads use `grouped_attention`
+    (their configs' attention implementation, set back after). For the CPU's eager decode steps only: a replayed or
+    looped step keeps the implementation it was captured with."""
+    configs = {id(m.config): m.config for m in model.modules()
+               if getattr(m, "num_key_value_groups", 1) > 1 and getattr(getattr(m, "config", None),
+                                                                     "_attn_implementation", None) == "eager"}
+    name = _registered() if configs else None
+    for config in configs.values():
+        config._attn_implementation = name
+    try:
+        yield
+    finally:
+        for config in configs.values():
+            config._attn_implementation = "eager"
