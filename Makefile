@@ -75,7 +75,7 @@ pretrain-demo: setup
 # mappings per compiled kernel (code, constants, data) for as long as its graph stays in torch_xla's compile cache,
 # and the whole suite in one process passed the kernel's vm.max_map_count (65,530): LLVM failed ("Cannot allocate
 # memory") and the next run of that graph segfaulted. Each worker holds less than either half did (see
-# runtime_env.cap_xla_cpu_cache and the README's speed section). --durations lists the slowest tests of each run.
+# runtime_env.cap_xla_cpu_cache and docs/guides/speed.md). --durations lists the slowest tests of each run.
 test: setup browser
 	PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m ruff check tpu_helpers tests benchmarks stacks
