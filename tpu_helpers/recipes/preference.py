@@ -27,11 +27,13 @@ from tpu_helpers.algorithms.preference import PreferenceTrainer
 from tpu_helpers.algorithms.preference_loss import PreferenceSettings
 from tpu_helpers.config import settings_fields, settings_from
 from tpu_helpers.core.extras import require_extra
+from tpu_helpers.data.cuts import merged
 from tpu_helpers.data.preference import (
     build_preference_dataset,
     load_preference_records,
     split_indices,
     split_pair,
+    warn_truncated,
 )
 from tpu_helpers.data.sft import DEFAULT_DATASET, exact_match
 from tpu_helpers.memory.preference_plan import preference_estimate
@@ -125,8 +127,9 @@ class Preference(HFJob):
         built = []
         for idx in split_indices(len(records), cfg.val_fraction, cfg.seed):  # errors name the record as read
             built.append(build_preference_dataset(self.tokenizer, [records[i] for i in idx], seq_len=cfg.seq_len,
-                                                  where=where, numbers=idx))
-        (train, stats), (val, _) = built
+                                                  where=where, numbers=idx, warn=False))
+        (train, stats), (val, val_stats) = built
+        warn_truncated(merged(stats, val_stats), cfg.seq_len)  # once, for the training and validation pairs
         val_rec = [records[i] for i in split_indices(len(records), cfg.val_fraction, cfg.seed)[1]]
         held = load_preference_records(DEFAULT_DATASET, split="test") if cfg.dataset == DEFAULT_DATASET else val_rec
         return JobData(train, val, stats, held, records)
@@ -135,7 +138,7 @@ class Preference(HFJob):
     def held_rows(self):
         """The held-out pairs as rows (what `preference_accuracy` scores)."""
         return build_preference_dataset(self.tokenizer, self.held_out, seq_len=self.config.seq_len,
-                                        where="held-out record")[0]
+                                        where="held-out record", warn=False)[0]
 
     @cached_property
     def held_reference(self) -> torch.Tensor | None:
