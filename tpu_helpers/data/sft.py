@@ -354,9 +354,10 @@ def tokenize_records(tokenizer: Any, records: Sequence[dict], seq_len: int, *,
     """Pad (right) or truncate every record to `seq_len`; records with no trained token left are dropped.
 
     ``pack=True`` puts several records in each row instead (see `pack_examples`): fewer rows, no padding waste.
-    Stats: records, truncated (cut to seq_len), dropped, tokens_trained, and what the cut cost: the longest record's
-    tokens, the trained assistant turns (chat records) that lost tokens and their count of lost ones, the trained
-    tokens lost (`warn`: said in one `data.cuts.TruncationWarning`).
+    Stats: records, truncated (cut to seq_len), dropped, tokens_trained, and what a cut costs: the longest record's
+    tokens (`longest`), the chat records' trained assistant turns (`turns`), those that lose tokens (`turns_cut`) or
+    all of them (`turns_lost`), and the trained tokens lost (`tokens_cut`); `warn`: said in one
+    `data.cuts.TruncationWarning`.
     """
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:

@@ -3,10 +3,11 @@
 Each run executes into `<OUT_DIR>/<name>-<timestamp>.running/` (the notebook's OUT_DIR, where its checkpoints and
 exports go: one folder per run; `runs/` for a notebook without one, or `--runs-dir`), renamed when it ends to
 `<name>-<timestamp>/` (finished), `...failed/` or `...stopped/` (a signal stopped it); it holds the executed
-notebook, `params.json` and the results the notebook saved. The runner passes a first SIGTERM or Ctrl-C on to the kernel process, where `Trainer.fit`
-saves and returns and the rest of the notebook runs; a second stops everything at once. A target (`--target`) is
-a named preset of parameters and environment variables for a platform; `-p` overrides win over it, and unknown
-`-p` names are refused before anything runs. Signals and the run directories in full: docs/guides/headless.md.
+notebook, `params.json` and the results the notebook saved. The runner passes a first SIGTERM or Ctrl-C on to the
+kernel process, where `Trainer.fit` saves and returns and the rest of the notebook runs; a second stops everything
+at once. A target (`--target`) is a named preset of parameters and environment variables for a platform; `-p`
+overrides win over it, and unknown `-p` names are refused before anything runs, naming the nearest. Signals and the
+run directories in full: docs/guides/headless.md.
 """
 
 from __future__ import annotations
