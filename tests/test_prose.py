@@ -9,7 +9,10 @@ notebooks' Markdown cells and code comments:
   past a function, a value or an outside class anything goes;
 - `Class.member` for a class the package defines (`Trainer.fit`);
 - paths under tpu_helpers/, tests/, benchmarks/, notebooks/, docs/ and stacks/, and `.py`/`.md` paths under a
-  subpackage's name (`training/trainer.py`, found under tpu_helpers/ or tests/).
+  subpackage's name (`training/trainer.py`, found under tpu_helpers/ or tests/);
+- sections cited by name, here and in the Makefile's comments: `*Watching a run* in the README`, `README, "Title"`,
+  `the README's speed section`, `*Title* in docs/guides/x.md`, and links to a heading (`page.md#anchor`, `#anchor`):
+  the page has that heading (an anchor as mkdocs makes it from the heading's text).
 Exempt, and why:
 - `pkg.member` in short form where `member` belongs to a class that subpackage defines: prose names a variable
   (`backend.compile_step` is a method of the Backend a caller holds, `panel.state` the panel's);
@@ -17,12 +20,13 @@ Exempt, and why:
   spelled `tpu_helpers.config.X` they are checked;
 - bare file names (`trainer.py`) and paths with a wildcard: no single file to look for; placeholders (`backend.x`,
   benchmarks/NAME.py); a name right after "new " (a design page's proposed new `backend/tpu.py`);
-- CHANGELOG.md: it records what existed.
+- CHANGELOG.md: it records what existed; this file's examples of cited sections.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import io
 import json
 import re
@@ -304,6 +308,106 @@ class Checker:
         return out
 
 
+# --- sections cited by name or anchor ---------------------------------------------------------------------------------
+
+FENCE = re.compile(r"^\s*(```|~~~)")
+HEADING = re.compile(r"^ {0,3}#{1,6}\s+(.+?)\s*#*\s*$")
+PAGE = r"README(?:\.md)?|docs/[\w/.-]+\.md"
+# `*Title* in the README`, `the *Title* section of docs/x.md`, `README, "Title"`, `the README's *Title*`
+TITLE_CITES = [re.compile(rf"(?:the )?\*(?P<title>[^*\n]+)\*(?: section)?,? (?:in|of) (?:the )?(?P<page>{PAGE})\b"),
+               re.compile(rf"(?P<page>{PAGE})(?:'s|,) [\"*](?P<title>[^\"*\n]+)[\"*]")]
+WORD_CITE = re.compile(rf"(?P<page>{PAGE})'s (?P<word>[\w-]+(?: [\w-]+)?) section\b")  # the README's speed section
+LINK_ANCHOR = re.compile(r"\]\((?P<page>[^)\s#]*\.md)?#(?P<anchor>[\w-]+)\)")  # [text](page.md#anchor), [text](#anchor)
+BARE_ANCHOR = re.compile(r"(?<![\w/.(-])(?P<page>docs/[\w/.-]+\.md)#(?P<anchor>[\w-]+)")  # docs/x.md#anchor in prose
+
+
+def _plain(text: str) -> str:
+    """A heading or title as it reads: links as their text, no code or emphasis marks, an attr_list id dropped."""
+    text = re.sub(r"\{#[\w-]+\}\s*$", "", text)
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
+    return " ".join(text.replace("`", "").replace("*", "").split())
+
+
+def slug(heading: str) -> str:
+    """The anchor mkdocs (Python-Markdown's toc) gives a heading: ASCII, lower case, no punctuation, spaces as '-'."""
+    import unicodedata
+
+    text = unicodedata.normalize("NFKD", _plain(heading)).encode("ascii", "ignore").decode("ascii")
+    return re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", text).strip().lower())
+
+
+@functools.cache
+def headings(path: Path) -> list[str]:
+    """The headings of a Markdown file (outside code fences), as they read; an attr_list `{#id}` adds `#id`."""
+    out, fenced = [], False
+    for line in path.read_text().splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+        elif not fenced and (m := HEADING.match(line)):
+            out.append(_plain(m.group(1)))
+            out += [f"#{i}" for i in re.findall(r"\{#([\w-]+)\}\s*$", m.group(1))]
+    return out
+
+
+def stale_sections(text: str, where: Path, root: Path = ROOT) -> list[str]:
+    """The sections `text` (prose of the file `where`) cites that its page does not have."""
+    def page(name: str | None, relative: bool) -> Path:
+        if not name:
+            return where
+        if name.startswith("README"):
+            return root / "README.md"
+        return (where.parent / name) if relative and not name.startswith("docs/") else root / name
+
+    out = []
+    for pattern in TITLE_CITES:
+        for m in pattern.finditer(text):
+            target = page(m.group("page"), False)
+            found = target.is_file() and _plain(m.group("title")).casefold() in \
+                {h.casefold() for h in headings(target)}
+            if not found:
+                out.append(f"{m.group('page')}: {m.group('title')!r}")
+    for m in WORD_CITE.finditer(text):
+        target = page(m.group("page"), False)
+        if not (target.is_file() and any(m.group("word").casefold() in h.casefold() for h in headings(target))):
+            out.append(f"{m.group('page')}: the {m.group('word')} section")
+    for pattern, relative in ((LINK_ANCHOR, True), (BARE_ANCHOR, False)):
+        for m in pattern.finditer(text):
+            target = page(m.group("page"), relative)
+            if target.suffix != ".md":
+                continue
+            anchors = {slug(h) for h in headings(target) if not h.startswith("#")} | \
+                {h[1:] for h in headings(target) if h.startswith("#")} if target.is_file() else set()
+            if m.group("anchor") not in anchors:
+                out.append(f"{m.group('page') or where.name}#{m.group('anchor')}")
+    return out
+
+
+def section_offenders(root: Path = ROOT) -> list[tuple[str, int, str]]:
+    """(file, line, citation) of each cited section that does not exist, in the prose files and the Makefile's
+    comments; a citation wrapped over two lines of prose is read whole (reported at its first line)."""
+    out = []
+    for path in [*prose_files(root), root / "Makefile"]:
+        if path == root / "tests" / "test_prose.py":  # this file: its examples cite sections that are nowhere
+            continue
+        raw, rel = path.read_text(), path.relative_to(root).as_posix()
+        if path.suffix == ".py":
+            lines = sorted(python_prose(raw))
+        elif path.suffix == ".ipynb":
+            lines = notebook_prose(raw)
+        elif path.suffix == ".md":
+            lines = list(enumerate(raw.splitlines(), 1))
+        else:  # the Makefile: its comments
+            lines = [(i, t) for i, t in enumerate(raw.splitlines(), 1) if t.lstrip().startswith("#")]
+        texts = [t if path.suffix == ".md" else t.strip().lstrip("#").strip() for _, t in lines]
+        found = [set(stale_sections(t, path, root)) for t in texts]
+        for k, (line, _) in enumerate(lines):
+            out += [(rel, line, c) for c in sorted(found[k])]
+            if k + 1 < len(lines):
+                both = stale_sections(f"{texts[k]} {texts[k + 1]}", path, root)
+                out += [(rel, line, c) for c in both if c not in found[k] | found[k + 1]]
+    return out
+
+
 def prose_files(root: Path = ROOT) -> list[Path]:
     files = [*root.glob("tpu_helpers/**/*.py"), *root.glob("tests/**/*.py"), *root.glob("benchmarks/**/*.py"),
              root / "README.md", *root.glob("docs/**/*.md"), *root.glob("notebooks/*.ipynb")]
@@ -361,6 +465,31 @@ def test_the_prose_readers_give_docstrings_comments_and_markdown_with_their_line
     assert set(found) == {"# Title", "see models.a", "# models.b"}
     raw_lines = notebook.splitlines()
     assert all(text in raw_lines[line - 1] for text, line in found.items())
+
+
+def test_the_section_checker_finds_a_cited_section_that_is_not_there(tmp_path):
+    (tmp_path / "README.md").write_text("# Title\n\n## Watching a run\n\n```bash\n# not a heading\n```\n"
+                                        "## XLA speed, and `replay` {#speed}\n")
+    (tmp_path / "docs" / "guides").mkdir(parents=True)
+    page = tmp_path / "docs" / "guides" / "x.md"
+    page.write_text("# X\n\n## The real model, offline on a 2-core CPU\n")
+    assert slug("The real model, offline on a 2-core CPU") == "the-real-model-offline-on-a-2-core-cpu"
+    assert slug("QLoRA: a 4-bit frozen base (`QUANTIZE_BASE`)") == "qlora-a-4-bit-frozen-base-quantize_base"
+    good = ("see *Watching a run* in the README; the README's speed section; README, \"XLA speed, and replay\"; "
+            "*The real model, offline on a 2-core CPU* in docs/guides/x.md; [a](x.md#the-real-model-offline-on-a-2-core-cpu); "
+            "docs/guides/x.md#x; [b](#x); [c](../../README.md#speed); the README's `pip install` lines")
+    assert stale_sections(good, page, tmp_path) == []
+    bad = ("see *Watching runs* in the README; the README's memory section; README, \"Not a heading\"; "
+           "[a](x.md#the-real-model); docs/guides/x.md#nothing; [b](#nope)")
+    assert stale_sections(bad, page, tmp_path) == [
+        "README: 'Watching runs'", "README: 'Not a heading'", "README: the memory section", "x.md#the-real-model",
+        "x.md#nope", "docs/guides/x.md#nothing"]
+
+
+def test_cited_sections_exist():
+    found = section_offenders()
+    assert not found, (f"{len(found)} citations of a README or docs section that does not exist (cite the docs "
+                       "page that has it):\n" + "\n".join(f"{f}:{line}: {c}" for f, line, c in found))
 
 
 def test_docstrings_comments_and_pages_name_only_what_exists():

@@ -22,7 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--target", default="local", help="parameter preset for a platform (see `targets`)")
     run.add_argument("-p", "--param", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
                      help="override a parameter (values are Python literals; anything else is a string)")
-    run.add_argument("--runs-dir", default="runs", help="where run directories are created (default: runs)")
+    run.add_argument("--runs-dir", default=None, help="where run directories are created (default: the notebook's "
+                     "OUT_DIR, where its checkpoints and exports go; runs/ for a notebook without one)")
     run.add_argument("--kernel", default=None, help="Jupyter kernel name (default: the notebook's)")
     sub.add_parser("targets", help="list the targets")
     sub.add_parser("doctor", help="check this machine before training (prints the fix for each failing check)")

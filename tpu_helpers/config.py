@@ -37,6 +37,8 @@ from tpu_helpers.core.choices import (
     best_metric_order,
     check_choice,
     check_trackers,
+    did_you_mean,
+    misspelt,
 )
 from tpu_helpers.core.sharding import ShardingError, check_sharding
 
@@ -250,7 +252,7 @@ def unknown_fields_message(cls: type, names: list[str]) -> str:
             continue
         owners = sorted({c.__name__ for c in _config_classes() if name in {f.name for f in fields(c)}})
         said.append(f"{name!r} is a setting of {' and '.join(owners)}, not of {cls.__name__}" if owners
-                    else f"{name!r} is no setting")
+                    else f"{name!r} is no setting{did_you_mean(name, [f.name for f in fields(cls)])}")
     return (f"unknown {cls.__name__} field(s) {names}: {'; '.join(said)}. {cls.__name__}'s fields: "
             f"{', '.join(sorted(f.name for f in fields(cls)))}")
 
@@ -345,8 +347,9 @@ def config_from_parameters(
                   for n in unknown}
         where = "; ".join(f"{n} is a setting of {' and '.join(o)}" for n, o in owners.items() if o)
         allowed = ", ".join(sorted(known | set(extra)))
+        guesses = misspelt([n for n in unknown if not owners[n]], known | set(extra))
         raise ConfigError(f"unknown notebook parameter(s) {unknown}; allowed: {allowed}"
-                          f"{f'. {where}, not of {type(base).__name__}' if where else ''}")
+                          f"{f'. {where}, not of {type(base).__name__}' if where else ''}.{guesses}")
     changes: dict[str, Any] = {}
     extras = dict(base.extra)
     for name, value in params.items():

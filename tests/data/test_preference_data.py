@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tpu_helpers.config import ConfigError
+from tpu_helpers.data.cuts import TruncationWarning
 from tpu_helpers.data.preference import build_preference_dataset, preference_records, split_pair
 from tpu_helpers.data.sft import instruction_records
 from tpu_helpers.models import hf
@@ -50,3 +51,16 @@ def test_a_record_without_a_prompt_or_with_a_bad_field_is_named():
         split_pair({"chosen": "a", "rejected": "b"}, "record 7")
     with pytest.raises(ConfigError, match=r"record 2: chosen=5 is neither a string nor a list"):
         split_pair({"prompt": "x", "chosen": 5, "rejected": "b"}, "record 2")
+
+
+def test_answers_cut_by_seq_len_are_said_once(tokenizer):
+    record = {"prompt": "What letter comes after c?", "chosen": "d " * 20, "rejected": "q"}
+    full, _ = build_preference_dataset(tokenizer, [record], seq_len=200, warn=False)
+    longest = int(full.attention_mask.sum(-1).max())
+    with pytest.warns(TruncationWarning) as said:
+        _, stats = build_preference_dataset(tokenizer, [record], seq_len=longest - 5)
+    assert stats["truncated"] == 1 and stats["longest"] == longest and stats["tokens_cut"] == 5
+    assert [str(w.message) for w in said] == [
+        f"SEQ_LEN={longest - 5} cuts 1 of 2 chosen and rejected answers (the longest is "
+        f"{longest} tokens: SEQ_LEN={longest} keeps every one whole); 5 trained answer tokens in all. Raise SEQ_LEN "
+        "(the memory plan, job.plan(), says whether that fits) or shorten the data."]

@@ -6,6 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tpu_helpers.config import ConfigError
+from tpu_helpers.data.cuts import TruncationWarning
 from tpu_helpers.data.rl import build_prompt_dataset, load_prompt_records, prompt_and_answer, sum_records
 
 
@@ -23,8 +24,13 @@ def test_prompts_are_left_padded_with_their_record_index(tiny_lm_dir):
     tok = AutoTokenizer.from_pretrained(tiny_lm_dir)
     records = [{"prompt": "What is 1 plus 2?", "answer": "3"}, {"prompt": "x " * 40, "answer": "?"},
                {"messages": [{"role": "user", "content": "Add 4 and 5."}, {"role": "assistant", "content": "9"}]}]
-    data, stats = build_prompt_dataset(tok, records, max_prompt_len=24)
+    with pytest.warns(TruncationWarning) as said:
+        data, stats = build_prompt_dataset(tok, records, max_prompt_len=24)
     assert stats["too_long"] == 1 and stats["prompts"] == 2 and len(data) == 2
+    assert [str(w.message) for w in said] == [  # the dropped prompt is said, with the limit that keeps it
+        f"MAX_PROMPT_LEN=24 drops 1 of 3 prompts (the longest is {stats['longest_prompt']} tokens: "
+        f"MAX_PROMPT_LEN={stats['longest_prompt']} keeps every one whole). Raise MAX_PROMPT_LEN (the memory plan, "
+        "job.plan(), says whether that fits) or shorten the data."]
     row = data[1]
     assert row["index"].item() == 2 and row["input_ids"].shape == (24,)
     n = int(row["attention_mask"].sum())

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
 from tpu_helpers.config import ConfigError
+from tpu_helpers.data.cuts import TruncationWarning, trained_spans
 from tpu_helpers.data.sft import (
     build_sft_datasets,
     encode_record,
@@ -62,8 +64,34 @@ def test_rows_have_one_shape_with_padding_masked(tok):
 
 def test_long_records_are_truncated_and_empty_ones_dropped(tok):
     long = {"prompt": "What letter comes after k? " * 10, "response": "l"}
-    ds, stats = tokenize_records(tok, [long, {"text": "A long story about Mia and her dog. " * 10}], seq_len=16)
-    assert len(ds) == 1 and stats == {"records": 2, "truncated": 2, "dropped": 1, "tokens_trained": 15}
+    with pytest.warns(TruncationWarning, match=r"^SEQ_LEN=16 cuts 2 of 2 records"):
+        ds, stats = tokenize_records(tok, [long, {"text": "A long story about Mia and her dog. " * 10}], seq_len=16)
+    assert len(ds) == 1 and {k: stats[k] for k in ("records", "truncated", "dropped", "tokens_trained")} == \
+        {"records": 2, "truncated": 2, "dropped": 1, "tokens_trained": 15}
+
+
+def test_records_cut_by_seq_len_are_said_once_with_the_seq_len_that_keeps_them_whole(tok):
+    """The newcomer's tool conversations: SEQ_LEN cut every record's second answer, and the stats alone said only
+    'truncated'. One warning says how many records, the longest, the SEQ_LEN that keeps them whole, and the
+    assistant turns and tokens lost; no warning when nothing is cut."""
+    two = {"messages": [{"role": "user", "content": "2 + 3 ="}, {"role": "assistant", "content": "5"},
+                        {"role": "user", "content": "4 + 4 ="}, {"role": "assistant", "content": "8"}]}
+    ids, labels = encode_record(tok, two)
+    first, second = trained_spans(labels)
+    seq_len = second[0]  # the second answer starts here: it is lost, the first one kept
+    with pytest.warns(TruncationWarning) as said:
+        _, _, stats = build_sft_datasets(tok, [two] * 20, seq_len=seq_len, val_fraction=0.1)
+    assert [str(w.message) for w in said] == [  # once, for the 18 training and 2 validation records
+        f"SEQ_LEN={seq_len} cuts 20 of 20 records (the longest is {len(ids)} tokens: SEQ_LEN={len(ids)} keeps every "
+        f"one whole); 20 of 40 trained assistant turns lose tokens (20 entirely), {20 * (second[1] - second[0])} "
+        "trained tokens in all. Raise SEQ_LEN (the memory plan, job.plan(), says whether that fits) or shorten the "
+        "data."]
+    assert stats["truncated"] == 18 and stats["turns_lost"] == 18 and stats["longest"] == len(ids)
+    assert stats["tokens_trained"] == 18 * (first[1] - first[0] - (first[0] == 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, _, stats = build_sft_datasets(tok, [two] * 20, seq_len=len(ids), val_fraction=0.1)
+    assert stats["truncated"] == stats["turns_cut"] == 0
 
 
 def test_generated_task_set_is_deterministic_with_disjoint_held_out_prompts():

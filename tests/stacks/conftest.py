@@ -2,7 +2,9 @@
 (stacks/stack_venv.py) and names them in TPU_HELPERS_STACK_VENVS ("colab=/path,kaggle=/path,core=/path,latest=/path").
 
 Without that variable (a plain `make test` or `pytest`) nothing here is collected: these tests need the venvs, and a
-skipped stack test would read as a passed one. With it, a named venv that is missing or half-built fails.
+skipped stack test would read as a passed one. With it, the stacks it names are the ones asked for (`make
+test-stacks STACKS=latest` names only latest): a named venv that is half-built fails, and the tests of a stack it
+does not name skip, saying which STACKS runs them.
 
 The tests run under the dev venv's pytest and drive each stack's own interpreter through its stable entry points
 (`python -m tpu_helpers doctor`, `python -m tpu_helpers.train`, `python -m tpu_helpers run`, papermill), with this
@@ -12,11 +14,10 @@ checkout on PYTHONPATH, except where a test installs the package itself.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
-from tests.stacks.venvs import StackVenv, parse_venvs
+from tests.stacks.venvs import NotAsked, StackVenv, Unbuilt, parse_venvs, select
 
 VENVS = parse_venvs(os.environ.get("TPU_HELPERS_STACK_VENVS", ""))
 if not VENVS:
@@ -24,12 +25,12 @@ if not VENVS:
 
 
 def stack(name: str) -> StackVenv:
-    if name not in VENVS:
-        pytest.fail(f"TPU_HELPERS_STACK_VENVS names no {name!r} venv ({sorted(VENVS)}): run make test-stacks")
-    venv = VENVS[name]
-    if not (Path(venv.path) / ".complete").exists():
-        pytest.fail(f"the {name} venv at {venv.path} is not complete: run make test-stacks (it rebuilds it)")
-    return venv
+    try:
+        return select(name, VENVS)
+    except NotAsked as why:
+        pytest.skip(str(why))
+    except Unbuilt as err:
+        pytest.fail(str(err))
 
 
 @pytest.fixture(params=["colab", "kaggle"])

@@ -67,6 +67,27 @@ def parse_venvs(text: str) -> dict[str, StackVenv]:
     return out
 
 
+class NotAsked(Exception):
+    """A stack the run did not ask for (`make test-stacks STACKS=...` named others): its tests skip, saying so."""
+
+
+class Unbuilt(Exception):
+    """A stack asked for whose venv is not complete: its tests fail."""
+
+
+def select(name: str, venvs: dict[str, StackVenv]) -> StackVenv:
+    """The venv of stack `name` among `venvs`, the stacks this run asked for (TPU_HELPERS_STACK_VENVS, which `make
+    test-stacks` fills with the STACKS it built); NotAsked when they are others, Unbuilt when its venv is not
+    complete."""
+    if name not in venvs:
+        raise NotAsked(f"the {name} stack was not asked for (this run's stacks: {' '.join(sorted(venvs))}); "
+                       f"make test-stacks STACKS={name} runs it")
+    venv = venvs[name]
+    if not (Path(venv.path) / ".complete").exists():
+        raise Unbuilt(f"the {name} venv at {venv.path} is not complete: run make test-stacks (it rebuilds it)")
+    return venv
+
+
 def overlay(base: StackVenv, dest: Path) -> StackVenv:
     """A new venv that sees `base`'s packages (a .pth file runs site.addsitedir on base's site-packages) and installs
     into its own: the runtime as shipped, which a test may change without touching the cached stack venv."""

@@ -36,6 +36,7 @@ from tpu_helpers.agents.tools import ToolStats
 from tpu_helpers.algorithms.rewards import BUILTIN, Reward, resolve_reward, reward_names
 from tpu_helpers.config import ConfigError
 from tpu_helpers.core.choices import check_positive
+from tpu_helpers.data.cuts import warn_cut
 from tpu_helpers.models.generation import Sampling, left_pad
 from tpu_helpers.models.turns import Turns, TurnShape
 
@@ -297,7 +298,8 @@ def episode_rewards(rewards: str | None, format_pattern: str) -> dict[str, Any]:
 def episode_prompts(runner: EpisodeRunner, records: Sequence[dict], *, max_prompt_len: int) -> tuple[Any, dict]:
     """Each record's episode prompt as the rollout renders it (a fresh environment's reset, the tool schemas, the
     model's template), left-padded: a `data.rl.PromptDataset` and its stats. A record whose prompt is longer than
-    `max_prompt_len` is left out and counted; a record reset cannot take fails here, naming it."""
+    `max_prompt_len` is left out, counted and said once (`data.cuts.warn_cut`); a record reset cannot take fails
+    here, naming it."""
     from tpu_helpers.data.rl import PromptDataset
 
     pad = runner.pad
@@ -321,4 +323,6 @@ def episode_prompts(runner: EpisodeRunner, records: Sequence[dict], *, max_promp
                           f"records, the longest {stats['longest_prompt']} tokens with the tool schemas); raise "
                           "MAX_PROMPT_LEN")
     stats["prompts"] = len(ids)
+    warn_cut(setting="MAX_PROMPT_LEN", limit=max_prompt_len, cut=stats["too_long"], total=stats["records"],
+             longest=stats["longest_prompt"], what="episode prompts (with the tool schemas)", verb="drops")
     return PromptDataset(torch.tensor(ids), torch.tensor(masks), torch.tensor(index)), stats

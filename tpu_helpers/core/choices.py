@@ -13,7 +13,8 @@ DPO's loss, QUANTIZE_BASE) is a registry beside that code instead (`algorithms.g
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import difflib
+from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -49,6 +50,30 @@ TRACKERS = ("tensorboard", "wandb", "trackio")
 
 class ConfigError(ValueError):
     """A configuration or notebook parameter value that cannot be used; the message names it and what is allowed."""
+
+
+def nearest(value: Any, names: Iterable[Any]) -> str | None:
+    """The one of `names` (strings) that `value` most likely misspells, ignoring case (difflib's ratio >= 0.6), or
+    None when none is that close: what a "did you mean" says (`STPES` -> `STEPS`, `smollm2-135` -> `smollm2-135m`)."""
+    if not isinstance(value, str):
+        return None
+    by_lower = {n.lower(): n for n in names if isinstance(n, str)}
+    found = difflib.get_close_matches(value.lower(), list(by_lower), n=1, cutoff=0.6)
+    return by_lower[found[0]] if found else None
+
+
+def did_you_mean(value: Any, names: Iterable[Any]) -> str:
+    """" (did you mean 'X'?)" for the nearest of `names` (see `nearest`), or "" when none is close."""
+    match = nearest(value, names)
+    return f" (did you mean {match!r}?)" if match is not None else ""
+
+
+def misspelt(unknown: Iterable[str], names: Iterable[str]) -> str:
+    """" Did you mean STEPS (not STPES)?" for those of the `unknown` names close to one of `names` (`nearest`), or
+    "" when none is: the sentence that ends an unknown-name error."""
+    names = list(names)
+    guesses = ", ".join(f"{m} (not {n})" for n in unknown if (m := nearest(n, names)) is not None)
+    return f" Did you mean {guesses}?" if guesses else ""
 
 
 def check_choice(name: str, value: Any, allowed: tuple) -> None:

@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import Dataset
 
 from tpu_helpers.config import ConfigError
+from tpu_helpers.data.cuts import warn_cut
 from tpu_helpers.data.sft import DEFAULT_DATASET, check_chat_template, instruction_records, load_records
 
 _ANSWERS = [*"abcdefghijklmnopqrstuvwxyz", *(str(n) for n in range(19))]
@@ -116,15 +117,16 @@ def _render(tokenizer: Any, messages: list[dict], prompt: bool) -> list[int]:
 
 
 def build_preference_dataset(tokenizer: Any, records: Sequence[dict], *, seq_len: int, where: str = "record",
-                             numbers: Sequence[int] | None = None) -> tuple[PreferenceDataset, dict]:
-    """Every record as a pair of rows (see the module docstring); stats: pairs, cut answers, answer tokens.
+                             numbers: Sequence[int] | None = None, warn: bool = True) -> tuple[PreferenceDataset, dict]:
+    """Every record as a pair of rows (see the module docstring); stats: pairs, cut answers, answer tokens, the
+    longest pair's tokens and the answer tokens cut (`warn`: said in one `data.cuts.TruncationWarning`).
     `numbers`: each record's index in the data as read (what an error names), default its position here."""
     check_chat_template(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
         raise ConfigError("the tokenizer has neither a pad nor an eos token; set tokenizer.pad_token")
     ids, masks, labels = [], [], []
-    stats = {"pairs": len(records), "truncated": 0, "tokens_trained": 0}
+    stats = {"pairs": len(records), "truncated": 0, "tokens_trained": 0, "longest": 0, "tokens_cut": 0}
     for k, record in enumerate(records):
         at = f"{where} {numbers[k] if numbers is not None else k}"
         prompt, chosen, rejected = split_pair(record, at)
@@ -137,8 +139,10 @@ def build_preference_dataset(tokenizer: Any, records: Sequence[dict], *, seq_len
             if full[:len(head)] != head:
                 raise ConfigError(f"{at}: the chat template renders the prompt differently once an answer follows, "
                                   "so the answer's tokens cannot be told apart")
+            stats["longest"] = max(stats["longest"], len(full))
             if len(full) > seq_len:
                 stats["truncated"] += 1
+                stats["tokens_cut"] += len(full) - seq_len
                 full = full[:seq_len]
             n = len(full)
             ids.append(full + [pad] * (seq_len - n))
@@ -147,8 +151,18 @@ def build_preference_dataset(tokenizer: Any, records: Sequence[dict], *, seq_len
             stats["tokens_trained"] += n - len(head)
     if not ids:
         raise ConfigError("no preference records to build rows from")
+    if warn:
+        warn_truncated(stats, seq_len)
     shape = (len(records), 2, seq_len)
     data = PreferenceDataset(torch.tensor(ids).view(shape), torch.tensor(masks).view(shape),
                              torch.tensor(labels).view(shape))
     return data, stats
+
+
+def warn_truncated(stats: dict, seq_len: int) -> None:
+    """The one warning of `build_preference_dataset`'s stats when SEQ_LEN cut answers: how many, the longest pair,
+    the SEQ_LEN that keeps them whole, the answer tokens lost."""
+    warn_cut(setting="SEQ_LEN", limit=seq_len, cut=stats["truncated"], total=2 * stats["pairs"],
+             longest=stats["longest"], what="chosen and rejected answers",
+             lost=f"{stats['tokens_cut']:,} trained answer tokens in all")
 

@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import Dataset
 
 from tpu_helpers.config import ConfigError
+from tpu_helpers.data.cuts import warn_cut
 from tpu_helpers.data.sft import _TEMPLATES, check_chat_template, load_records
 
 SUMS = "sums"
@@ -109,9 +110,9 @@ class PromptDataset(Dataset):
 
 def build_prompt_dataset(tokenizer: Any, records: Sequence[dict], *, max_prompt_len: int,
                          prompt_field: str = "prompt", answer_field: str = "answer",
-                         system_prompt: str | None = None) -> tuple[PromptDataset, dict]:
+                         system_prompt: str | None = None, warn: bool = True) -> tuple[PromptDataset, dict]:
     """Tokenize and left-pad every record's prompt; returns (dataset, stats). Records whose prompt is longer than
-    `max_prompt_len` tokens are dropped (counted in stats)."""
+    `max_prompt_len` tokens are dropped (counted in stats; `warn`: said in one `data.cuts.TruncationWarning`)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
         raise ConfigError("the tokenizer has neither a pad nor an eos token; set tokenizer.pad_token")
@@ -133,4 +134,7 @@ def build_prompt_dataset(tokenizer: Any, records: Sequence[dict], *, max_prompt_
         raise ConfigError(f"no prompt fits MAX_PROMPT_LEN={max_prompt_len} tokens ({stats['records']} records, the "
                           f"longest {stats['longest_prompt']} tokens); raise MAX_PROMPT_LEN")
     stats["prompts"] = len(ids)
+    if warn:
+        warn_cut(setting="MAX_PROMPT_LEN", limit=max_prompt_len, cut=stats["too_long"], total=stats["records"],
+                 longest=stats["longest_prompt"], what="prompts", verb="drops")
     return PromptDataset(torch.tensor(ids), torch.tensor(masks), torch.tensor(index)), stats

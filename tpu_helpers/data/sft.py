@@ -33,6 +33,7 @@ import torch
 from torch.utils.data import Dataset
 
 from tpu_helpers.config import ConfigError
+from tpu_helpers.data.cuts import merged, trained_spans, warn_cut
 
 PAIR_FIELDS = (("prompt", "response"), ("instruction", "output"), ("question", "answer"))
 ACCEPTED_FORMS = ("messages (chat: list of {role, content})", "prompt + response", "instruction + output",
@@ -349,21 +350,32 @@ def pack_examples(examples: Sequence[tuple[list[int], list[int]]], seq_len: int,
 
 
 def tokenize_records(tokenizer: Any, records: Sequence[dict], seq_len: int, *,
-                     pack: bool = False) -> tuple[SFTDataset, dict]:
+                     pack: bool = False, warn: bool = True) -> tuple[SFTDataset, dict]:
     """Pad (right) or truncate every record to `seq_len`; records with no trained token left are dropped.
 
     ``pack=True`` puts several records in each row instead (see `pack_examples`): fewer rows, no padding waste.
+    Stats: records, truncated (cut to seq_len), dropped, tokens_trained, and what a cut costs: the longest record's
+    tokens (`longest`), the chat records' trained assistant turns (`turns`), those that lose tokens (`turns_cut`) or
+    all of them (`turns_lost`), and the trained tokens lost (`tokens_cut`); `warn`: said in one
+    `data.cuts.TruncationWarning`.
     """
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
         raise ConfigError("the tokenizer has neither a pad nor an eos token; set tokenizer.pad_token")
     rows, masks, labels = [], [], []
     examples: list[tuple[list[int], list[int]]] = []
-    stats = {"records": len(records), "truncated": 0, "dropped": 0}
+    stats = {"records": len(records), "truncated": 0, "dropped": 0, "longest": 0, "turns": 0, "turns_cut": 0,
+             "turns_lost": 0, "tokens_cut": 0}
     for k, record in enumerate(records):
         ids, lab = encode_record(tokenizer, record, where=f"record {k}")
+        stats["longest"] = max(stats["longest"], len(ids))
+        spans = trained_spans(lab) if record_form(record) != "text" else []
+        stats["turns"] += len(spans)
         if len(ids) > seq_len:
             stats["truncated"] += 1
+            stats["turns_cut"] += sum(end > seq_len for _, end in spans)
+            stats["turns_lost"] += sum(start >= seq_len for start, _ in spans)
+            stats["tokens_cut"] += sum(x != -100 for x in lab[seq_len:])
             ids, lab = ids[:seq_len], lab[:seq_len]
         if sum(x != -100 for x in lab[1:]) == 0:  # position 0 is never a target (the model shifts labels)
             stats["dropped"] += 1
@@ -375,9 +387,11 @@ def tokenize_records(tokenizer: Any, records: Sequence[dict], seq_len: int, *,
         rows.append(ids + [pad] * (seq_len - n))
         masks.append([1] * n + [0] * (seq_len - n))
         labels.append(lab + [-100] * (seq_len - n))
+    if warn:
+        warn_truncated(stats, seq_len)
     if not rows and not examples:
-        raise ConfigError(f"no record has a trained token within seq_len={seq_len} ({stats['records']} records); "
-                          "raise SEQ_LEN or check the data")
+        raise ConfigError(f"no record has a trained token within seq_len={seq_len} ({stats['records']} records, "
+                          f"the longest {stats['longest']} tokens); raise SEQ_LEN or check the data")
     if pack:
         data = pack_examples(examples, seq_len, pad)
         stats["rows"] = len(data)
@@ -417,9 +431,19 @@ def build_sft_datasets(tokenizer: Any, records: Sequence[dict], *, seq_len: int,
     train_idx, val_idx = split_indices(len(records), val_fraction, seed)
     val_rec = [records[i] for i in val_idx]
     train_rec = [records[i] for i in train_idx]
-    train, stats = tokenize_records(tokenizer, train_rec, seq_len, pack=pack)
-    val, _ = tokenize_records(tokenizer, val_rec, seq_len, pack=pack)
+    train, stats = tokenize_records(tokenizer, train_rec, seq_len, pack=pack, warn=False)
+    val, val_stats = tokenize_records(tokenizer, val_rec, seq_len, pack=pack, warn=False)
+    warn_truncated(merged(stats, val_stats), seq_len)  # once, for the training and validation rows
     return train, val, stats
+
+
+def warn_truncated(stats: dict, seq_len: int) -> None:
+    """The one warning of `tokenize_records`' stats when SEQ_LEN cut records: how many, the longest, the SEQ_LEN
+    that keeps them whole, and the trained assistant turns and tokens lost."""
+    turns = (f"{stats['turns_cut']} of {stats['turns']} trained assistant turns lose tokens "
+             f"({stats['turns_lost']} entirely), " if stats["turns"] else "")
+    warn_cut(setting="SEQ_LEN", limit=seq_len, cut=stats["truncated"], total=stats["records"],
+             longest=stats["longest"], what="records", lost=f"{turns}{stats['tokens_cut']:,} trained tokens in all")
 
 
 def prompts_and_answers(records: Sequence[dict], tokenizer: Any = None) -> tuple[list[list[dict] | str], list[str]]:

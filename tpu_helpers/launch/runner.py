@@ -1,11 +1,13 @@
 """Run notebooks headlessly with papermill: `python -m tpu_helpers run NOTEBOOK [...] --target T -p NAME VALUE`.
 
-Each run executes into `runs/<name>-<timestamp>.running/`, renamed when it ends to `runs/<name>-<timestamp>/`
-(finished), `...failed/` or `...stopped/` (a signal stopped it); it holds the executed notebook, `params.json` and
-what the notebook saved. The runner passes a first SIGTERM or Ctrl-C on to the kernel process, where `Trainer.fit`
-saves and returns and the rest of the notebook runs; a second stops everything at once. A target (`--target`) is
-a named preset of parameters and environment variables for a platform; `-p` overrides win over it, and unknown
-`-p` names are refused before anything runs. Signals and the run directories in full: docs/guides/headless.md.
+Each run executes into `<OUT_DIR>/<name>-<timestamp>.running/` (the notebook's OUT_DIR, where its checkpoints and
+exports go: one folder per run; `runs/` for a notebook without one, or `--runs-dir`), renamed when it ends to
+`<name>-<timestamp>/` (finished), `...failed/` or `...stopped/` (a signal stopped it); it holds the executed
+notebook, `params.json` and the results the notebook saved. The runner passes a first SIGTERM or Ctrl-C on to the
+kernel process, where `Trainer.fit` saves and returns and the rest of the notebook runs; a second stops everything
+at once. A target (`--target`) is a named preset of parameters and environment variables for a platform; `-p`
+overrides win over it, and unknown `-p` names are refused before anything runs, naming the nearest. Signals and the
+run directories in full: docs/guides/headless.md.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from tpu_helpers.core.atomic_io import atomic_write_text
+from tpu_helpers.core.choices import misspelt
 from tpu_helpers.platform import auto_target
 from tpu_helpers.platform.targets import TARGETS
 from tpu_helpers.training.results import RUN_DIR_ENV
@@ -87,15 +90,31 @@ class KernelSignals:
         self._previous: dict = {}
 
     def manager_class(self) -> type:
-        """A kernel manager class that reports each instance back here (nbclient creates it itself)."""
+        """A kernel manager class that reports each instance back here (nbclient creates it itself), talks to the
+        kernel encrypted where the kernel can, and shuts it down without interrupting it first."""
+        import zmq
         from jupyter_client.manager import AsyncKernelManager
 
         tracker = self
+        # Where jupyter_client and the kernelspec know CurveZMQ (jupyter_client >= 8.10, ipykernel >= 7), the
+        # manager provisions the keys: no "running over TCP without encryption" warning from the kernel.
+        encrypt = "transport_encryption" in AsyncKernelManager.class_traits() and zmq.has("curve")
 
         class TrackedKernelManager(AsyncKernelManager):
             def __init__(self, *args: Any, **kwargs: Any) -> None:
+                if encrypt:
+                    kwargs.setdefault("transport_encryption", "auto")
                 super().__init__(*args, **kwargs)
                 tracker.km = self
+
+            async def _async_interrupt_kernel(self) -> None:
+                # jupyter_client interrupts a kernel before every shutdown. nbclient shuts down a kernel whose
+                # cells are done, so that SIGINT only lands in the kernel's own last steps, which log it as
+                # "ERROR | KeyboardInterrupt caught in kernel" after a run that succeeded. A kernel that does not
+                # go on the shutdown request still gets SIGTERM, then SIGKILL (finish_shutdown).
+                if self.shutting_down:
+                    return
+                await super()._async_interrupt_kernel()
 
         return TrackedKernelManager
 
@@ -181,8 +200,17 @@ class RunResult:
     stopped_by: str | None = None  # the signal that stopped the run ("SIGTERM"), if one did
 
 
+def run_home(parameters: dict[str, Any]) -> Path:
+    """Where a run's directory goes: the notebook's OUT_DIR (its checkpoints, exports and results), so that one run
+    is one folder; `runs/` for a notebook without an OUT_DIR."""
+    out_dir = parameters.get("OUT_DIR")
+    return Path(out_dir) if isinstance(out_dir, str) and out_dir.strip() else Path("runs")
+
+
 def run_notebook(notebook: str | Path, *, target: str = "local", params: dict[str, Any] | None = None,
-                 runs_dir: str | Path = "runs", name: str | None = None, kernel: str | None = None) -> RunResult:
+                 runs_dir: str | Path | None = None, name: str | None = None, kernel: str | None = None) -> RunResult:
+    """Execute `notebook` with `params` over the target's presets into a run directory under `runs_dir` (default:
+    `run_home`, the notebook's OUT_DIR) and read back its results."""
     import papermill as pm
 
     path = Path(notebook)
@@ -195,13 +223,15 @@ def run_notebook(notebook: str | Path, *, target: str = "local", params: dict[st
     params = dict(params or {})
     unknown = sorted(set(params) - set(declared))
     if unknown:
-        raise RunError(f"unknown parameter(s) {unknown} for {path.name}; it declares: {', '.join(declared)}")
+        raise RunError(f"unknown parameter(s) {unknown} for {path.name}; it declares: {', '.join(declared)}."
+                       f"{misspelt(unknown, declared)}")
     # Target presets are generic: apply the names this notebook declares, then the explicit -p values on top.
     merged = TARGETS[target].params_for(path.stem, declared) | params
     tpu_preflight(merged.get("DEVICE", declared.get("DEVICE")), TARGETS[target].env)
 
     stem = name or path.stem
-    final = Path(runs_dir) / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    home = Path(runs_dir) if runs_dir is not None else run_home(merged)
+    final = home / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     while final.exists() or final.with_name(final.name + ".running").exists():
         final = final.with_name(final.name + "x")
     work = final.with_name(final.name + ".running")

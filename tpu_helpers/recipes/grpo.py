@@ -12,8 +12,7 @@ checkpoints, exports). What GRPO adds: the algorithm's settings (`algorithms.grp
 this config's: NUM_GENERATIONS, KL_BETA, LOSS_TYPE, ...), START_FROM (None, "sft": a brief fine-tuning here first,
 an adapter, a model directory or a fine-tuning run's OUT_DIR), DATASET of prompts with answers (`data.rl`),
 REWARDS (`algorithms.rewards`) and MAX_PROMPT_LEN. BATCH_SIZE counts prompts per chip and step, each bringing
-NUM_GENERATIONS rows. Every parameter, and the method: README, "Reinforcement learning from rewards (GRPO)", and
-docs/algorithms/grpo.md.
+NUM_GENERATIONS rows. Every parameter, and the method: docs/jobs/grpo.md and docs/algorithms/grpo.md.
 """
 
 from __future__ import annotations

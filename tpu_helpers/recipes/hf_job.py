@@ -111,6 +111,7 @@ class HFJobConfig(TrainConfig):
         # The run's identity names the tokenizer: for a Hugging Face model it is the model's own.
         self.tokenizer = self.model if isinstance(self.model, str) else self.tokenizer
         super().__post_init__()
+        hf.check_model_name(self.model)  # a misspelt name fails here, not at the first download
         if self.method not in self.methods:
             raise ConfigError(f"method={self.method!r} is not one of {self.methods} for {self.recipe}")
         check_choice("export", self.export, EXPORT_WEIGHTS)

@@ -27,10 +27,12 @@ from tpu_helpers.algorithms.preference import PreferenceTrainer
 from tpu_helpers.algorithms.preference_loss import PreferenceSettings
 from tpu_helpers.config import settings_fields, settings_from
 from tpu_helpers.core.extras import require_extra
+from tpu_helpers.data.cuts import merged
 from tpu_helpers.data.preference import (
     build_preference_dataset,
     load_preference_records,
     split_pair,
+    warn_truncated,
 )
 from tpu_helpers.data.sft import DEFAULT_DATASET, exact_match, split_indices
 from tpu_helpers.memory.preference_plan import preference_estimate
@@ -136,8 +138,9 @@ class Preference(HFJob):
         for part in split_indices(len(held.training), cfg.val_fraction, cfg.seed):
             idx = [held.training[k] for k in part]  # errors name the record as read
             built.append(build_preference_dataset(self.tokenizer, [records[i] for i in idx], seq_len=cfg.seq_len,
-                                                  where=where, numbers=idx))
-        (train, stats), (val, _) = built
+                                                  where=where, numbers=idx, warn=False))
+        (train, stats), (val, val_stats) = built
+        warn_truncated(merged(stats, val_stats), cfg.seq_len)  # once, for the training and validation pairs
         return JobData(train, val, stats, held, records)
 
     @cached_property
@@ -145,7 +148,7 @@ class Preference(HFJob):
         """The held-out pairs as rows (what `preference_accuracy` scores)."""
         held = self.held_out
         return build_preference_dataset(self.tokenizer, held, seq_len=self.config.seq_len, where=held.where,
-                                        numbers=held.numbers)[0]
+                                        numbers=held.numbers, warn=False)[0]
 
     @cached_property
     def held_reference(self) -> torch.Tensor | None:
