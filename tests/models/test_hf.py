@@ -103,8 +103,8 @@ def test_generation_stops_at_the_generation_configs_extra_stop_token(tiny_lm_dir
     # Gemma 2/3 instruct end a turn with <end_of_turn>, listed in generation_config.eos_token_id beside EOS: with the
     # tokenizer's EOS alone as a stop token, answers would run past the end of the turn.
     from tpu_helpers.algorithms.grpo import GRPOSettings
-    from tpu_helpers.algorithms.rollouts import score_completions
     from tpu_helpers.algorithms.rewards import resolve_rewards
+    from tpu_helpers.algorithms.rollouts import score_completions
 
     model, tok = hf.load_causal_lm(str(tiny_lm_dir))
     torch.manual_seed(0)

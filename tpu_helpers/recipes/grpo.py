@@ -33,13 +33,14 @@ from tpu_helpers.algorithms.rewards import DEFAULT_FORMAT, resolve_rewards
 from tpu_helpers.algorithms.rollouts import AnswerRollouts, EpisodeRollouts
 from tpu_helpers.config import ConfigError, settings_fields, settings_from
 from tpu_helpers.core.extras import require_extra
+from tpu_helpers.data.held_out import HeldOut
 from tpu_helpers.data.rl import SUMS, load_prompt_records
 from tpu_helpers.memory.grpo_plan import grpo_estimate
 from tpu_helpers.models import hf, lora
 from tpu_helpers.models.generation import check_generation_support
 from tpu_helpers.models.hf import eos_ids
 from tpu_helpers.models.turns import TurnShape
-from tpu_helpers.recipes.hf_job import HeldOut, HFJob, HFJobConfig, JobData
+from tpu_helpers.recipes.hf_job import HFJob, HFJobConfig, JobData
 from tpu_helpers.training.results import panels_figure
 
 # As fine-tuning does: without transformers/peft the notebook stops at its first cell, naming the extra.

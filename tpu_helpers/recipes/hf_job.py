@@ -34,35 +34,13 @@ from tpu_helpers.core.atomic_io import atomic_write_text
 from tpu_helpers.core.choices import EXPORT_WEIGHTS, GGUF_TYPES, check_choice
 from tpu_helpers.core.hardware import format_bytes
 from tpu_helpers.core.sharding import is_sharded, mesh_shape
-from tpu_helpers.data.sft import record_key, split_indices
+from tpu_helpers.data.held_out import HeldOut, hold_out
 from tpu_helpers.memory.hf_plan import gathered_bytes_per_param, meta_model
 from tpu_helpers.memory.per_chip import shard_estimate, sharding_plan
 from tpu_helpers.memory.report import MemoryEstimate, memory_report
 from tpu_helpers.models import gguf_export, hf, lm_head, lora, quant4
 from tpu_helpers.recipes.base import Recipe
 from tpu_helpers.recipes.hub import check_repo_id
-
-
-class HeldOut(list):
-    """The held-out records (a list of them, with reference answers for `samples`), which never train, and where
-    they come from (`HFJob.hold_out`)."""
-
-    def __init__(self, records: list[dict], source: str, training: list[int], *, where: str = "held-out record",
-                 numbers: list[int] | None = None) -> None:
-        super().__init__(records)
-        self.source = source  # "EVAL_DATASET", "10% of DATASET", "the test split of 'sums'", "none: ..."
-        self.training = training  # the indices of DATASET's records that may train
-        self.where, self.numbers = where, numbers  # how an error names a held-out record: where + its number
-
-    def label(self, n: int | None = None) -> str:
-        """'held-out (10% of DATASET, 41 records)': where the records come from and how many (`n` of them)."""
-        n = len(self) if n is None else min(n, len(self))
-        return f"held-out ({self.source}, {n} record{'' if n == 1 else 's'})"
-
-    def training_rows(self, data: Any, stats: dict) -> tuple[Any, dict]:
-        """Prompt rows (`data.rl.PromptDataset`) less those of records that may not train, and their stats."""
-        kept = data.of_records(set(self.training))
-        return kept, {**stats, "prompts": len(kept)}
 
 
 @dataclass
@@ -362,56 +340,12 @@ class HFJob(Recipe):
     def hold_out(self, records: list[dict], load: Callable[..., list[dict]], *,
                  generated: Callable[[], list[dict]] | None = None,
                  usable: Callable[[dict, str], bool] | None = None) -> HeldOut:
-        """The held-out records, none of which trains, and which of DATASET's `records` may train:
-
-        - EVAL_DATASET given: its first EVAL_RECORDS records, read by `load(source, split=, max_records=)`;
-        - else a generated DATASET's own test split, `generated()`;
-        - else EVAL_SHARE of DATASET's records (at least one, at most EVAL_RECORDS), drawn with SEED.
-
-        `usable(record, where)`: whether a record can be measured (has an answer); only those are held out. A
-        DATASET record equal to a held-out one (the same content) does not train either, and a warning counts them."""
+        """The held-out records, none of which trains, and which of DATASET's `records` may train
+        (`data.held_out.hold_out`, with this job's EVAL_DATASET, EVAL_SHARE, EVAL_RECORDS and SEED)."""
         cfg = self.config
-        everything = list(range(len(records)))
-        if cfg.eval_dataset is None and generated is not None:
-            return HeldOut(generated(), f"the test split of {cfg.dataset!r}", everything)
-        if cfg.eval_dataset is not None:
-            where = f"EVAL_DATASET={cfg.eval_dataset!r} record"
-            held = load(cfg.eval_dataset, split=self.eval_split, max_records=cfg.eval_records + 1)
-            if len(held) > cfg.eval_records:
-                warnings.warn(f"EVAL_DATASET={cfg.eval_dataset!r} holds more than EVAL_RECORDS={cfg.eval_records} "
-                              f"records: its first {cfg.eval_records} are the held-out set; raise EVAL_RECORDS to "
-                              "measure more", stacklevel=2)
-                held = held[:cfg.eval_records]
-            numbers = [k for k, r in enumerate(held) if usable is None or usable(r, f"{where} {k}")]
-            if not numbers:
-                raise ConfigError(f"EVAL_DATASET={cfg.eval_dataset!r} has no record to measure ({len(held)} read, "
-                                  "none with an answer)")
-            source, taken = "EVAL_DATASET", [held[k] for k in numbers]
-        else:
-            where = f"DATASET={cfg.dataset!r} record"
-            candidates = [i for i in everything if usable is None or usable(records[i], f"{where} {i}")]
-            if cfg.eval_share == 0 or not candidates:
-                why = "EVAL_SHARE=0" if cfg.eval_share == 0 else "no record of DATASET has an answer to measure"
-                return HeldOut([], f"none: {why}", everything)
-            if len(records) < 2:
-                raise ConfigError(f"DATASET={cfg.dataset!r} has {len(records)} record: none would be left to train "
-                                  f"once EVAL_SHARE={cfg.eval_share} is held out; give more records, EVAL_DATASET, "
-                                  "or EVAL_SHARE=0")
-            numbers = sorted(candidates[k] for k in split_indices(len(candidates), cfg.eval_share, cfg.seed,
-                                                                  at_most=cfg.eval_records)[1])
-            taken = [records[i] for i in numbers]
-            source = f"{100 * len(taken) / len(records):.2g}% of DATASET"
-        keys = {record_key(r) for r in taken}
-        training = [i for i in everything if record_key(records[i]) not in keys]
-        twins = len(records) - len(training) - (0 if cfg.eval_dataset is not None else len(taken))
-        if twins:
-            warnings.warn(f"{twins} of DATASET's records equal a held-out record ({source}) and are left out of "
-                          "training too, so that no held-out record trains; remove the repeats from DATASET (or "
-                          "from EVAL_DATASET) to train on them", stacklevel=2)
-        if not training:
-            raise ConfigError(f"DATASET={cfg.dataset!r}: no record is left to train once the held-out records "
-                              f"({source}) are kept out")
-        return HeldOut(taken, source, training, where=where, numbers=numbers)
+        return hold_out(records, load, dataset=cfg.dataset, eval_dataset=cfg.eval_dataset, eval_share=cfg.eval_share,
+                        eval_records=cfg.eval_records, seed=cfg.seed, split=self.eval_split, generated=generated,
+                        usable=usable)
 
     # ---- 4. training -------------------------------------------------------------------------------------------
     def run_identity(self) -> dict:
