@@ -10,7 +10,7 @@ from tpu_helpers.data.cuts import TruncationWarning
 from tpu_helpers.data.rl import build_prompt_dataset, load_prompt_records, prompt_and_answer, sum_records
 
 
-def test_the_sums_task_has_checkable_answers_and_a_test_split_of_every_pair():
+def test_the_sums_task_has_checkable_answers_and_a_test_split_training_never_draws():
     train = sum_records(500, seed=3)
     assert train == sum_records(500, seed=3) and len(train) == 500
     for r in train[:50]:
@@ -18,6 +18,8 @@ def test_the_sums_task_has_checkable_answers_and_a_test_split_of_every_pair():
         assert r["answer"] == str(a + b)
     test = load_prompt_records("sums", split="test")
     assert len(test) == 100 and len({r["prompt"] for r in test}) == 100
+    trained = {r["prompt"] for r in load_prompt_records("sums")}
+    assert not trained & {r["prompt"] for r in test}  # held out: no test prompt is ever a training prompt
 
 
 def test_prompts_are_left_padded_with_their_record_index(tiny_lm_dir):
