@@ -172,3 +172,15 @@ def test_start_from_sft_on_your_own_tool_conversations(tmp_path, tool_model, use
     job = _agent_job(tmp_path, tool_model, user_code, start_from="sft", sft_dataset=str(demos), sft_steps=1)
     assert job.start_source == str(tmp_path / "run" / "sft" / "merged")
     assert json.loads((tmp_path / "run" / "sft" / "finetune.json").read_text())["dataset"] == str(demos)
+
+
+def test_a_cut_episode_says_why_once_with_the_size_that_would_have_fit(tmp_path, tool_model, scripted, user_code):
+    # Before, a TOOL_TOKENS too small for a tool's result ended the episode silently: only "cut" in the figures.
+    job = _agent_job(tmp_path, tool_model, user_code, tool_tokens=4, max_turns=1)
+    with pytest.warns(UserWarning, match=r"an episode was cut: a tool result took (\d+) tokens of tool text .*, more "
+                                         r"than TOOL_TOKENS=4: TOOL_TOKENS=\1 would have fit it") as said:
+        out = job.samples(8)
+    assert out["truncated"] > 0
+    assert sum("TOOL_TOKENS=4" in str(w.message) for w in said) == 1  # once per cause, then only counted
+    runner = job.rollouts.runner
+    assert runner.warnings["tool_tokens"] >= 1 and runner.needed["tool_tokens"] > 4
