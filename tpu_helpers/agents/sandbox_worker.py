@@ -1,0 +1,386 @@
+"""The sandbox's worker: the program `sandbox.py` starts as `python -I -u -c <this file's text> <settings as JSON>`.
+
+It isolates itself before it reads any code (one fresh single-threaded interpreter, so nothing here runs in a forked
+copy of the training process): namespaces (network, mount, pid, ipc, uts; a user namespace first when not root),
+then in the mount namespace tmpfs over the home folders (the interpreter's own prefixes bound back read-only), every
+other mount read-only and a private tmpfs as /tmp, the working folder. It then forks the interpreter that runs code
+(pid 1 of the new pid namespace: when it ends, the kernel ends every process under it), which mounts its /proc, sets
+the resource limits, drops to its own uid, and applies Landlock and seccomp where the kernel has them. Each step
+that fails is recorded, never fatal: the report it sends says what holds, and the parent says it once.
+
+Pipes: fd 0 brings requests, fds 1 and 2 take the output, `ctl` takes length-prefixed JSON messages (the outer
+process's `{"pid"}`, then `{"ready": report}` and one `{"error"}` per request), `life` closes when the parent dies.
+Standard library only: the worker runs with none of the package importable.
+"""
+
+import ctypes
+import errno
+import json
+import os
+import resource
+import select
+import signal
+import struct
+import sys
+
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
+ST_FLAGS = {1: MS_RDONLY, 2: MS_NOSUID, 4: MS_NODEV, 8: MS_NOEXEC, 1024: MS_NOATIME, 2048: MS_NODIRATIME,
+            4096: MS_RELATIME}  # statvfs f_flag bit -> mount flag: a bind remount must keep the locked ones
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+SYS_LANDLOCK = {"x86_64": (444, 445, 446), "aarch64": (444, 445, 446)}
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+libc.syscall.restype = ctypes.c_long
+
+
+def _check(result, what):
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def mount(source, target, fstype, flags, data=None):
+    enc = (lambda s: s.encode() if isinstance(s, str) else s)
+    _check(libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
+
+
+def send(fd, message):
+    data = json.dumps(message).encode()
+    os.write(fd, struct.pack("<I", len(data)) + data)
+
+
+def read_exact(fd, n):
+    out = b""
+    while len(out) < n:
+        chunk = os.read(fd, n - len(out))
+        if not chunk:
+            return None
+        out += chunk
+    return out
+
+
+def unshare(cfg, report):
+    """The namespaces, one call each so the report says which the kernel refused."""
+    if os.geteuid() != 0:
+        uid, gid = os.geteuid(), os.getegid()
+        try:
+            _check(libc.unshare(CLONE_NEWUSER), "unshare(user)")
+            with open("/proc/self/setgroups", "w") as f:
+                f.write("deny")
+            with open("/proc/self/uid_map", "w") as f:
+                f.write(f"0 {uid} 1")
+            with open("/proc/self/gid_map", "w") as f:
+                f.write(f"0 {gid} 1")
+            report["userns"] = "on"
+        except OSError as err:
+            report["userns"] = f"refused ({err})"
+    for name, flag in (("net", CLONE_NEWNET), ("mount", CLONE_NEWNS), ("pid", CLONE_NEWPID), ("ipc", CLONE_NEWIPC),
+                       ("uts", CLONE_NEWUTS)):
+        try:
+            _check(libc.unshare(flag), f"unshare({name})")
+            report[name + "ns"] = "on"
+        except OSError as err:
+            report[name + "ns"] = f"refused ({err.strerror})"
+
+
+def mount_points():
+    """The mount points, from /proc/self/mountinfo (octal escapes decoded)."""
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            point = line.split()[4]
+            out.append(point.encode().decode("unicode_escape").encode("latin-1").decode(errors="surrogateescape"))
+    return out
+
+
+def under(path, parent):
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def filesystem(cfg, report):
+    """In the mount namespace: the home folders hidden, everything read-only, a private tmpfs as /tmp."""
+    uid, gid = cfg["uid"], cfg["gid"]
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    keep = [p for p in cfg["keep"] if os.path.isdir(p)]
+    hidden = []
+    fds = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in keep if any(under(p, h) for h in cfg["hide"])}
+    for h in cfg["hide"]:
+        if os.path.isdir(h) and not os.path.islink(h) and not any(under(h, x) for x in hidden):
+            mount("tmpfs", h, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
+            hidden.append(h)
+    for p, fd in fds.items():
+        os.makedirs(p, exist_ok=True)
+        mount(f"/proc/self/fd/{fd}", p, None, MS_BIND | MS_REC)
+        os.close(fd)
+    report["hidden"] = hidden
+    failed = []
+    for point in mount_points():
+        if under(point, "/proc"):
+            continue
+        try:
+            flags = sum(m for bit, m in ST_FLAGS.items() if os.statvfs(point).f_flag & bit)
+            mount(None, point, None, MS_BIND | MS_REMOUNT | MS_RDONLY | flags)
+        except OSError as err:
+            failed.append(f"{point}: {err.strerror}")
+    report["readonly"] = "on" if os.statvfs("/").f_flag & 1 else "refused"
+    report["readonly_failed"] = failed[:5]
+    size = f"size={cfg['tmp_mb']}m,mode=0700,uid={uid},gid={gid}"
+    mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, size)
+    if os.path.isdir("/dev/shm"):
+        try:
+            mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, size)
+        except OSError:
+            pass
+    report["workdir"] = "/tmp"
+
+
+def limits(cfg, report):
+    mib = 1 << 20
+    for name, value in (("RLIMIT_AS", cfg["memory_mb"] * mib), ("RLIMIT_NPROC", cfg["processes"]),
+                        ("RLIMIT_FSIZE", cfg["file_mb"] * mib), ("RLIMIT_CORE", 0), ("RLIMIT_NOFILE", 256),
+                        ("RLIMIT_CPU", cfg["cpu_hard_s"])):
+        try:
+            resource.setrlimit(getattr(resource, name), (value, value))
+        except (OSError, ValueError) as err:
+            report.setdefault("limits_failed", []).append(f"{name}: {err}")
+
+
+def drop_user(cfg, report):
+    if os.geteuid() != 0 or report.get("userns") == "on":
+        report["uid"] = f"{os.geteuid()} (not root to begin with)" if report.get("userns") != "on" else \
+            "the caller's (user namespace)"
+        return
+    try:
+        os.setgroups([])
+        os.setgid(cfg["gid"])
+        os.setuid(cfg["uid"])
+        report["uid"] = str(os.getuid())
+    except OSError as err:
+        report["uid"] = f"refused ({err.strerror}): runs as root"
+
+
+def landlock(cfg, report):
+    """Writes only under the working folder; reads everywhere but the hidden folders (their kept prefixes aside); no
+    TCP; no signals out of the sandbox (each where the kernel's Landlock ABI has it)."""
+    nums = SYS_LANDLOCK.get(os.uname().machine)
+    if nums is None:
+        report["landlock"] = "unknown syscall numbers on this machine"
+        return
+    create, add, restrict = nums
+    abi = libc.syscall(create, None, 0, 1)
+    if abi < 1:
+        report["landlock"] = f"not available ({os.strerror(ctypes.get_errno())})"
+        return
+    fs = (1 << 13) - 1
+    fs |= (1 << 13) if abi >= 2 else 0
+    fs |= (1 << 14) if abi >= 3 else 0
+    fs |= (1 << 15) if abi >= 5 else 0
+    net = 3 if abi >= 4 else 0
+    scoped = 3 if abi >= 6 else 0
+    attr = struct.pack("<QQQ", fs, net, scoped)[:8 if abi < 4 else 16 if abi < 6 else 24]
+    buf = ctypes.create_string_buffer(attr, len(attr))
+    ruleset = libc.syscall(create, buf, len(attr), 0)
+    if ruleset < 0:
+        report["landlock"] = f"refused ({os.strerror(ctypes.get_errno())})"
+        return
+    read = 1 | 4 | 8  # execute, read file, read dir
+
+    def allow(path, access):
+        try:
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        except OSError:
+            return
+        rule = ctypes.create_string_buffer(struct.pack("<Qi", access & fs, fd), 12)
+        libc.syscall(add, ruleset, 1, rule, 0)
+        os.close(fd)
+
+    hide = cfg["hide"]
+    for entry in os.listdir("/"):
+        path = "/" + entry
+        if path in ("/tmp", "/dev") or any(under(path, h) or under(h, path) for h in hide):
+            continue
+        allow(path, read)
+    for h in hide:  # the parents of a hidden folder, but its siblings only
+        parent = os.path.dirname(h)
+        if parent != "/" and os.path.isdir(parent):
+            for entry in os.listdir(parent):
+                path = os.path.join(parent, entry)
+                if not any(under(path, x) or under(x, path) for x in hide):
+                    allow(path, read)
+    for p in cfg["keep"]:
+        allow(p, read)
+    allow("/dev", read | 2 | (1 << 14) | (1 << 15))  # /dev/null (opened with O_TRUNC too), /dev/urandom
+    allow(cfg["workdir"], fs)
+    if os.path.isdir("/dev/shm") and report.get("mountns") == "on":
+        allow("/dev/shm", fs)
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or libc.syscall(restrict, ruleset, 0) != 0:
+        report["landlock"] = f"refused ({os.strerror(ctypes.get_errno())})"
+    else:
+        report["landlock"] = f"on (ABI {abi}" + ("; TCP denied" if net else "") + ("; signals scoped" if scoped
+                                                                                   else "") + ")"
+    os.close(ruleset)
+
+
+class ArgCmp(ctypes.Structure):
+    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("a", ctypes.c_uint64), ("b", ctypes.c_uint64)]
+
+
+def seccomp(cfg, report):
+    """libseccomp through ctypes, where the library is installed: no IPv4/IPv6/packet sockets, no io_uring (it
+    opens sockets past the filter), no ptrace, mounts, namespaces, keyrings or bpf."""
+    import ctypes.util
+
+    name = ctypes.util.find_library("seccomp")
+    if not name:
+        report["seccomp"] = "libseccomp is not installed"
+        return
+    try:
+        lib = ctypes.CDLL(name, use_errno=True)
+        lib.seccomp_init.restype = ctypes.c_void_p
+        lib.seccomp_init.argtypes = [ctypes.c_uint32]
+        lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint,
+                                               ctypes.POINTER(ArgCmp)]
+        lib.seccomp_load.argtypes = [ctypes.c_void_p]
+        lib.seccomp_release.argtypes = [ctypes.c_void_p]
+        lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+        ctx = lib.seccomp_init(0x7FFF0000)  # allow by default
+        deny = 0x00050000 | errno.EPERM
+        socket = lib.seccomp_syscall_resolve_name(b"socket")
+        for family in (2, 10, 17):  # AF_INET, AF_INET6, AF_PACKET
+            cmp = (ArgCmp * 1)(ArgCmp(0, 4, family, 0))  # SCMP_CMP_EQ on argument 0
+            _check(lib.seccomp_rule_add_array(ctx, deny, socket, 1, cmp), "seccomp rule socket")
+        for call in ("io_uring_setup", "ptrace", "process_vm_readv", "process_vm_writev", "mount", "umount2",
+                     "pivot_root", "unshare", "setns", "keyctl", "add_key", "request_key", "bpf", "perf_event_open",
+                     "userfaultfd", "kexec_load"):
+            nr = lib.seccomp_syscall_resolve_name(call.encode())
+            if nr >= 0:
+                _check(lib.seccomp_rule_add_array(ctx, deny, nr, 0, None), f"seccomp rule {call}")
+        libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+        _check(lib.seccomp_load(ctx), "seccomp_load")
+        lib.seccomp_release(ctx)
+        report["seccomp"] = "on"
+    except (OSError, AttributeError) as err:
+        report["seccomp"] = f"refused ({err})"
+
+
+def cell(code):
+    """Run one snippet as a notebook cell in the worker's globals: the last expression's repr is printed. Returns
+    None, or the error's last line."""
+    import ast
+    import traceback
+
+    try:
+        tree = ast.parse(code, "<cell>")
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+        exec(compile(tree, "<cell>", "exec"), SCOPE)
+        if last is not None:
+            value = eval(compile(last, "<cell>", "eval"), SCOPE)
+            if value is not None:
+                print(repr(value))
+        return None
+    except BaseException as err:  # noqa: BLE001 (the snippet's failure is its answer)
+        line = next((f.lineno for f in reversed(traceback.extract_tb(err.__traceback__))
+                     if f.filename == "<cell>"), getattr(err, "lineno", None) if isinstance(err, SyntaxError) else None)
+        text = traceback.format_exception_only(type(err), err)[-1].strip()
+        return text + (f" (line {line})" if line else "")
+
+
+SCOPE = {"__name__": "__main__", "__builtins__": __builtins__}
+
+
+def serve(cfg, ctl, report):
+    """The request loop of the interpreter that runs code; after each cell, processes it left behind are ended
+    (where this interpreter is pid 1 or runs under its own uid, so that cannot reach anything else)."""
+    me = os.getpid()
+    sweep = me == 1 or report.get("uid", "").isdigit()
+    sys.stdout.reconfigure(errors="backslashreplace")
+    sys.stderr.reconfigure(errors="backslashreplace")
+    send(ctl, {"ready": report})
+    while True:
+        head = read_exact(0, 4)
+        if head is None:
+            os._exit(0)
+        request = json.loads(read_exact(0, struct.unpack("<I", head)[0]))
+        used = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
+        try:
+            resource.setrlimit(resource.RLIMIT_CPU, (min(int(used) + request["cpu_s"], cfg["cpu_hard_s"]),
+                                                   cfg["cpu_hard_s"]))
+        except (OSError, ValueError):
+            pass
+        error = cell(request["code"])
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 (a snippet may have closed them)
+            pass
+        if os.getpid() != me:  # a child the snippet forked ends here, never in the loop
+            os._exit(0)
+        if sweep and request.get("sweep", True):
+            try:
+                os.kill(-1, signal.SIGKILL)
+            except OSError:
+                pass
+            try:
+                while os.waitpid(-1, os.WNOHANG)[0]:
+                    pass
+            except ChildProcessError:
+                pass
+        send(ctl, {"error": error})
+
+
+def main():
+    cfg = json.loads(sys.argv[1])
+    ctl, life = cfg["ctl"], cfg["life"]
+    report = {}
+    if cfg["namespaces"]:
+        unshare(cfg, report)
+    if report.get("mountns") == "on":
+        try:
+            filesystem(cfg, report)
+        except OSError as err:
+            report["filesystem"] = f"refused ({err})"
+    if "workdir" not in report:
+        report["workdir"] = cfg["workdir"]
+    cfg["workdir"] = report["workdir"]
+    pid = os.fork()
+    if pid:  # the outer process: tells the parent the worker's pid, ends it when the parent goes
+        send(ctl, {"pid": pid})
+        for fd in (0, 1, 2, ctl):
+            os.close(fd)
+        while True:
+            ready, _, _ = select.select([life], [], [], 0.5)
+            if ready and not os.read(life, 1):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+    os.close(life)
+    if report.get("pidns") == "on":
+        try:
+            mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        except OSError as err:
+            report["proc"] = f"refused ({err.strerror})"
+    limits(cfg, report)
+    drop_user(cfg, report)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after the uid change, which clears it
+    os.chdir(cfg["workdir"])
+    if cfg["landlock"]:
+        landlock(cfg, report)
+    if cfg["seccomp"]:
+        seccomp(cfg, report)
+    report["pid"] = os.getpid()
+    serve(cfg, ctl, report)
+
+
+if __name__ == "__main__":
+    main()
