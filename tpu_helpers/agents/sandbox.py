@@ -125,6 +125,7 @@ class Worker:
         self.pid: int | None = None
         self.report: dict | None = None
         self.buffer = b""
+        self.ended = False  # the worker closed its end: it died
         if os.geteuid() == 0:
             os.chown(self.workdir, self.uid, self.uid)
         os.chmod(self.workdir, 0o700)
@@ -147,8 +148,10 @@ class Worker:
         while self.report is None:
             message = self._message(deadline)
             if message is None:
-                self.kill()
-                raise RuntimeError(f"the sandbox worker did not start: {self._output(deadline)!r}")
+                out = [b"", 0, 4096]
+                self.kill(out)
+                raise RuntimeError(f"the sandbox worker did not start (exit status {self.proc.returncode}): "
+                                   f"{out[0].decode(errors='replace')[-2000:]}")
             self.report = message.get("ready", self.report)
 
     def _message(self, deadline: float, out: list | None = None) -> dict | None:
@@ -172,6 +175,7 @@ class Worker:
             if self.ctl in ready:
                 chunk = os.read(self.ctl, 65536)
                 if not chunk:
+                    self.ended = True
                     return None
                 self.buffer += chunk
 
@@ -182,12 +186,6 @@ class Worker:
                 out[0] += chunk[:out[2] - len(out[0])]
             out[1] += len(chunk)
         return bool(chunk)
-
-    def _output(self, deadline: float) -> str:
-        out = [b"", 0, 4096]
-        while time.monotonic() < deadline and select.select([self.out], [], [], 0.2)[0] and self._take(out):
-            pass
-        return out[0].decode(errors="replace")
 
     def run(self, code: str, *, keep: bool) -> tuple[str, bool]:
         """The call's text, and whether the worker still serves (keep: it is not ended after the call)."""
@@ -202,9 +200,8 @@ class Worker:
             message = None
         alive = message is not None and keep
         if message is None:
-            timed_out = self.proc.poll() is None and not self._ended()
             self.kill(out)
-            if timed_out:
+            if not self.ended:
                 note = f"TimeoutError: the code ran past its {limits.wall_s:g} s limit and was stopped"
             else:
                 note = self._death(self.proc.returncode)
@@ -220,14 +217,6 @@ class Worker:
         text = _clean(out[0], out[1], limits.output_chars)
         return "\n".join(p for p in (text.rstrip("\n"), note) if p) or "(no output: print what you want to see)", alive
 
-    def _ended(self) -> bool:
-        """Whether the interpreter that runs code has ended (its outer process may still be reaping it)."""
-        try:
-            self.proc.wait(0.2)
-            return True
-        except subprocess.TimeoutExpired:
-            return False
-
     def _death(self, code: int | None) -> str:
         limits = self.box.limits
         if code is not None and code > 128:
@@ -239,19 +228,21 @@ class Worker:
 
     def kill(self, out: list | None = None) -> None:
         """End the worker and everything it started; the output left in the pipe goes to `out`."""
-        for pid in (self.pid, self.proc.pid):
-            if pid:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
+        if self.pid:  # the outer process reaps it, then ends: killed first, it would leave a zombie behind
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except OSError:
+                pass
         if os.geteuid() == 0 and not (self.report or {}).get("pid") == 1:
             _kill_uid(self.uid)
-        self.proc.wait()
+        try:
+            self.proc.wait(2)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            self.proc.wait()
         deadline = time.monotonic() + 1
         while out is not None and time.monotonic() < deadline and select.select([self.out], [], [], 0.1)[0] \
                 and self._take(out):
@@ -450,7 +441,8 @@ def layers_from(box: Sandbox, report: dict, seen: dict, wrote: bool) -> dict[str
     layers["writes"] = (f"NOT confined: a write outside its folder landed" if wrote else
                         "only to its own folder (" + ("private tmpfs, the rest read-only" if report.get(
                             "readonly") == "on" else why("landlock") + (f", uid {uid}" if uid else "")) + f", {box.limits.tmp_mb} MiB, removed after)")
-    layers["user"] = (f"uid {uid}" if uid else "NOT dropped: runs as root (the process cap does not hold)") + \
+    layers["user"] = (f"uid {uid}" if uid else f"NOT dropped ({report.get('uid')}): the process cap does not "
+                      "hold") + \
         ("; cannot signal the caller" if seen.get("signal") != "can signal the caller" else
          "; NOT cut off: can signal the caller")
     layers["tree"] = ("pid namespace (the whole tree ends with the call)" if seen.get("pid") == 1 else
@@ -490,7 +482,8 @@ def python(code: str) -> str:
 class PythonSession:
     """An environment with one interpreter per episode: names defined in one call are there in the next, as in
     notebook cells. Each call has the same limits as `python`; a call that runs past them restarts the interpreter
-    (the reply says so). The interpreter ends with reset() or when the environment is dropped."""
+    (the reply says so). The interpreter ends with reset() (the next call starts a fresh one) or when the
+    environment is dropped; its only public method is the tool."""
 
     def __init__(self, sandbox: Sandbox | None = None):
         self.sandbox = sandbox
@@ -524,6 +517,3 @@ class PythonSession:
             if not alive:
                 self.held[0] = None
         return text
-
-    def close(self) -> None:
-        self.end()

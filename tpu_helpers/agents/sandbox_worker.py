@@ -150,10 +150,23 @@ def limits(cfg, report):
             report.setdefault("limits_failed", []).append(f"{name}: {err}")
 
 
+def reachable(path):
+    """Whether another uid can reach a folder: every folder on the way lets others through."""
+    while path not in ("/", ""):
+        if not os.stat(path).st_mode & 0o001:
+            return False
+        path = os.path.dirname(path)
+    return True
+
+
 def drop_user(cfg, report):
     if os.geteuid() != 0 or report.get("userns") == "on":
         report["uid"] = f"{os.geteuid()} (not root to begin with)" if report.get("userns") != "on" else \
             "the caller's (user namespace)"
+        return
+    blocked = [p for p in cfg["keep"] if not reachable(p)]
+    if blocked:
+        report["uid"] = f"kept root: another uid cannot reach the interpreter's {blocked[0]} (no mount namespace)"
         return
     try:
         os.setgroups([])
@@ -328,8 +341,8 @@ def serve(cfg, ctl, report):
             except OSError:
                 pass
             try:
-                while os.waitpid(-1, os.WNOHANG)[0]:
-                    pass
+                while True:  # every one was killed: each is reaped here (orphans too, as pid 1), none left a zombie
+                    os.waitpid(-1, 0)
             except ChildProcessError:
                 pass
         send(ctl, {"error": error})
@@ -354,16 +367,23 @@ def main():
         send(ctl, {"pid": pid})
         for fd in (0, 1, 2, ctl):
             os.close(fd)
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
         while True:
-            ready, _, _ = select.select([life], [], [], 0.5)
-            if ready and not os.read(life, 1):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                code = os.waitstatus_to_exitcode(status)
+                os._exit(128 - code if code < 0 else min(code, 127))
+            ready, _, _ = select.select([life, wake_r], [], [])
+            if wake_r in ready:
+                os.read(wake_r, 512)
+            if life in ready and not os.read(life, 1):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except OSError:
                     pass
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
     os.close(life)
     if report.get("pidns") == "on":
         try:
