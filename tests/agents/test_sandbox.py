@@ -201,7 +201,7 @@ def test_deleting_files_touches_only_its_own_folder(tools, box, tmp_path):
 
 def test_snippets_run_at_once_up_to_the_concurrency(box):
     start = time.monotonic()
-    replies = box.run_many(["import time\ntime.sleep(1)\nprint(%d)" % i for i in range(4)])
+    replies = box.run_many([f"import time\ntime.sleep(1)\nprint({i})" for i in range(4)])
     assert replies == ["0", "1", "2", "3"]
     assert time.monotonic() - start < 4 * 1.0  # two at a time, not one after the other
 

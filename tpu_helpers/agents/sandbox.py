@@ -433,12 +433,12 @@ def layers_from(box: Sandbox, report: dict, seen: dict, wrote: bool) -> dict[str
     layers = {}
     uid = seen.get("uid")
     net = seen.get("net", "?")
-    layers["network"] = (f"NOT isolated: a TCP connection to the loopback went through" if net == "connected" else
+    layers["network"] = ("NOT isolated: a TCP connection to the loopback went through" if net == "connected" else
                          f"off ({why('netns', 'seccomp', 'landlock_tcp')}; a loopback connection: {net})")
     home = seen.get("home", "?")
     layers["home"] = (f"hidden ({why('mountns', 'landlock')}" + (f"; uid {uid}" if uid else "") + ")" if home.startswith(
         "refused") or home == "listed 0" else f"NOT hidden: the worker {home} of {os.path.expanduser('~')}")
-    layers["writes"] = (f"NOT confined: a write outside its folder landed" if wrote else
+    layers["writes"] = ("NOT confined: a write outside its folder landed" if wrote else
                         "only to its own folder (" + ("private tmpfs, the rest read-only" if report.get(
                             "readonly") == "on" else why("landlock") + (f", uid {uid}" if uid else "")) + f", {box.limits.tmp_mb} MiB, removed after)")
     layers["user"] = (f"uid {uid}" if uid else f"NOT dropped ({report.get('uid')}): the process cap does not "

@@ -45,8 +45,8 @@ def _check(result, what):
 
 
 def mount(source, target, fstype, flags, data=None):
-    enc = (lambda s: s.encode() if isinstance(s, str) else s)
-    _check(libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
+    source, target, fstype, data = (s.encode() if isinstance(s, str) else s for s in (source, target, fstype, data))
+    _check(libc.mount(source, target, fstype, flags, data), f"mount {target.decode()}")
 
 
 def send(fd, message):
