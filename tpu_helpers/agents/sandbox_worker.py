@@ -13,6 +13,7 @@ process's `{"pid"}`, then `{"ready": report}` and one `{"error"}` per request), 
 Standard library only: the worker runs with none of the package importable.
 """
 
+import ast
 import ctypes
 import errno
 import json
@@ -22,6 +23,7 @@ import select
 import signal
 import struct
 import sys
+import traceback
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
@@ -246,14 +248,18 @@ class ArgCmp(ctypes.Structure):
 def seccomp(cfg, report):
     """libseccomp through ctypes, where the library is installed: no IPv4/IPv6/packet sockets, no io_uring (it
     opens sockets past the filter), no ptrace, mounts, namespaces, keyrings or bpf."""
-    import ctypes.util
-
-    name = ctypes.util.find_library("seccomp")
-    if not name:
-        report["seccomp"] = "libseccomp is not installed"
-        return
     try:
+        lib = ctypes.CDLL("libseccomp.so.2", use_errno=True)
+    except OSError:
+        # find_library runs ldconfig (tens of ms): only where the usual name is not found
+        from ctypes.util import find_library
+
+        name = find_library("seccomp")
+        if not name:
+            report["seccomp"] = "libseccomp is not installed"
+            return
         lib = ctypes.CDLL(name, use_errno=True)
+    try:
         lib.seccomp_init.restype = ctypes.c_void_p
         lib.seccomp_init.argtypes = [ctypes.c_uint32]
         lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint,
@@ -284,9 +290,6 @@ def seccomp(cfg, report):
 def cell(code):
     """Run one snippet as a notebook cell in the worker's globals: the last expression's repr is printed. Returns
     None, or the error's last line."""
-    import ast
-    import traceback
-
     try:
         tree = ast.parse(code, "<cell>")
         last = None
