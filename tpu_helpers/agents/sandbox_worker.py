@@ -105,39 +105,38 @@ def under(path, parent):
 
 
 def filesystem(cfg, report):
-    """In the mount namespace: the home folders hidden, everything read-only, a private tmpfs as /tmp."""
+    """In the mount namespace: the home folders hidden, a private tmpfs as /tmp (and /dev/shm), the interpreter's
+    folders bound back where those covered them, then every other mount read-only."""
     uid, gid = cfg["uid"], cfg["gid"]
     mount(None, "/", None, MS_REC | MS_PRIVATE)
-    keep = [p for p in cfg["keep"] if os.path.isdir(p)]
+    private = [p for p in ("/tmp", "/dev/shm") if os.path.isdir(p)]
+    covered = [*cfg["hide"], *private]
+    fds = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in cfg["keep"]
+           if os.path.isdir(p) and any(under(p, c) for c in covered)}
     hidden = []
-    fds = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in keep if any(under(p, h) for h in cfg["hide"])}
     for h in cfg["hide"]:
         if os.path.isdir(h) and not os.path.islink(h) and not any(under(h, x) for x in hidden):
             mount("tmpfs", h, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
             hidden.append(h)
+    report["hidden"] = hidden
+    size = f"size={cfg['tmp_mb']}m,mode=0700,uid={uid},gid={gid}"
+    for p in private:
+        mount("tmpfs", p, "tmpfs", MS_NOSUID | MS_NODEV, size)
     for p, fd in fds.items():
         os.makedirs(p, exist_ok=True)
         mount(f"/proc/self/fd/{fd}", p, None, MS_BIND | MS_REC)
         os.close(fd)
-    report["hidden"] = hidden
     failed = []
     for point in mount_points():
-        if under(point, "/proc"):
+        if under(point, "/proc") or point in private:
             continue
         try:
             flags = sum(m for bit, m in ST_FLAGS.items() if os.statvfs(point).f_flag & bit)
             mount(None, point, None, MS_BIND | MS_REMOUNT | MS_RDONLY | flags)
-        except OSError as err:
+        except OSError as err:  # a mount under a hidden folder is out of reach: nothing to do
             failed.append(f"{point}: {err.strerror}")
     report["readonly"] = "on" if os.statvfs("/").f_flag & 1 else "refused"
     report["readonly_failed"] = failed[:5]
-    size = f"size={cfg['tmp_mb']}m,mode=0700,uid={uid},gid={gid}"
-    mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, size)
-    if os.path.isdir("/dev/shm"):
-        try:
-            mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, size)
-        except OSError:
-            pass
     report["workdir"] = "/tmp"
 
 
