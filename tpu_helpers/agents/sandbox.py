@@ -145,7 +145,7 @@ class Worker:
                 os.close(fd)
         self.ctl, self.out = ctl_r, out_r
         deadline = time.monotonic() + 30
-        while self.report is None:
+        while self.report is None or self.pid is None:  # the two messages come in either order
             message = self._message(deadline)
             if message is None:
                 out = [b"", 0, 4096]
@@ -164,7 +164,6 @@ class Worker:
                     message, self.buffer = json.loads(self.buffer[4:4 + n]), self.buffer[4 + n:]
                     if "pid" in message:
                         self.pid = message["pid"]
-                        continue
                     return message
             left = deadline - time.monotonic()
             if left <= 0:
@@ -195,7 +194,10 @@ class Worker:
         try:
             self.proc.stdin.write(struct.pack("<I", len(request)) + request)
             self.proc.stdin.flush()
-            message = self._message(time.monotonic() + limits.wall_s, out)
+            deadline = time.monotonic() + limits.wall_s
+            message = self._message(deadline, out)
+            while message is not None and "error" not in message:
+                message = self._message(deadline, out)
         except (BrokenPipeError, OSError):
             message = None
         alive = message is not None and keep
