@@ -8,8 +8,8 @@
 as in a notebook cell), then the error's last line if it raised; a run past its limits, a crash or a flood of output
 is a message and the next call works. Output is cut at `Limits.output_chars` with a marker. Each call runs in a worker
 that sandbox_worker.py isolates before it reads code: network, mount and pid namespaces (no network, loopback
-included; the home folders hidden; every mount read-only but a private tmpfs, its working folder, gone with it; the
-whole process tree ends with it), its own uid (so the process cap holds), Landlock and seccomp where the kernel has
+included; the home folders hidden; /dev down to null, zero, full, random and urandom; every mount read-only but a
+private tmpfs, its working folder, gone with it; the whole process tree ends with it), its own uid (so the process cap holds), Landlock and seccomp where the kernel has
 them, resource limits and an environment of allow-listed variables. The first sandbox of a process probes what
 holds by running hostile checks in a worker and prints one line saying so (docs/guides/security.md reads it);
 nothing is claimed that the probe did not see. Workers start ahead of need (warm) and serve one call each, so no
@@ -238,6 +238,10 @@ class Worker:
         if os.geteuid() == 0 and not (self.report or {}).get("pid") == 1:
             _kill_uid(self.uid)
         try:
+            self.proc.stdin.close()  # a worker waiting for a request ends on its own
+        except OSError:
+            pass
+        try:
             self.proc.wait(2)
         except subprocess.TimeoutExpired:
             try:
@@ -254,7 +258,6 @@ class Worker:
                 os.close(fd)
             except OSError:
                 pass
-        self.proc.stdin.close()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
@@ -340,7 +343,7 @@ class Sandbox:
         """The start-up line: each layer and what the probe saw of it."""
         if not self.layers:
             return "sandbox: not probed"
-        lost = [k for k in ("network", "home", "writes", "user", "tree") if self.layers[k].startswith("NOT")]
+        lost = [k for k, v in self.layers.items() if v.startswith("NOT")]
         return ("sandbox: " + "; ".join(f"{k} {v}" for k, v in self.layers.items()) +
                 (f". NOT isolated here: {', '.join(lost)} (docs/guides/security.md)" if lost else
                  ". Every layer held in the probe."))
@@ -449,6 +452,9 @@ def layers_from(box: Sandbox, report: dict, seen: dict, wrote: bool) -> dict[str
          "; NOT cut off: can signal the caller")
     layers["tree"] = ("pid namespace (the whole tree ends with the call)" if seen.get("pid") == 1 else
                       "session and uid sweep" if uid else "NOT contained: session only (a detached process lives on)")
+    dev = report.get("dev", "")
+    layers["devices"] = (f"{dev} (mount namespace)" if dev.startswith("only") else
+                         "NOT limited: the host's /dev (an accelerator whose device file any uid may open is open)")
     extra = sorted(set(seen.get("env", [])) - set(box.env("").keys()))
     layers["environment"] = "allow-list only" if not extra else f"NOT scrubbed: {extra}"
     lim = box.limits

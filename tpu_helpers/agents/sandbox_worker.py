@@ -2,8 +2,8 @@
 
 It isolates itself before it reads any code (one fresh single-threaded interpreter, so nothing here runs in a forked
 copy of the training process): namespaces (network, mount, pid, ipc, uts; a user namespace first when not root),
-then in the mount namespace tmpfs over the home folders (the interpreter's own prefixes bound back read-only), every
-other mount read-only and a private tmpfs as /tmp, the working folder. It then forks the interpreter that runs code
+then in the mount namespace tmpfs over the home folders (the interpreter's own prefixes bound back read-only), a /dev
+of harmless devices, a private tmpfs as /tmp (the working folder) and every other mount read-only. It then forks the interpreter that runs code
 (pid 1 of the new pid namespace: when it ends, the kernel ends every process under it), which mounts its /proc, sets
 the resource limits, drops to its own uid, and applies Landlock and seccomp where the kernel has them. Each step
 that fails is recorded, never fatal: the report it sends says what holds, and the parent says it once.
@@ -104,6 +104,24 @@ def under(path, parent):
     return path == parent or path.startswith(parent.rstrip("/") + "/")
 
 
+DEVICES = ("null", "zero", "full", "random", "urandom")
+
+
+def minimal_dev():
+    """A /dev of the harmless devices only (no accelerator, disk or terminal), as bubblewrap's --dev builds."""
+    fds = {n: os.open("/dev/" + n, os.O_PATH) for n in DEVICES if os.path.exists("/dev/" + n)}
+    mount("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,mode=0755")
+    for name, fd in fds.items():
+        open("/dev/" + name, "w").close()
+        mount(f"/proc/self/fd/{fd}", "/dev/" + name, None, MS_BIND)
+        os.close(fd)
+    os.mkdir("/dev/shm")
+    os.symlink("/proc/self/fd", "/dev/fd")
+    for i, name in enumerate(("stdin", "stdout", "stderr")):
+        os.symlink(f"/proc/self/fd/{i}", "/dev/" + name)
+    return "only " + ", ".join(fds)
+
+
 def filesystem(cfg, report):
     """In the mount namespace: the home folders hidden, a private tmpfs as /tmp (and /dev/shm), the interpreter's
     folders bound back where those covered them, then every other mount read-only."""
@@ -119,6 +137,11 @@ def filesystem(cfg, report):
             mount("tmpfs", h, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
             hidden.append(h)
     report["hidden"] = hidden
+    try:
+        report["dev"] = minimal_dev()
+    except OSError as err:
+        report["dev"] = f"the host's ({err})"
+    private = [p for p in private if os.path.isdir(p)]
     size = f"size={cfg['tmp_mb']}m,mode=0700,uid={uid},gid={gid}"
     for p in private:
         mount("tmpfs", p, "tmpfs", MS_NOSUID | MS_NODEV, size)
