@@ -62,7 +62,7 @@ def main() -> None:
     line("warm one, pool full", len(latencies), sum(latencies))
     line("warm concurrent", calls, timed(calls, lambda: warm.run_many([SNIPPET] * calls)))
     session = PythonSession(warm)
-    session.python(SNIPPET)
+    assert session.python(SNIPPET) == "42"
     line("session serial", calls, timed(calls, lambda: [session.python(SNIPPET) for _ in range(calls)]))
     assert all(r == "42" for r in warm.run_many([SNIPPET] * 2))
     cold.close()

@@ -3,10 +3,11 @@
 It isolates itself before it reads any code (one fresh single-threaded interpreter, so nothing here runs in a forked
 copy of the training process): namespaces (network, mount, pid, ipc, uts; a user namespace first when not root),
 then in the mount namespace tmpfs over the home folders (the interpreter's own prefixes bound back read-only), a /dev
-of harmless devices, a private tmpfs as /tmp (the working folder) and every other mount read-only. It then forks the interpreter that runs code
-(pid 1 of the new pid namespace: when it ends, the kernel ends every process under it), which mounts its /proc, sets
-the resource limits, drops to its own uid, and applies Landlock and seccomp where the kernel has them. Each step
-that fails is recorded, never fatal: the report it sends says what holds, and the parent says it once.
+of harmless devices, a private tmpfs as /tmp (the working folder) and every other mount read-only. It then forks the
+interpreter that runs code (pid 1 of the new pid namespace: when it ends, the kernel ends every process under it),
+which mounts its /proc, sets the resource limits, drops to its own uid, and applies Landlock and seccomp where the
+kernel has them. Each step that fails is recorded, never fatal: the report it sends says what holds, and the parent
+says it once.
 
 Pipes: fd 0 brings requests, fds 1 and 2 take the output, `ctl` takes length-prefixed JSON messages (the outer
 process's `{"pid"}`, then `{"ready": report}` and one `{"error"}` per request), `life` closes when the parent dies.
