@@ -8,8 +8,8 @@
     rewards, figures = runner.score(batch.episodes)   # TRL-style reward functions; a failing one is counted, NaN
 
 Each turn the device generates every row's answer (models/turns.py), the host reads it once, parses the tool calls
-in the model's own format (agents.chat), runs them (agents.tools: timeouts, errors as tool text), and sends back
-each row's tool text; the cache goes on from there. An episode ends with an answer that calls no tool; it is cut
+in the model's own format (agents.chat), runs them (agents.tools: timeouts, errors as tool text; the episodes at
+once), and sends back each row's tool text; the cache goes on from there. An episode ends with an answer that calls no tool; it is cut
 (`truncated`, and its loss masked when `mask_truncated`) when a turn runs out of tokens before its end of turn, when
 the last turn still calls a tool, or when its tool text would not fit in `tool_tokens`. What it cost is in the
 figures: turns, tool calls and their success rate, cut episodes, the host's seconds per turn.
@@ -22,6 +22,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,19 @@ from tpu_helpers.models.generation import Sampling, left_pad
 from tpu_helpers.models.turns import Turns, TurnShape
 
 CUT_REASONS = ("turn_tokens", "max_turns", "tool_tokens")  # what cut an episode short, as counted
+
+
+def answer_all(episodes: Sequence[Episode], calls: Sequence[tuple[int, Any]]) -> None:
+    """Run the turn's tool calls, the episodes at once (each episode's own calls in order): a group of episodes
+    calling a slow tool (a sandboxed snippet near its time limit) waits for the slowest, not for the sum. A tool
+    shared by the episodes is called from several threads; the sandbox bounds its own to the cores."""
+    if len(calls) <= 1:
+        for i, parsed in calls:
+            episodes[i].answer(parsed.message, parsed.errors)
+        return
+    with ThreadPoolExecutor(len(calls), thread_name_prefix="tpu_helpers-tools") as pool:
+        for future in [pool.submit(episodes[i].answer, parsed.message, parsed.errors) for i, parsed in calls]:
+            future.result()
 
 
 @dataclass
@@ -113,6 +127,7 @@ class EpisodeRunner:
             tokens = [t + int(m) for t, m in zip(tokens, mask_k.sum(1).tolist(), strict=True)]
             t0 = time.perf_counter()
             tool_ids: list[list[int]] = [[] for _ in range(n)]
+            calls: list[tuple[int, Any]] = []
             for i, e in enumerate(episodes):
                 if not active[i]:
                     continue
@@ -133,7 +148,10 @@ class EpisodeRunner:
                     active[i], truncated[i] = False, True
                     self.warnings["max_turns"] += 1
                     continue
-                e.answer(parsed.message, parsed.errors)
+                calls.append((i, parsed))
+            answer_all(episodes, calls)
+            for i, _ in calls:
+                e = episodes[i]
                 more = self.chat.continuation_ids(e.messages, tools=e.schemas)
                 if len(more) > s.tool_tokens:
                     active[i], truncated[i] = False, True
