@@ -94,7 +94,7 @@ def test_an_infinite_loop_is_stopped_at_the_wall_clock_limit(tools, box):
 
 
 def test_a_fork_bomb_stops_at_the_process_cap_and_its_tree_is_killed(tools, box):
-    held(box, "user")
+    held(box, "processes")
     code = ("import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(60)\n"
             "            os._exit(0)\n        n += 1\nexcept OSError as e:\n    print('stopped at', n, type(e).__name__)")
     reply = hostile(tools, box, code)
@@ -182,7 +182,7 @@ def test_binary_junk_and_a_self_kill_are_messages(tools, box):
 
 
 def test_the_caller_cannot_be_killed(tools, box):
-    held(box, "user")
+    held(box, "caller")
     for target in ("os.getppid()", str(os.getpid()), "1"):
         hostile(tools, box, f"import os, signal\nos.kill({target}, signal.SIGKILL)")
     # this process lives: it is running this line

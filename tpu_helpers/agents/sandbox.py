@@ -358,7 +358,7 @@ class Sandbox:
 
 
 PROBE = """
-import json, os, socket, resource
+import json, os, socket, resource, time
 r = {"uid": os.getuid(), "pid": os.getpid(), "env": sorted(os.environ)}
 try:
     s = socket.socket(); s.settimeout(2); s.connect(("127.0.0.1", PORT)); r["net"] = "connected"
@@ -379,6 +379,20 @@ try:
 except OSError as e:
     r["signal"] = type(e).__name__
 r["limits"] = {n: resource.getrlimit(getattr(resource, n))[0] for n in ("RLIMIT_AS", "RLIMIT_NPROC", "RLIMIT_FSIZE")}
+kids = []
+try:
+    for _ in range(TRIES):
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(30)
+            os._exit(0)
+        kids.append(pid)
+except OSError:
+    pass
+r["forks"] = len(kids)
+for k in kids:
+    os.kill(k, 9)
+    os.waitpid(k, 0)
 print(json.dumps(r))
 """
 
@@ -404,7 +418,7 @@ def probe_layers(box: Sandbox) -> dict[str, str]:
     outside = tempfile.mkdtemp(prefix="tpu_helpers-sandbox-probe-")
     os.chmod(outside, 0o777)
     home = os.path.realpath(os.path.expanduser("~"))
-    code = PROBE.replace("PORT", str(listener.getsockname()[1])).replace("HOME", repr(home)).replace(
+    code = PROBE.replace("TRIES", str(box.limits.processes + 4)).replace("PORT", str(listener.getsockname()[1])).replace("HOME", repr(home)).replace(
         "FILE", repr(_home_file(home))).replace("OUTSIDE", repr(outside)).replace("CALLER", str(os.getpid()))
     try:
         w = Worker(box)
@@ -446,10 +460,16 @@ def layers_from(box: Sandbox, report: dict, seen: dict, wrote: bool) -> dict[str
     layers["writes"] = ("NOT confined: a write outside its folder landed" if wrote else
                         "only to its own folder (" + ("private tmpfs, the rest read-only" if report.get(
                             "readonly") == "on" else why("landlock") + (f", uid {uid}" if uid else "")) + f", {box.limits.tmp_mb} MiB, removed after)")
-    layers["user"] = (f"uid {uid}" if uid else f"NOT dropped ({report.get('uid')}): the process cap does not "
-                      "hold") + \
-        ("; cannot signal the caller" if seen.get("signal") != "can signal the caller" else
-         "; NOT cut off: can signal the caller")
+    how = str(report.get("uid", ""))
+    layers["user"] = (f"uid {uid}" if how.isdigit() and uid else
+                      "the caller's own uid (not root), 0 in its user namespace" if how.startswith("the caller") else
+                      f"uid {uid}, the caller's (not root)" if uid else f"NOT dropped: {how}")
+    layers["caller"] = ("NOT protected: the worker can signal this process" if seen.get("signal") ==
+                        "can signal the caller" else f"out of reach (a signal to it: {seen.get('signal')})")
+    forks = seen.get("forks", 0)
+    layers["processes"] = (f"capped at {box.limits.processes} (the probe's forks stopped at {forks})"
+                           if forks < box.limits.processes + 4 else
+                           f"NOT capped: {forks} forks went through (RLIMIT_NPROC does not bind root)")
     layers["tree"] = ("pid namespace (the whole tree ends with the call)" if seen.get("pid") == 1 else
                       "session and uid sweep" if uid else "NOT contained: session only (a detached process lives on)")
     dev = report.get("dev", "")

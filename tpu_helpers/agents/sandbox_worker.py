@@ -126,7 +126,7 @@ def minimal_dev():
 def filesystem(cfg, report):
     """In the mount namespace: the home folders hidden, a private tmpfs as /tmp (and /dev/shm), the interpreter's
     folders bound back where those covered them, then every other mount read-only."""
-    uid, gid = cfg["uid"], cfg["gid"]
+    uid, gid = (0, 0) if report.get("userns") == "on" else (cfg["uid"], cfg["gid"])  # a user namespace maps only 0
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     private = [p for p in ("/tmp", "/dev/shm") if os.path.isdir(p)]
     covered = [*cfg["hide"], *private]
@@ -187,7 +187,7 @@ def reachable(path):
 def drop_user(cfg, report):
     if os.geteuid() != 0 or report.get("userns") == "on":
         report["uid"] = f"{os.geteuid()} (not root to begin with)" if report.get("userns") != "on" else \
-            "the caller's (user namespace)"
+            "the caller's own (a user namespace)"
         return
     blocked = [p for p in cfg["keep"] if not reachable(p)]
     if blocked:
