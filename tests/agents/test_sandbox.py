@@ -93,6 +93,20 @@ def test_an_infinite_loop_is_stopped_at_the_wall_clock_limit(tools, box):
     assert "TimeoutError" in hostile(tools, box, "import time\ntime.sleep(60)")
 
 
+def test_the_cpu_limit_stops_a_busy_loop_before_the_wall_clock():
+    busy = Sandbox(Limits(wall_s=20, cpu_s=1), concurrency=1, warm=0, probe=False)
+    session = PythonSession(busy)
+    try:
+        for run in (busy.run, session.python):
+            start = time.monotonic()
+            assert "used its 1 s of CPU time" in run("while True:\n    pass")
+            assert time.monotonic() - start < 10
+        assert session.python("print('alive')") == "alive"  # a CPU stop raises in the cell: the session goes on
+    finally:
+        session.reset()
+        busy.close()
+
+
 def test_a_fork_bomb_stops_at_the_process_cap_and_its_tree_is_killed(tools, box):
     held(box, "processes")
     code = ("import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(60)\n"

@@ -18,6 +18,7 @@ import ast
 import ctypes
 import errno
 import json
+import math
 import os
 import resource
 import select
@@ -339,6 +340,12 @@ def serve(cfg, ctl, report):
     (where this interpreter is pid 1 or runs under its own uid, so that cannot reach anything else)."""
     me = os.getpid()
     sweep = me == 1 or report.get("uid", "").isdigit()
+    budget = [0]
+
+    def over_cpu(*_):  # a handler, not the default action: as pid 1 of its namespace the kernel would ignore that
+        raise TimeoutError(f"the code used its {budget[0]} s of CPU time and was stopped")
+
+    signal.signal(signal.SIGXCPU, over_cpu)
     sys.stdout.reconfigure(errors="backslashreplace")
     sys.stderr.reconfigure(errors="backslashreplace")
     send(ctl, {"ready": report})
@@ -348,8 +355,9 @@ def serve(cfg, ctl, report):
             os._exit(0)
         request = json.loads(read_exact(0, struct.unpack("<I", head)[0]))
         used = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
+        budget[0] = request["cpu_s"]
         try:
-            resource.setrlimit(resource.RLIMIT_CPU, (min(int(used) + request["cpu_s"], cfg["cpu_hard_s"]),
+            resource.setrlimit(resource.RLIMIT_CPU, (min(math.ceil(used + request["cpu_s"]), cfg["cpu_hard_s"]),
                                                    cfg["cpu_hard_s"]))
         except (OSError, ValueError):
             pass
