@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -193,6 +194,20 @@ def test_binary_junk_and_a_self_kill_are_messages(tools, box):
     assert "SIGKILL" in reply or box.layers["tree"].startswith("pid namespace")  # pid 1 there: the kernel ignores it
     assert "exit status 3" in hostile(tools, box, "import os\nprint('bye')\nos._exit(3)")
     assert "SIGSEGV" in hostile(tools, box, "import ctypes\nctypes.string_at(0)")
+
+
+def test_forged_control_messages_neither_kill_a_process_nor_break_the_caller(tools, box):
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        for message in (f'{{"pid": {victim.pid}}}', '{"error": ["forged"]}', "not json"):
+            code = (f"import json, os, struct, sys\nctl = json.loads(sys.argv[1])['ctl']\nm = {message!r}.encode()\n"
+                    "os.write(ctl, struct.pack('<I', len(m)) + m)\nimport time\ntime.sleep(0.5)")
+            hostile(tools, box, code)
+        hostile(tools, box, "import json, os, struct, sys\nos.write(json.loads(sys.argv[1])['ctl'], b'\\xff' * 8)")
+        assert victim.poll() is None  # the parent signals only the pid the worker's outer process sent, before code
+    finally:
+        victim.kill()
+        victim.wait()
 
 
 def test_the_caller_cannot_be_killed(tools, box):

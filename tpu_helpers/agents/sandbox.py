@@ -115,6 +115,10 @@ def _kill_uid(uid: int) -> None:
                 pass
 
 
+class Garbled(Exception):
+    """A message on the control pipe that the worker's own code does not write."""
+
+
 class Worker:
     """One isolated interpreter (see sandbox_worker.py) and the pipes to it."""
 
@@ -160,9 +164,19 @@ class Worker:
         while True:
             if len(self.buffer) >= 4:
                 n = struct.unpack("<I", self.buffer[:4])[0]
+                if n > 1 << 20:
+                    raise Garbled(f"a message of {n:,} bytes")
                 if len(self.buffer) >= 4 + n:
-                    message, self.buffer = json.loads(self.buffer[4:4 + n]), self.buffer[4 + n:]
-                    if "pid" in message:
+                    try:
+                        message = json.loads(self.buffer[4:4 + n])
+                    except ValueError as err:
+                        raise Garbled(str(err)) from None
+                    self.buffer = self.buffer[4 + n:]
+                    if not isinstance(message, dict):
+                        raise Garbled(f"a {type(message).__name__}")
+                    if "pid" in message and self.pid is None and isinstance(message["pid"], int):
+                        # Taken once, before any code runs: the code can write to this pipe too, and the pid is
+                        # what kill() signals as root.
                         self.pid = message["pid"]
                     return message
             left = deadline - time.monotonic()
@@ -198,19 +212,25 @@ class Worker:
             message = self._message(deadline, out)
             while message is not None and "error" not in message:
                 message = self._message(deadline, out)
+            garbled = None
         except (BrokenPipeError, OSError):
-            message = None
+            message, garbled = None, None
+        except Garbled as err:
+            message, garbled = None, err
         alive = message is not None and keep
         if message is None:
             self.kill(out)
-            if not self.ended:
+            if garbled is not None:
+                note = f"the sandbox's control pipe got {garbled} (the code wrote to it); the next call starts afresh"
+            elif not self.ended:
                 note = f"TimeoutError: the code ran past its {limits.wall_s:g} s limit and was stopped"
             else:
                 note = self._death(self.proc.returncode)
             if keep:
                 note += " (the interpreter was restarted: names defined in earlier calls are gone)"
         else:
-            note = message.get("error")
+            note = message["error"] if isinstance(message["error"], str) or message["error"] is None else \
+                str(message["error"])
             if keep:
                 while select.select([self.out], [], [], 0)[0] and self._take(out):
                     pass
