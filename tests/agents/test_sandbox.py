@@ -27,6 +27,9 @@ SECRETS = {"HF_TOKEN": "hf_sandbox_test_secret_1", "WANDB_API_KEY": "wandb_sandb
 
 @pytest.fixture(scope="module")
 def box():
+    if sandbox_module._default is not None:  # another test's: its warm workers would count as left behind here
+        sandbox_module._default.close()
+        sandbox_module._default = None
     saved = {k: os.environ.get(k) for k in SECRETS}
     os.environ.update(SECRETS)  # before any worker starts: each is started with the secrets in this environment
     b = Sandbox(Limits(wall_s=WALL, cpu_s=3, memory_mb=768, processes=16, output_chars=500), concurrency=2, warm=1)

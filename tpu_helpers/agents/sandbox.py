@@ -22,6 +22,7 @@ import atexit
 import itertools
 import json
 import os
+import random
 import select
 import shutil
 import signal
@@ -41,6 +42,8 @@ from tpu_helpers.core.choices import ConfigError
 HIDE = ("/root", "/home", "/content", "/kaggle", "/mnt", "/media", "/run/secrets", "/var/run/secrets", "/var/colab")
 ENV_KEEP = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ")
 UIDS = 4096  # the worker uids in use at once, from a base above any account's
+# One counter for every sandbox of the process, from a random start so that two processes rarely share a uid.
+_UID_COUNTER = itertools.count(random.SystemRandom().randrange(UIDS))
 WORKER_SOURCE = (Path(__file__).with_name("sandbox_worker.py")).read_text()
 
 
@@ -301,7 +304,7 @@ class Sandbox:
         self.hide = sorted({os.path.realpath(p) for p in (*HIDE, home, *hide) if os.path.realpath(p) != "/"})
         self.keep = _keep_paths()
         self.namespaces, self.landlock, self.seccomp = namespaces, landlock, seccomp
-        self.uid_base, self.uids = _uid_base(), itertools.count()
+        self.uid_base, self.uids = _uid_base(), _UID_COUNTER
         self.slots = threading.BoundedSemaphore(self.concurrency)
         self.idle: list[Worker] = []
         self.lock = threading.Lock()
