@@ -16,7 +16,7 @@ import pytest
 
 from tpu_helpers.agents import Agent, Toolbox, load_tools
 from tpu_helpers.agents import sandbox as sandbox_module
-from tpu_helpers.agents.sandbox import UIDS, Limits, PythonSession, Sandbox
+from tpu_helpers.agents.sandbox import Limits, PythonSession, Sandbox
 from tpu_helpers.core.choices import ConfigError
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/mountinfo").exists(), reason="the sandbox needs Linux")
@@ -55,7 +55,7 @@ def held(box: Sandbox, layer: str) -> None:
 
 
 def sandbox_processes(box: Sandbox) -> list[int]:
-    """Processes of a sandbox uid but the warm workers (once the pool is refilled)."""
+    """Processes of the box's uids but its warm workers (once the pool is refilled)."""
     deadline = time.monotonic() + 5
     while len(box.idle) < box.warm and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -63,7 +63,7 @@ def sandbox_processes(box: Sandbox) -> list[int]:
     out = []
     for entry in os.listdir("/proc"):
         try:
-            if entry.isdigit() and box.uid_base <= os.stat(f"/proc/{entry}").st_uid < box.uid_base + UIDS:
+            if entry.isdigit() and os.stat(f"/proc/{entry}").st_uid in box.uids_used:
                 out.append(int(entry))
         except OSError:
             pass

@@ -128,6 +128,7 @@ class Worker:
     def __init__(self, box: Sandbox):
         self.box = box
         self.uid = box.uid_base + next(box.uids) % UIDS
+        box.uids_used.add(self.uid)
         self.workdir = tempfile.mkdtemp(prefix="tpu_helpers-sandbox-")
         self.pid: int | None = None
         self.report: dict | None = None
@@ -305,6 +306,7 @@ class Sandbox:
         self.keep = _keep_paths()
         self.namespaces, self.landlock, self.seccomp = namespaces, landlock, seccomp
         self.uid_base, self.uids = _uid_base(), _UID_COUNTER
+        self.uids_used: set[int] = set()  # the uids its workers ran as
         self.slots = threading.BoundedSemaphore(self.concurrency)
         self.idle: list[Worker] = []
         self.lock = threading.Lock()
