@@ -263,3 +263,12 @@ def test_bad_limits_are_refused_naming_the_value():
         Limits(wall_s=0)
     with pytest.raises(ConfigError, match="processes=2.5"):
         Limits(processes=2.5)
+
+
+def test_the_session_loads_as_an_environment_value_and_starts_nothing_until_called(box):
+    from tpu_helpers.agents import load_environment
+
+    before = sandbox_processes(box)
+    assert load_environment("tpu_helpers.agents.sandbox:PythonSession") is PythonSession
+    session = PythonSession(box)
+    assert session.reset(prompt="x") is None and session.held == [None] and sandbox_processes(box) == before
