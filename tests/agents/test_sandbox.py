@@ -113,8 +113,9 @@ def test_the_cpu_limit_stops_a_busy_loop_before_the_wall_clock():
 
 def test_a_fork_bomb_stops_at_the_process_cap_and_its_tree_is_killed(tools, box):
     held(box, "processes")
-    code = ("import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(60)\n"
-            "            os._exit(0)\n        n += 1\nexcept OSError as e:\n    print('stopped at', n, type(e).__name__)")
+    code = ("import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
+            "            time.sleep(60)\n            os._exit(0)\n        n += 1\nexcept OSError as e:\n"
+            "    print('stopped at', n, type(e).__name__)")
     reply = hostile(tools, box, code)
     assert reply.startswith("stopped at") and int(reply.split()[2]) < box.limits.processes, reply
     assert "BlockingIOError" in reply

@@ -9,11 +9,12 @@ as in a notebook cell), then the error's last line if it raised; a run past its 
 is a message and the next call works. Output is cut at `Limits.output_chars` with a marker. Each call runs in a worker
 that sandbox_worker.py isolates before it reads code: network, mount and pid namespaces (no network, loopback
 included; the home folders hidden; /dev down to null, zero, full, random and urandom; every mount read-only but a
-private tmpfs, its working folder, gone with it; the whole process tree ends with it), its own uid (so the process cap holds), Landlock and seccomp where the kernel has
-them, resource limits and an environment of allow-listed variables. The first sandbox of a process probes what
-holds by running hostile checks in a worker and prints one line saying so (docs/guides/security.md reads it);
-nothing is claimed that the probe did not see. Workers start ahead of need (warm) and serve one call each, so no
-state passes between calls; at most `concurrency` (the cores) run at once.
+private tmpfs, its working folder, gone with it; the whole process tree ends with it), its own uid (so the process
+cap holds), Landlock and seccomp where the kernel has them, resource limits and an environment of allow-listed
+variables. The first sandbox of a process probes what holds by running hostile checks in a worker and prints one
+line saying so (docs/guides/security.md reads it); nothing is claimed that the probe did not see. Workers start
+ahead of need (warm) and serve one call each, so no state passes between calls; at most `concurrency` (the cores)
+run at once.
 """
 
 from __future__ import annotations
@@ -443,8 +444,11 @@ def probe_layers(box: Sandbox) -> dict[str, str]:
     outside = tempfile.mkdtemp(prefix="tpu_helpers-sandbox-probe-")
     os.chmod(outside, 0o777)
     home = os.path.realpath(os.path.expanduser("~"))
-    code = PROBE.replace("TRIES", str(box.limits.processes + 4)).replace("PORT", str(listener.getsockname()[1])).replace("HOME", repr(home)).replace(
-        "FILE", repr(_home_file(home))).replace("OUTSIDE", repr(outside)).replace("CALLER", str(os.getpid()))
+    code = PROBE
+    for name, value in (("TRIES", box.limits.processes + 4), ("PORT", listener.getsockname()[1]),
+                        ("HOME", repr(home)), ("FILE", repr(_home_file(home))), ("OUTSIDE", repr(outside)),
+                        ("CALLER", os.getpid())):
+        code = code.replace(name, str(value))
     try:
         w = Worker(box)
         report = w.report
@@ -480,11 +484,12 @@ def layers_from(box: Sandbox, report: dict, seen: dict, wrote: bool) -> dict[str
     layers["network"] = ("NOT isolated: a TCP connection to the loopback went through" if net == "connected" else
                          f"off ({why('netns', 'seccomp', 'landlock_tcp')}; a loopback connection: {net})")
     home = seen.get("home", "?")
-    layers["home"] = (f"hidden ({why('mountns', 'landlock')}" + (f"; uid {uid}" if uid else "") + ")" if home.startswith(
-        "refused") or home == "listed 0" else f"NOT hidden: the worker {home} of {os.path.expanduser('~')}")
+    by_uid = f"; uid {uid}" if uid else ""
+    layers["home"] = (f"hidden ({why('mountns', 'landlock')}{by_uid})" if home.startswith("refused") or
+                      home == "listed 0" else f"NOT hidden: the worker {home} of {os.path.expanduser('~')}")
+    confined = "private tmpfs, the rest read-only" if report.get("readonly") == "on" else why("landlock") + by_uid
     layers["writes"] = ("NOT confined: a write outside its folder landed" if wrote else
-                        "only to its own folder (" + ("private tmpfs, the rest read-only" if report.get(
-                            "readonly") == "on" else why("landlock") + (f", uid {uid}" if uid else "")) + f", {box.limits.tmp_mb} MiB, removed after)")
+                        f"only to its own folder ({confined}, {box.limits.tmp_mb} MiB, removed after)")
     how = str(report.get("uid", ""))
     layers["user"] = (f"uid {uid}" if how.isdigit() and uid else
                       "the caller's own uid (not root), 0 in its user namespace" if how.startswith("the caller") else
