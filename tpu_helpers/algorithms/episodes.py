@@ -9,10 +9,10 @@
 
 Each turn the device generates every row's answer (models/turns.py), the host reads it once, parses the tool calls
 in the model's own format (agents.chat), runs them (agents.tools: timeouts, errors as tool text; the episodes at
-once), and sends back each row's tool text; the cache goes on from there. An episode ends with an answer that calls no tool; it is cut
-(`truncated`, and its loss masked when `mask_truncated`) when a turn runs out of tokens before its end of turn, when
-the last turn still calls a tool, or when its tool text would not fit in `tool_tokens`. What it cost is in the
-figures: turns, tool calls and their success rate, cut episodes, the host's seconds per turn.
+once), and sends back each row's tool text; the cache goes on from there. An episode ends with an answer that calls
+no tool; it is cut (`truncated`, and its loss masked when `mask_truncated`) when a turn runs out of tokens before its
+end of turn, when the last turn still calls a tool, or when its tool text would not fit in `tool_tokens`. What it
+cost is in the figures: turns, tool calls and their success rate, cut episodes, the host's seconds per turn.
 """
 
 from __future__ import annotations
