@@ -255,6 +255,8 @@ def test_a_session_keeps_names_between_calls_and_restarts_after_a_timeout(box):
     assert sandbox_processes(box) == [episode.environment.held[0].pid]  # the cell's child was ended with it
     assert "restarted" in run("while True: pass")
     assert run("print('x' in dir())") == "False"
+    assert run("import sys\nprint(repr(sys.stdin.read()))\ninput()") == "''\nEOFError: EOF when reading a line (line 3)"
+    assert run("print('next')") == "next"  # the requests are not the code's to read
     episode.environment.reset()
     assert sandbox_processes(box) == []
 

@@ -9,8 +9,9 @@ which mounts its /proc, sets the resource limits, drops to its own uid, and appl
 kernel has them. Each step that fails is recorded, never fatal: the report it sends says what holds, and the parent
 says it once.
 
-Pipes: fd 0 brings requests, fds 1 and 2 take the output, `ctl` takes length-prefixed JSON messages (the outer
-process's `{"pid"}`, then `{"ready": report}` and one `{"error"}` per request), `life` closes when the parent dies.
+Pipes: fd 0 brings requests (moved off fd 0, which becomes /dev/null, before any code runs), fds 1 and 2 take the
+output, `ctl` takes length-prefixed JSON messages (the outer process's `{"pid"}`, then `{"ready": report}` and one
+`{"error"}` per request), `life` closes when the parent dies.
 Standard library only: the worker runs with none of the package importable.
 """
 
@@ -346,14 +347,18 @@ def serve(cfg, ctl, report):
         raise TimeoutError(f"the code used its {budget[0]} s of CPU time and was stopped")
 
     signal.signal(signal.SIGXCPU, over_cpu)
+    requests = os.dup(0)  # off fd 0: input() or sys.stdin.read() in a cell must not eat the next request
+    null = os.open("/dev/null", os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
     sys.stdout.reconfigure(errors="backslashreplace")
     sys.stderr.reconfigure(errors="backslashreplace")
     send(ctl, {"ready": report})
     while True:
-        head = read_exact(0, 4)
+        head = read_exact(requests, 4)
         if head is None:
             os._exit(0)
-        request = json.loads(read_exact(0, struct.unpack("<I", head)[0]))
+        request = json.loads(read_exact(requests, struct.unpack("<I", head)[0]))
         used = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
         budget[0] = request["cpu_s"]
         try:
