@@ -148,6 +148,8 @@ def filesystem(cfg, report):
     size = f"size={cfg['tmp_mb']}m,mode=0700,uid={uid},gid={gid}"
     for p in private:
         mount("tmpfs", p, "tmpfs", MS_NOSUID | MS_NODEV, size)
+    if "/tmp" in private:  # from here on the host's folders under /tmp are out of sight, whatever fails next
+        report["workdir"] = "/tmp"
     for p, fd in fds.items():
         os.makedirs(p, exist_ok=True)
         mount(f"/proc/self/fd/{fd}", p, None, MS_BIND | MS_REC)
@@ -163,7 +165,6 @@ def filesystem(cfg, report):
             failed.append(f"{point}: {err.strerror}")
     report["readonly"] = "on" if os.statvfs("/").f_flag & 1 else "refused"
     report["readonly_failed"] = failed[:5]
-    report["workdir"] = "/tmp"
 
 
 def limits(cfg, report):
