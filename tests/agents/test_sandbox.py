@@ -232,6 +232,15 @@ def test_deleting_files_touches_only_its_own_folder(tools, box, tmp_path):
     assert (Path.cwd() / "pyproject.toml").exists()
 
 
+def test_a_warm_worker_killed_while_it_waited_is_not_handed_out(tools, box):
+    assert tools.call("python", {"code": "print(1)"}) == "1"
+    sandbox_processes(box)  # the pool refilled
+    for w in list(box.idle):
+        os.kill(w.pid, 9)
+        w.proc.wait()
+    assert tools.call("python", {"code": "print(2)"}) == "2"
+
+
 def test_snippets_run_at_once_up_to_the_concurrency(box):
     start = time.monotonic()
     replies = box.run_many([f"import time\ntime.sleep(1)\nprint({i})" for i in range(4)])

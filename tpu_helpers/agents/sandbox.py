@@ -218,8 +218,8 @@ class Worker:
             while message is not None and "error" not in message:
                 message = self._message(deadline, out)
             garbled = None
-        except (BrokenPipeError, OSError):
-            message, garbled = None, None
+        except OSError:  # the request found no reader: the worker is gone
+            message, garbled, self.ended = None, None, True
         except Garbled as err:
             message, garbled = None, err
         alive = message is not None and keep
@@ -327,8 +327,15 @@ class Sandbox:
 
     def worker(self) -> Worker:
         """A started worker: a warm one when there is one, else one started now; the pool is refilled behind."""
-        with self.lock:
-            w = self.idle.pop() if self.idle else None
+        w = None
+        while w is None:
+            with self.lock:
+                w = self.idle.pop() if self.idle else None
+            if w is None:
+                break
+            if w.proc.poll() is not None:  # it died waiting (killed from outside): never hand out a dead one
+                w.kill()
+                w = None
         if self.warm:
             self.wanted.set()
             if self.filler is None:
