@@ -398,7 +398,8 @@ try:
 except OSError as e:
     r["net"] = type(e).__name__ + ": " + str(e.strerror)
 try:
-    r["home"] = "listed " + str(len(os.listdir(HOME)))
+    r["listed"] = sorted(os.listdir(HOME))[:100]
+    r["home"] = "listed " + str(len(r["listed"]))
     if FILE:
         open(FILE, "rb").read(1); r["home"] = "read a file"
 except OSError as e:
@@ -451,11 +452,8 @@ def probe_layers(box: Sandbox) -> dict[str, str]:
     outside = tempfile.mkdtemp(prefix="tpu_helpers-sandbox-probe-")
     os.chmod(outside, 0o777)
     home = os.path.realpath(os.path.expanduser("~"))
-    code = PROBE
-    for name, value in (("TRIES", box.limits.processes + 4), ("PORT", listener.getsockname()[1]),
-                        ("HOME", repr(home)), ("FILE", repr(_home_file(home))), ("OUTSIDE", repr(outside)),
-                        ("CALLER", os.getpid())):
-        code = code.replace(name, str(value))
+    values = (box.limits.processes + 4, listener.getsockname()[1], home, _home_file(home), outside, os.getpid())
+    code = f"TRIES, PORT, HOME, FILE, OUTSIDE, CALLER = {values!r}\n{PROBE}"
     try:
         w = Worker(box)
         report = w.report
@@ -491,9 +489,14 @@ def layers_from(box: Sandbox, report: dict, seen: dict, wrote: bool) -> dict[str
     layers["network"] = ("NOT isolated: a TCP connection to the loopback went through" if net == "connected" else
                          f"off ({why('netns', 'seccomp', 'landlock_tcp')}; a loopback connection: {net})")
     home = seen.get("home", "?")
+    root = os.path.realpath(os.path.expanduser("~"))
+    bound = {os.path.relpath(p, root).split(os.sep)[0] for p in box.keep if p.startswith(root + os.sep)}
+    leaked = sorted(set(seen.get("listed", [])) - bound)  # names bound back for the interpreter are not the home's
+    if home.startswith("listed") and not leaked:
+        home = "refused: only the interpreter's folders are there"
     by_uid = f"; uid {uid}" if uid else ""
-    layers["home"] = (f"hidden ({why('mountns', 'landlock')}{by_uid})" if home.startswith("refused") or
-                      home == "listed 0" else f"NOT hidden: the worker {home} of {os.path.expanduser('~')}")
+    layers["home"] = (f"hidden ({why('mountns', 'landlock')}{by_uid})" if home.startswith("refused") else
+                      f"NOT hidden: the worker {home} of {root} ({', '.join(leaked[:5])}...)")
     confined = "private tmpfs, the rest read-only" if report.get("readonly") == "on" else why("landlock") + by_uid
     layers["writes"] = ("NOT confined: a write outside its folder landed" if wrote else
                         f"only to its own folder ({confined}, {box.limits.tmp_mb} MiB, removed after)")
