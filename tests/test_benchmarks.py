@@ -82,6 +82,9 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
                       [rf"^package +\d+ +\d+ +\d+ +{NUMBER}", rf"^hand +\d+ +\d+ +\d+ +{NUMBER}"]),
     "memory_accuracy": (["--smoke"], [rf"^GPT tiny b=4 s=32 grad_accum=2 +.* {NUMBER} [KMG]i?B +{NUMBER}%$",
                                       rf"^worst traced error {NUMBER}%"]),
+    "sandbox_calls": (["--smoke"], [r"^sandbox: ", *(rf"^{mode} +\d+ +{NUMBER} +{NUMBER}$" for mode in (
+        "bare python -c", "cold serial", "cold concurrent", "warm serial", "warm one, pool full", "warm concurrent",
+        "session serial"))]),
     "sharded_checkpoint": (["--preset", "tiny", "--saves", "1"],
                            [rf"^whole +\d+ +{NUMBER} ", rf"^sharded +\d+ +{NUMBER} "]),
     "sharding": (["--widths", "64", "--seq-len", "32", "--batch", "1", "--time-width", "64", "--time-steps", "4",

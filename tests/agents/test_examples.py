@@ -501,3 +501,32 @@ def test_trls_reward_computation_gives_ours():
         assert torch.equal(theirs.isnan(), ours.isnan())
         assert torch.equal(theirs.nan_to_num(-1), ours.nan_to_num(-1))
     assert ours[:, 0].tolist() == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_mul3_demonstrations_call_python_and_answer_what_it_printed():
+    from tpu_helpers.agents.examples import mul3_demonstrations, mul3_reward, mul3_rows
+    from tpu_helpers.agents.sandbox import python
+
+    rows = mul3_rows(6, seed=3)
+    assert rows == mul3_rows(6, seed=3) and all(100 <= r["a"] < 1000 and 100 <= r["b"] < 1000 for r in rows)
+    train = {(r["a"], r["b"]) for r in mul3_rows(400, seed=1)}
+    assert not train & {(r["a"], r["b"]) for r in mul3_rows(400, seed=1, split="test")}
+    demos = mul3_demonstrations(6, seed=3)
+    agent = Agent(tools=[python], reward_funcs=[mul3_reward])
+    episodes = []
+    for demo, row in zip(demos, rows, strict=True):
+        assert demo["tools"] == agent.schemas(row)
+        prompt, (calling, reply, final) = demo["messages"][:2], demo["messages"][2:]
+        code = calling["tool_calls"][0]["function"]["arguments"]["code"]
+        assert code == f"print({row['a']} * {row['b']})"
+        assert reply == {"role": "tool", "name": "python", "content": row["answer"]}  # the sandbox's own result
+        assert final == {"role": "assistant", "content": row["answer"]}
+        episode = agent.start(row)
+        assert episode.prompt == prompt
+        assert episode.answer(calling) == [reply]
+        episode.answer(final)
+        episodes.append(episode)
+    assert agent.rewards(episodes)["mul3_reward"] == [1.0] * 6
+    wrong = agent.start(rows[0])
+    wrong.answer({"role": "assistant", "content": str(int(rows[0]["answer"]) + 1)})
+    assert agent.rewards([wrong])["mul3_reward"] == [0.0]

@@ -273,3 +273,68 @@ def test_strict_xla_agent_grpo_on_an_eight_device_mesh_compiles_nothing_after_wa
     assert len(out["losses"]) == 4 and all(math.isfinite(x) for x in out["losses"]), out  # steps 3-4: strict
     assert out["looped"] == (["DeviceLoop"] if sharding == "data" else ["NoneType"]), out
     assert max(out["turns"]) > 1, out
+
+
+def test_a_turns_tool_calls_run_the_episodes_at_once_each_episodes_in_order():
+    import threading
+
+    from tpu_helpers.agents import Agent
+    from tpu_helpers.algorithms.episodes import answer_all
+
+    meet = threading.Barrier(4, timeout=10)  # broken (an error text) unless the four episodes' calls overlap
+    order: list[tuple[str, int]] = []
+
+    def wait_for_all(tag: str, k: int) -> str:
+        """Waits until four calls are running.
+
+        Args:
+            tag: The episode's tag.
+            k: The call's number in its message.
+        """
+        if k == 0:
+            meet.wait()
+        order.append((tag, k))
+        return f"{tag}{k}"
+
+    wait_for_all.concurrent = True  # marked: the episodes may call it at once (as the sandbox's python is)
+    agent = Agent(tools=[wait_for_all], reward_funcs=[lambda completions, **_: [0.0] * len(completions)])
+    episodes = [agent.start({"prompt": "go"}) for _ in range(4)]
+    calls = [(i, Parsed({"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "wait_for_all", "arguments": {"tag": "abcd"[i], "k": k}}}
+        for k in range(2)]}, [])) for i in range(4)]
+    answer_all(episodes, calls)
+    for i, e in enumerate(episodes):
+        assert [m["content"] for m in e.completion[1:]] == ["abcd"[i] + "0", "abcd"[i] + "1"]
+    for tag in "abcd":
+        assert [k for t, k in order if t == tag] == [0, 1]
+
+
+def test_a_shared_tool_not_marked_concurrent_runs_one_call_at_a_time_as_trl_runs_a_sync_tool():
+    import threading
+    import time
+
+    from tpu_helpers.agents import Agent
+    from tpu_helpers.algorithms.episodes import answer_all
+
+    running, most, lock = [0], [0], threading.Lock()
+
+    def shared(n: int) -> int:
+        """A tool with state shared by every episode, not safe to call from several threads.
+
+        Args:
+            n: A number.
+        """
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+        return n
+
+    agent = Agent(tools=[shared], reward_funcs=[lambda completions, **_: [0.0] * len(completions)])
+    episodes = [agent.start({"prompt": "go"}) for _ in range(4)]
+    calls = [(i, Parsed({"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "shared", "arguments": {"n": i}}}]}, [])) for i in range(4)]
+    answer_all(episodes, calls)
+    assert most[0] == 1 and [e.completion[-1]["content"] for e in episodes] == ["0", "1", "2", "3"]

@@ -10,9 +10,10 @@
 
 `tools` (tools.py: schemas through transformers' get_json_schema, the runner and its counts), `environments`
 (probing factories, episodes, reward functions called as TRL calls them), `loading` (the ENVIRONMENT and TOOLS
-parameters: 'module:Name' or 'path/to/file.py:Name'), `chat` (render a tool conversation to ids and a loss mask the
-same way for SFT and RL; parse an answer natively or by the one Hermes fallback). No torch here: the multi-turn
-rollout with fixed shapes and the training on episodes build on these (docs/guides/agents.md).
+parameters: 'module:Name' or 'path/to/file.py:Name'), `sandbox` (the `python` tool and PythonSession: model-written
+code in an isolated, limited process; imported by name, not here), `chat` (render a tool conversation to ids and a
+loss mask the same way for SFT and RL; parse an answer natively or by the one Hermes fallback). No torch here: the
+multi-turn rollout with fixed shapes and the training on episodes build on these (docs/guides/agents.md).
 """
 
 from tpu_helpers.agents.chat import ChatFormat, Parsed, Rendered

@@ -493,6 +493,33 @@ def multiply_demonstrations(n: int, *, seed: int = 0, split: str = "train", digi
     return [demo(row) for row in multiply_rows(n, seed=seed, split=split, digits=digits)]
 
 
+# ---- mul3: the sandboxed python tool -----------------------------------------------------------------------------
+def mul3_rows(n: int, *, seed: int = 0, split: str = "train") -> list[dict]:
+    """n rows asking for the product of two 3-digit numbers, for the `python` tool (agents/sandbox.py): the rows of
+    `multiply_rows(n, seed=seed, split=split, digits=3)` (train and test disjoint pairs), which SmolLM2 cannot
+    multiply in its head and can with one line of code."""
+    return multiply_rows(n, seed=seed, split=split, digits=3)
+
+
+def mul3_reward(completions: list[list[dict]], answer: list, **kwargs: Any) -> list[float]:
+    """1.0 when an episode's final answer is the row's product (as `product_reward`), else 0.0."""
+    return product_reward(completions, answer)
+
+
+def mul3_demonstrations(n: int, *, seed: int = 0, split: str = "train") -> list[dict]:
+    """Demonstrations of `mul3_rows(...)`: call python with `print(A * B)`, answer what it printed. The tool
+    results are the sandbox's own (each demonstration runs its snippet there)."""
+    from tpu_helpers.agents.sandbox import python
+
+    agent = Agent(tools=[python], reward_funcs=[mul3_reward])
+
+    def demo(row: dict) -> dict:
+        return play(agent, row, lambda done: call("python", code=f"print({row['a']} * {row['b']})") if not done
+                    else {"role": "assistant", "content": _last_reply(done)})
+
+    return [demo(row) for row in mul3_rows(n, seed=seed, split=split)]
+
+
 class Example:
     """What an example DATASET name means (`EXAMPLES`): its rows and demonstrations, and the ENVIRONMENT, TOOLS and
     REWARDS it is played with, which a run takes where it gives none of its own."""
@@ -511,4 +538,6 @@ EXAMPLES: dict[str, Example] = {
     "hunt": Example(hunt_rows, hunt_demonstrations, environment=f"{_HERE}:TreasureHunt", rewards=f"{_HERE}:hunt_reward"),
     "guessing": Example(guessing_rows, guessing_demonstrations, environment=f"{_HERE}:GuessingGame"),
     "multiply": Example(multiply_rows, multiply_demonstrations, tools=f"{_HERE}:multiply", rewards="answer"),
+    "mul3": Example(mul3_rows, mul3_demonstrations, tools="tpu_helpers.agents.sandbox:python",
+                    rewards=f"{_HERE}:mul3_reward"),
 }

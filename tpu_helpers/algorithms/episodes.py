@@ -8,16 +8,17 @@
     rewards, figures = runner.score(batch.episodes)   # TRL-style reward functions; a failing one is counted, NaN
 
 Each turn the device generates every row's answer (models/turns.py), the host reads it once, parses the tool calls
-in the model's own format (agents.chat), runs them (agents.tools: timeouts, errors as tool text), and sends back
-each row's tool text; the cache goes on from there. An episode ends with an answer that calls no tool; it is cut
-(`truncated`, and its loss masked when `mask_truncated`) when a turn runs out of tokens before its end of turn, when
-the last turn still calls a tool, or when its tool text would not fit in `tool_tokens`. What it cost is in the
-figures: turns, tool calls and their success rate, cut episodes, the host's seconds per turn.
+in the model's own format (agents.chat), runs them (agents.tools: timeouts, errors as tool text; the episodes at
+once), and sends back each row's tool text; the cache goes on from there. An episode ends with an answer that calls
+no tool; it is cut (`truncated`, and its loss masked when `mask_truncated`) when a turn runs out of tokens before its
+end of turn, when the last turn still calls a tool, or when its tool text would not fit in `tool_tokens`. What it
+cost is in the figures: turns, tool calls and their success rate, cut episodes, the host's seconds per turn.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import math
 import random
@@ -26,6 +27,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +89,36 @@ class AgentSettings:
         """The `Agent` of the loaded tools and environments (probed once, when these settings were built)."""
         return Agent(tools=self.tool_functions, environments=self.environments, reward_funcs=rewards,
                      timeout_s=self.tool_timeout)
+
+
+def answer_all(episodes: Sequence[Episode], calls: Sequence[tuple[int, Any]]) -> None:
+    """Run the turn's tool calls (each episode's own in order). Calls whose tools are all independent of the other
+    episodes' run at once: methods of each episode's own environment instance, and standalone tools marked
+    `concurrent = True` (the sandbox's `python`, which bounds its own work to the cores), so a group calling a slow
+    tool waits for the slowest, not for the sum. Any other standalone tool is shared by the episodes and runs one
+    call at a time, as TRL runs a sync tool."""
+    shared = [(i, p) for i, p in calls if not _independent(episodes[i], p.message)]
+    for i, parsed in shared:
+        episodes[i].answer(parsed.message, parsed.errors)
+    apart = [(i, p) for i, p in calls if _independent(episodes[i], p.message)]
+    if len(apart) <= 1:
+        for i, parsed in apart:
+            episodes[i].answer(parsed.message, parsed.errors)
+        return
+    with ThreadPoolExecutor(len(apart), thread_name_prefix="tpu_helpers-tools") as pool:
+        for future in [pool.submit(episodes[i].answer, parsed.message, parsed.errors) for i, parsed in apart]:
+            future.result()
+
+
+def _independent(episode: Episode, message: dict) -> bool:
+    """Whether every tool the message calls is the episode's own (a bound method of its environment instance) or
+    marked `concurrent = True`."""
+    for call in message.get("tool_calls") or ():
+        function = call.get("function", call) if isinstance(call, dict) else {}
+        fn = episode.toolbox.tools.get(function.get("name")) if isinstance(function, dict) else None
+        if fn is not None and not (inspect.ismethod(fn) or getattr(fn, "concurrent", False)):
+            return False
+    return True
 
 
 @dataclass
@@ -176,6 +208,7 @@ class EpisodeRunner:
             tokens = [t + int(m) for t, m in zip(tokens, mask_k.sum(1).tolist(), strict=True)]
             t0 = time.perf_counter()
             tool_ids: list[list[int]] = [[] for _ in range(n)]
+            calls: list[tuple[int, Any]] = []
             for i, e in enumerate(episodes):
                 if not active[i]:
                     continue
@@ -198,7 +231,10 @@ class EpisodeRunner:
                     self._cut("max_turns", f"an episode still called a tool after MAX_TURNS={s.max_turns} rounds of "
                                            f"calls: MAX_TURNS={s.max_turns + 1} would have run it")
                     continue
-                e.answer(parsed.message, parsed.errors)
+                calls.append((i, parsed))
+            answer_all(episodes, calls)
+            for i, _ in calls:
+                e = episodes[i]
                 more = self.chat.continuation_ids(e.messages, tools=e.schemas)
                 if len(more) > s.tool_tokens:
                     active[i], truncated[i] = False, True
