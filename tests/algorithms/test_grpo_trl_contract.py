@@ -184,3 +184,15 @@ def test_a_cut_episode_says_why_once_with_the_size_that_would_have_fit(tmp_path,
     assert sum("TOOL_TOKENS=4" in str(w.message) for w in said) == 1  # once per cause, then only counted
     runner = job.rollouts.runner
     assert runner.warnings["tool_tokens"] >= 1 and runner.needed["tool_tokens"] > 4
+
+
+def test_an_example_dataset_brings_its_environment_and_rewards_unless_given():
+    cfg = GRPOConfig(dataset="lockers", start_from=None)
+    assert (cfg.environment, cfg.tools, cfg.rewards) == ("tpu_helpers.agents.examples:Lockers", None,
+                                                         "tpu_helpers.agents.examples:locker_reward")
+    assert cfg.agentic and list(cfg.agent.environments) == [None]
+    mine = GRPOConfig(dataset="lockers", start_from=None, environment="tpu_helpers.agents.examples:Lockers",
+                      rewards="answer")
+    assert mine.rewards == "answer"  # given: kept
+    assert GRPOConfig(dataset="mul3", start_from=None).tools == "tpu_helpers.agents.sandbox:python"
+    assert not GRPOConfig(start_from=None).agentic  # the sums: single answers
