@@ -28,15 +28,20 @@ from tpu_helpers.data.sft import _TEMPLATES, check_chat_template, load_records
 SUMS = "sums"
 
 
+# The test split's phrasings: none is a training template (`data.sft._TEMPLATES["add"]`), so no test prompt is ever
+# a training prompt; the sums themselves are the training range's.
+_HELD_OUT_ADD = ("Compute {a} + {b}.", "Sum {a} and {b}.", "{a} plus {b} is?")
+
+
 def sum_records(n: int = 2000, *, seed: int = 0, split: str = "train", high: int = 9) -> list[dict]:
-    """`n` records {"prompt", "answer"} asking for a + b with 0 <= a, b <= `high`. "test": 100 prompts training never
-    draws, held out: every b with a first term above `high` (10 to 19 + 0 to 9 by default), a template each."""
+    """`n` records {"prompt", "answer"} asking for a + b with 0 <= a, b <= `high`. "test": every pair once, each in
+    a phrasing training never uses, so no test prompt is a training prompt (the same sums, asked in other words)."""
     if split not in ("train", "test"):
         raise ConfigError(f"split={split!r} is not one of ('train', 'test')")
     r = random.Random(seed if split == "train" else seed + 1)
     if split == "test":
-        pairs = [(a, b) for a in range(high + 1, 2 * high + 2) for b in range(high + 1)]
-        return [{"prompt": r.choice(_TEMPLATES["add"]).format(a=a, b=b), "answer": str(a + b)} for a, b in pairs]
+        pairs = [(a, b) for a in range(high + 1) for b in range(high + 1)]
+        return [{"prompt": r.choice(_HELD_OUT_ADD).format(a=a, b=b), "answer": str(a + b)} for a, b in pairs]
     out = []
     for _ in range(n):
         a, b = r.randint(0, high), r.randint(0, high)
