@@ -80,13 +80,13 @@ def start_model(args) -> str:
 
 
 def run_package(args) -> dict:
-    from tpu_helpers.algorithms import grpo
+    from tpu_helpers.algorithms import rollouts
     from tpu_helpers.core.callbacks import Callback
     from tpu_helpers.recipes.grpo import GRPO, GRPOConfig
 
     stamps: list[tuple[float, float]] = []
     gen: list[float] = []
-    grpo.generate_ids = _timed(grpo.generate_ids, gen)
+    rollouts.generate_ids = _timed(rollouts.generate_ids, gen)  # the rollouts generate (algorithms/rollouts.py)
 
     class Clock(Callback):
         def on_step_end(self, trainer):
