@@ -131,17 +131,16 @@ def _stop(thread: threading.Thread) -> None:
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(ToolTimeout))
     thread.join(0.05)
     if thread.is_alive():
+        first = not _STUCK
         _STUCK.add(thread)
         alive = sum(t.is_alive() for t in _STUCK)
-        if not _STUCK_SAID:
-            _STUCK_SAID.append(True)
+        if first:
             warnings.warn(f"tool thread {thread.name!r} is still running past its timeout, in C code (a sleep, a "
                           "blocking call), and ends only when that call returns; its result is dropped "
                           f"({alive} such threads now). Give such a tool a timeout of its own", stacklevel=4)
 
 
-_STUCK: set = set()
-_STUCK_SAID: list = []
+_STUCK: set = set()  # tool threads that outlived their timeout, in C: said once, when the first is added
 
 
 def _run_sync(fn: Callable, arguments: dict, timeout_s: float | None) -> Any:

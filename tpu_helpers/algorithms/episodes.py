@@ -97,10 +97,11 @@ def answer_all(episodes: Sequence[Episode], calls: Sequence[tuple[int, Any]]) ->
     `concurrent = True` (the sandbox's `python`, which bounds its own work to the cores), so a group calling a slow
     tool waits for the slowest, not for the sum. Any other standalone tool is shared by the episodes and runs one
     call at a time, as TRL runs a sync tool."""
-    shared = [(i, p) for i, p in calls if not _independent(episodes[i], p.message)]
+    apart, shared = [], []
+    for i, parsed in calls:
+        (apart if _independent(episodes[i], parsed.message) else shared).append((i, parsed))
     for i, parsed in shared:
         episodes[i].answer(parsed.message, parsed.errors)
-    apart = [(i, p) for i, p in calls if _independent(episodes[i], p.message)]
     if len(apart) <= 1:
         for i, parsed in apart:
             episodes[i].answer(parsed.message, parsed.errors)
