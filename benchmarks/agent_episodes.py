@@ -15,7 +15,9 @@ turn and TOOL_TOKENS of tool text. An untrained model rarely writes a well-forme
 here: a turn whose sampled token ids sum to an even number counts as a call to `open_locker` with the row's locker
 (the rest of the episode, the tool run, the template's tool text, the cache and the turns are real); both sides use
 the same rule, so they run the same number of turns. Each device runs in its own process (PJRT_DEVICE=CPU for XLA:CPU).
-Printed per side and device: episodes per second over the batches after the first, the mean turns per episode, the
+Printed per side and device: episodes per second over the batches after the first, and per second of the main
+thread's CPU time (on the CPU the arithmetic of one thread: the figure a busy machine does not skew; on XLA the
+host's own work, XLA:CPU computing on threads of its own), the mean turns per episode, the
 host's seconds per turn (parsing, tools, the tool text's tokens), and on XLA the graphs compiled by the first batch
 and by the later ones (0: nothing compiles after the first episode of a shape).
 """
@@ -120,11 +122,11 @@ def child(args) -> None:
     for side in args.sides.split(","):
         if side == "hf" and args.child != "cpu":
             continue
-        times, turns, host_turn, compiles = [], [], [], []
+        times, cpu, turns, host_turn, compiles = [], [], [], [], []
         for k in range(args.batches):
             batch_rows = rows[k * args.rows:(k + 1) * args.rows]
             before = b.metrics().get("compilations", 0)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             if side == "package":
                 seed = torch.tensor([0, k], dtype=torch.long).to(b.device)
                 batch = runner.run(model, batch_rows, backend=b, sampling=Sampling(1.0), seed=seed,
@@ -137,9 +139,11 @@ def child(args) -> None:
                 turns += used
                 host_turn.append(host / max(used))
             times.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
             compiles.append(b.metrics().get("compilations", 0) - before)
-        later = times[1:] or times
-        out[side] = {"episodes_per_s": args.rows * len(later) / sum(later), "turns": sum(turns) / len(turns),
+        later, later_cpu = times[1:] or times, cpu[1:] or cpu
+        out[side] = {"episodes_per_s": args.rows * len(later) / sum(later),
+                     "episodes_per_cpu_s": args.rows * len(later_cpu) / sum(later_cpu), "turns": sum(turns) / len(turns),
                      "host_s_per_turn": sum(host_turn) / len(host_turn), "compiles_first": compiles[0],
                      "compiles_later": sum(compiles[1:])}
     print("RESULT " + json.dumps(out))
@@ -180,7 +184,8 @@ def main() -> None:
     print(f"{args.model}: {args.rows} Lockers episodes per batch ({args.group} per row), {args.batches} batches, "
           f"up to {args.max_turns} rounds of tool calls, {args.turn_tokens} tokens per turn, {args.tool_tokens} of "
           f"tool text, prompts {args.prompt_tokens} tokens")
-    print(f"{'device':8} {'side':8} {'episodes/s':>10} {'turns':>6} {'host s/turn':>11} {'compiles':>12}")
+    print(f"{'device':8} {'side':8} {'episodes/s':>10} {'per CPU s':>9} {'turns':>6} {'host s/turn':>11} "
+          f"{'compiles':>12}")
     for device in args.devices.split(","):
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         if device == "xla":
@@ -196,7 +201,7 @@ def main() -> None:
             sys.exit(1)
         for side, r in json.loads(line[7:]).items():
             compiles = f"{r['compiles_first']} then {r['compiles_later']}" if device == "xla" else "-"
-            print(f"{device:8} {side:8} {r['episodes_per_s']:10.3f} {r['turns']:6.2f} {r['host_s_per_turn']:11.4f} "
+            print(f"{device:8} {side:8} {r['episodes_per_s']:10.3f} {r['episodes_per_cpu_s']:9.3f} {r['turns']:6.2f} {r['host_s_per_turn']:11.4f} "
                   f"{compiles:>12}")
 
 

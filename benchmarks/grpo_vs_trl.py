@@ -26,8 +26,8 @@ and AdamW's step replayed instead of traced every step; the same as `package` el
 
 Printed per side: seconds per step after the first (mean), the main thread's CPU time per step (host CPU: on XLA
 the tracing and dispatch a TPU would wait for, where the wall time of XLA:CPU is its own arithmetic), the share of
-it spent in generation (the package's
-`generate_ids`, TRL's `model.generate`), the mean reward over the first and the last 10 steps, and on XLA the graphs
+the step's wall time spent in generation (the package's rollouts' `generate_ids`, TRL's `model.generate`) and of
+its host CPU (on the CPU device the arithmetic of one thread: the share a busy machine does not skew), the mean reward over the first and the last 10 steps, and on XLA the graphs
 compiled. `--device xla` runs both sides on XLA:CPU (PJRT_DEVICE=CPU); TRL then goes through accelerate's XLA
 support and `model.generate` with a dynamic cache, whose shapes grow with every token (a graph per token and
 per prompt length): `--trl-timeout` bounds it and the report says how far it got. With TRL 1.16 and accelerate
@@ -57,12 +57,13 @@ SMOKE_JOB = dict(batch_size=2, num_generations=2, warmup_steps=1)  # --smoke (CI
 
 
 def _timed(fn, seconds: list):
+    """`fn`, appending (wall seconds, the calling thread's CPU seconds) of each call to `seconds`."""
     def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return fn(*args, **kwargs)
         finally:
-            seconds.append(time.perf_counter() - t0)
+            seconds.append((time.perf_counter() - t0, time.thread_time() - c0))
     return wrapper
 
 
@@ -161,10 +162,12 @@ def _summary(stamps, gen, rewards, compilations, device=None) -> dict:
     steady = [b[0] - a[0] for a, b in zip(stamps, stamps[1:], strict=False)]  # every step after the first
     host = [b[1] - a[1] for a, b in zip(stamps, stamps[1:], strict=False)]  # the main thread's CPU time
     steps = len(steady)
-    gen_steady = sum(gen[-steps:]) if steps else 0.0
+    gen_steady = sum(g[0] for g in gen[-steps:]) if steps else 0.0
+    gen_host = sum(g[1] for g in gen[-steps:]) if steps else 0.0
     return {"steps": len(stamps), "step_s": sum(steady) / steps if steps else None,
             "host_s": sum(host) / steps if steps else None,
             "generation_share": gen_steady / sum(steady) if steady else None,
+            "generation_host_share": gen_host / sum(host) if host and sum(host) else None,
             "reward_first10": sum(rewards[:10]) / max(1, len(rewards[:10])),
             "reward_last10": sum(rewards[-10:]) / max(1, len(rewards[-10:])), "compilations": compilations,
             "device": device}
@@ -235,9 +238,10 @@ def main() -> None:
             print(f"{side}: failed (exit {proc.returncode}) after {wall:.0f} s\n{proc.stderr[-3000:]}", flush=True)
             continue
         r = json.loads(proc.stdout.strip().splitlines()[-1])
-        share = f"{100 * r['generation_share']:.0f}%" if r["generation_share"] is not None else "-"
+        share, host = (f"{100 * r[k]:.0f}%" if r[k] is not None else "-"
+                       for k in ("generation_share", "generation_host_share"))
         print(f"{side:8} {r['step_s']:.3f} s/step after the first, host CPU {r['host_s']:.3f} s/step, generation "
-              f"{share}, mean reward "
+              f"{share} (of the host CPU {host}), mean reward "
               f"{r['reward_first10']:.3f} (first 10 steps) -> {r['reward_last10']:.3f} (last 10), graphs "
               f"{r['compilations']}, process {wall:.0f} s" + (f", device {r['device']}" if r["device"] else ""),
               flush=True)

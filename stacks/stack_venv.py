@@ -74,7 +74,7 @@ class Stack:
 
 
 DEV = Lock("requirements-dev.lock", ("pyproject.toml", "requirements-dev.txt"), "3.11",
-           ("hf", "notebooks", "dev", "qat", "tracking", "smollm2"))
+           ("hf", "notebooks", "dev", "qat", "tracking", "smollm2", "eval"))
 STACKS = {
     "colab": Stack("3.13", Lock("stacks/colab.lock", ("stacks/colab.txt",), "3.13"),
                    Lock("stacks/colab-adds.lock", ("tpu_helpers/platform/requirements-colab.txt",), "3.13",

@@ -31,12 +31,18 @@ PER_TEST_FOLDERS = ("tests/real/", "tests/stacks/")
 LONG_RUNS = {"tests/real/": 1800, "tests/stacks/": 1800}
 _BENCH = "tests/test_benchmarks.py::test_benchmark_runs_at_smoke_size_and_prints_its_figures"
 _REAL = "tests/real/test_real_model.py"
+_RM = "tests/real/test_reward_model.py"
 # Tests of PER_TEST_FOLDERS that share a module-scoped fixture of their file ("file::test": fixture): one unit per
 # fixture, so that it is built once. Under xdist a test that shares one and is not listed fails, saying so
 # (pytest 9's node ids cannot carry a group, as xdist's loadgroup would write it, so the list is by name).
 SHARED = {
+    f"{_REAL}::test_lora_sft_teaches_the_real_model_the_held_out_task": "lora_sft_run",
+    f"{_REAL}::test_on_policy_distillation_from_a_fine_tuned_teacher_raises_the_students_held_out_exact_match":
+        "lora_sft_run",
     f"{_REAL}::test_qat_int4_costs_the_real_model_loss_and_a_recovery_lora_wins_it_back": "unquantized_lora",
     f"{_REAL}::test_qlora_on_an_nf4_base_ends_close_to_lora_on_the_full_precision_one": "unquantized_lora",
+    f"{_RM}::test_the_reward_model_reaches_08_held_out_pair_accuracy": "reward_model",
+    f"{_RM}::test_grpo_with_the_reward_model_raises_its_score_and_the_rule_reward": "reward_model",
 }
 # Seconds of the longest units on this 2-core machine under CI's load (each run's --durations; a file's figure is
 # the sum of its slow tests): the order units go out in. Rough is enough: a unit missing here goes out after these.
@@ -47,11 +53,13 @@ UNIT_SECONDS = {
     # Out after the first benchmarks: its 8-device job (1.6 cores) beside test_generation's 150k-vocabulary sampling
     # (one thread, memory-bound) made that test 3x slower.
     "tests/algorithms/test_grpo_episodes.py": 50,
+    "tests/algorithms/test_onpolicy_distill.py": 70,  # its strict XLA run 34 s of CPU, the CPU runs about as much
     f"{_BENCH}[chunked_loss]": 54,
     f"{_BENCH}[generation]": 44,
     "tests/models/test_generation_replay.py": 43,
     "tests/models/test_generation_loop.py": 40,
     "tests/notebooks/test_grpo_notebook.py": 40,
+    f"{_BENCH}[dpo_vs_trl]": 48,  # DPO, KTO and SimPO beside TRL: 48 s CPU, 113 s wall at load 9
     f"{_BENCH}[grpo_vs_trl]": 38,
     f"{_BENCH}[sharding]": 37,
     f"{_BENCH}[distill_cache]": 36,
@@ -64,22 +72,32 @@ UNIT_SECONDS = {
     # tests/training
     "tests/training/test_sharding.py": 155,
     "tests/training/test_replay_steps.py": 144,
+    "tests/training/test_eval_tasks.py": 75,
     "tests/training/test_finetune_sharding.py": 47,
     "tests/training/test_finetune_spmd.py": 34,
     "tests/training/test_tracking.py": 30,
     # make test-real and make test-stacks (make test-long: both in one run)
+    # the reward model's 20 steps (1026 s) and GRPO rewarded by it (389 s), measured at load average 8-9
+    f"{_RM}@reward_model": 170,  # the reward model and its accuracy (GRPO with it: TPU_HELPERS_KNOWN_FAILURES=1)
     f"{_REAL}::test_agent_grpo_teaches_the_real_model_to_use_the_feedback_across_turns": 935,
+    f"{_REAL}::test_agent_grpo_teaches_the_real_model_to_multiply_with_the_sandboxed_python_tool": 690,
     f"{_REAL}::test_agent_grpo_raises_the_real_models_held_out_tool_use": 600,
+    # seconds of one thread on a quiet machine: the 20 SFT steps with their samples, then 16 distillation steps
+    f"{_REAL}@lora_sft_run": 230,  # the SFT test and on-policy distillation from its run, sharing it
+    # Measured at a load average of about 9 on 2 cores (other jobs running): about a third of that on a quiet core.
+    "tests/real/test_eval_tasks.py::test_eval_tasks_scores_the_real_model_on_sums_before_and_after_fine_tuning": 396,
     "tests/stacks/test_latest_torch.py::test_the_cpu_suite_passes_on_the_newest_torch": 186,
     "tests/real/test_gguf_export.py::test_the_real_models_f16_gguf_answers_with_the_merged_exports_greedy_tokens": 207,
     f"{_REAL}::test_grpo_raises_the_real_models_held_out_reward": 168,
     f"{_REAL}@unquantized_lora": 140,  # QAT's and QLoRA's tests, which share the unquantized run
     "tests/stacks/test_profiles.py::test_v5e8_notebook_with_fsdp_on_eight_simulated_devices[kaggle]": 79,
-    f"{_REAL}::test_lora_sft_teaches_the_real_model_the_held_out_task": 77,
     "tests/stacks/test_colab_runtime.py::test_finetune_notebook_setup_cell_on_the_runtime_as_shipped": 61,
     "tests/stacks/test_extras.py::test_hf_extra_brings_what_the_finetune_notebook_needs": 59,
     "tests/stacks/test_profiles.py::test_finetune_notebook_with_lora_on_xla_cpu": 53,
     f"{_REAL}::test_distillation_from_the_real_models_cache_teaches_a_smaller_student": 50,
+    # Measured as CPU seconds (one thread each) beside a load of 10, where their wall was 604 s and 848 s.
+    "tests/real/test_preference_real.py::test_kto_and_simpo_raise_the_real_models_held_out_log_prob_margin[kto]": 158,
+    "tests/real/test_preference_real.py::test_kto_and_simpo_raise_the_real_models_held_out_log_prob_margin[simpo]": 130,
     "tests/stacks/test_profiles.py::test_v5e8_notebook_with_fsdp_on_eight_simulated_devices[colab]": 47,
     "tests/stacks/test_profiles.py::test_xla_cpu_training_with_strict_checks[kaggle]": 38,
 }

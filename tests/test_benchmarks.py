@@ -29,9 +29,9 @@ NUMBER = r"[-+]?\d[\d,]*(?:\.\d+)?"
 # name: (arguments, patterns its output must match, one per figure line). `--smoke` where a script needed new
 # arguments to get small; the arguments it already takes otherwise.
 SMOKE: dict[str, tuple[list[str], list[str]]] = {
-    "agent_episodes": (["--smoke"], [rf"^cpu +package +{NUMBER} +{NUMBER} +{NUMBER} +-$",
-                                     rf"^cpu +hf +{NUMBER} +{NUMBER} +{NUMBER} +-$",
-                                     rf"^xla +package +{NUMBER} +{NUMBER} +{NUMBER} +\d+ then 0$"]),
+    "agent_episodes": (["--smoke"], [rf"^cpu +package +{NUMBER} +{NUMBER} +{NUMBER} +{NUMBER} +-$",
+                                     rf"^cpu +hf +{NUMBER} +{NUMBER} +{NUMBER} +{NUMBER} +-$",
+                                     rf"^xla +package +{NUMBER} +{NUMBER} +{NUMBER} +{NUMBER} +\d+ then 0$"]),
     "agent_grpo_vs_trl": (["--smoke"], [rf"^package +{NUMBER} +{NUMBER} +{NUMBER} +{NUMBER}$",
                                         rf"^trl(: skipped \(trl is not installed| +{NUMBER} +{NUMBER} +{NUMBER} +"
                                         rf"{NUMBER}$)"]),
@@ -45,8 +45,10 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
                                             r"second/first compile time = "]),
     "distill_cache": (["--steps", "2", "--top-k", "8"],
                       [rf"^cached +{NUMBER} ", rf"^cache: {NUMBER} MiB for", rf"LoRA r=16 instead of 8 adds {NUMBER} GB"]),
-    "dpo_vs_trl": (["--smoke"], [rf"^package +{NUMBER} s/step after 2 warm-up steps \(median\), loss {NUMBER}",
-                                 rf"^trl(: skipped \(trl is not installed| +{NUMBER} s/step)"]),
+    "dpo_vs_trl": (["--smoke", "--methods", "dpo,kto,simpo,reward"],
+                   [*(rf"^{m} +package +{NUMBER} s/step after 2 warm-up steps \(median\), loss {NUMBER}"
+                      for m in ("dpo", "kto", "simpo", "reward")),
+                    *(rf"^(trl: skipped \(trl is not installed|{m} +trl +{NUMBER} s/step)" for m in ("dpo", "kto", "simpo", "reward"))]),
     "finetune_memory": (["--smoke"], [rf"^lora \+ checkpointing \(\d+ s\) +{NUMBER} +{NUMBER} +{NUMBER}",
                                       rf"^full \+ checkpointing \(\d+ s\) +{NUMBER} +{NUMBER} +-"]),
     "finetune_vs_hf_trainer": (["--steps", "30", "--window-start", "10", "--window-end", "20", "--batch-size", "2",
@@ -73,6 +75,9 @@ SMOKE: dict[str, tuple[list[str], list[str]]] = {
                     + [rf"^trl(: skipped \(trl is not installed| +{NUMBER} s/step)"]),
     "kill_soak": (["--kills", "3", "--sigterms", "1", "--steps", "60"],
                   [r"^stops survived +4 ", r"^final weights +identical bit for bit"]),
+    "onpolicy_distill_vs_trl": (["--smoke"],
+                                [rf"^package +{NUMBER} s/step after 2 warm-up steps \(median\), loss {NUMBER}",
+                                 rf"^trl(: skipped \(trl is not installed| +{NUMBER} s/step)"]),
     "qlora_memory": (["--smoke"], [rf"^bf16 +no +{NUMBER} +{NUMBER} +{NUMBER}$", rf"^nf4 +no +{NUMBER} +{NUMBER} +{NUMBER}$",
                                    rf"^nf4 / bf16 step time = {NUMBER}$"]),
     "loop_overhead": (["--device", "cpu", "--steps", "10", "--repeats", "1"], [rf"median ratio {NUMBER}"]),

@@ -53,10 +53,11 @@ def test_extras_are_pyprojects_and_the_colab_list_uses_their_ranges():
     ranges.update({_canonical(Requirement(r).name): Requirement(r).specifier for r in PYPROJECT["dependencies"]})
     for req in platform.read_requirements(platform.colab_requirements()):
         assert req.specifier == ranges[_canonical(req.name)], req
-    # What a parameter asks the setup cell for (QAT: torchao; TRACKERS: a tracker; EXPORT_GGUF: gguf) is its extra's
-    # requirement.
+    # What a parameter asks the setup cell for (QAT: torchao; TRACKERS: a tracker; EXPORT_GGUF: gguf; EVAL_TASKS:
+    # lm_eval) is its extra's requirement.
     asked = {_canonical(Requirement(r).name): Requirement(r) for r in platform.PARAMETER_REQUIREMENTS.values()}
-    assert {k: str(r) for k, r in asked.items()} == {_canonical(r.name): str(r) for e in ("qat", "tracking", "gguf")
+    assert {k: str(r) for k, r in asked.items()} == {_canonical(r.name): str(r) for e in ("qat", "tracking", "gguf",
+                                                                                                "eval")
                                                      for r in optional[e]}
 
 
@@ -67,7 +68,7 @@ def test_missing_extra_is_a_clear_error_that_names_the_extra():
                        r"ipykernel, datasets\); not installed here: surely-absent-th3\. Install it with: pip install "
                        r"\"tpu_helpers\[notebooks\]\""):
         extras.require_extra("notebooks", "the panel", ["surely-absent-th3"])
-    with pytest.raises(ValueError, match=r"extra='gpu' is not one of \['gguf', 'hf', 'notebooks'\]"):
+    with pytest.raises(ValueError, match=r"extra='gpu' is not one of \['eval', 'gguf', 'hf', 'notebooks'\]"):
         extras.missing("gpu")
 
 

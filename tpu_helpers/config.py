@@ -15,6 +15,7 @@ docs/guides/training.md.
 from __future__ import annotations
 
 import dataclasses
+import keyword
 import math
 import re
 import types
@@ -42,8 +43,8 @@ from tpu_helpers.core.choices import (
 )
 from tpu_helpers.core.sharding import ShardingError, check_sharding
 
-__all__ = ["ConfigError", "TrainConfig", "config_from_parameters", "notebook_parameters", "settings_fields",
-           "settings_from"]
+__all__ = ["ConfigError", "TrainConfig", "config_from_parameters", "notebook_parameters", "settings_field_name",
+           "settings_fields", "settings_from"]
 S = typing.TypeVar("S")
 
 
@@ -203,6 +204,7 @@ def settings_fields(settings: type, *, prefix: str = "") -> Callable[[type], typ
     """Class decorator for a recipe's config, under @dataclass: the init fields of the dataclass `settings` become
     fields of the config named `prefix + name`, with their types and defaults, so each is a notebook parameter
     (UPPER_CASE) declared once, on the settings. `settings_from(config, settings)` builds the settings from them.
+    A field named with PEP 8's trailing underscore for a keyword (`lambda_`) is the config's `prefix + "lambda"`.
 
         @dataclass
         @settings_fields(GRPOSettings)            # NUM_GENERATIONS, KL_BETA, LOSS_TYPE, ... are GRPOConfig fields
@@ -214,7 +216,7 @@ def settings_fields(settings: type, *, prefix: str = "") -> Callable[[type], typ
         for f in fields(settings):
             if not f.init:
                 continue
-            name = prefix + f.name
+            name = settings_field_name(prefix, f.name)
             if name in annotations:
                 raise TypeError(f"{cls.__name__}.{name} is a field of {settings.__name__}: declare it there only")
             if f.default is MISSING and f.default_factory is MISSING:
@@ -232,7 +234,14 @@ def settings_from(config: TrainConfig, settings: type[S]) -> S:
     """The `settings` object made of `config`'s fields that `settings_fields` gave its class; the settings check
     (and parse) their values themselves, as they are built."""
     prefix = type(config).settings_prefixes[settings]
-    return settings(**{f.name: getattr(config, prefix + f.name) for f in fields(settings) if f.init})
+    return settings(**{f.name: getattr(config, settings_field_name(prefix, f.name)) for f in fields(settings) if f.init})
+
+
+def settings_field_name(prefix: str, name: str) -> str:
+    """The config's field of a settings field: `prefix + name`, a keyword's trailing underscore dropped (needs a
+    prefix: `lambda` alone is no field name)."""
+    stem = name[:-1] if prefix and name.endswith("_") and keyword.iskeyword(name[:-1]) else name
+    return prefix + stem
 
 
 def _config_classes(root: type = TrainConfig) -> list[type]:

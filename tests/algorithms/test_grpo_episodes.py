@@ -138,6 +138,15 @@ def test_an_episodes_slots_hold_its_conversation_and_the_loss_mask_only_the_mode
     assert any(cut) and not all(cut)
 
 
+def test_the_agents_training_rows_are_record_indices_the_episodes_render_their_own_prompts(tmp_path, tool_tiny_dir):
+    job = _job(tmp_path, tool_tiny_dir)
+    data = job.train_data
+    assert data.input_ids is None and data.attention_mask is None  # nothing rendered for a step that never reads it
+    assert len(data) == job.data_stats["prompts"] > 0
+    assert set(data[0]) == {"index"}
+    assert job.rollouts.prompt_width == job.config.max_prompt_len
+
+
 def test_a_groups_episodes_share_their_prompt_pass_and_a_group_whose_prompts_differ_runs_its_own(
         tmp_path, tool_tiny_dir, scripted):
     job = _job(tmp_path, tool_tiny_dir)

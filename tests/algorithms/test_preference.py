@@ -149,8 +149,8 @@ def _write(tmp_path, records):
 def test_bad_preference_input_names_the_record_and_value(tmp_path):
     with pytest.raises(ConfigError, match=r"LOSS_TYPE='hinge' is not one of \('sigmoid', 'ipo'\)"):
         config_from_parameters({"LOSS_TYPE": "hinge"}, base=PreferenceConfig())
-    with pytest.raises(ConfigError, match=r"ALGORITHM='kto' is not one of \('dpo', 'orpo'\)"):
-        config_from_parameters({"ALGORITHM": "kto"}, base=PreferenceConfig())
+    with pytest.raises(ConfigError, match=r"ALGORITHM='ppo' is not one of \('dpo', 'orpo', 'kto', 'simpo', 'reward'\)"):
+        config_from_parameters({"ALGORITHM": "ppo"}, base=PreferenceConfig())
     with pytest.raises(ConfigError, match=r"METHOD='distill' is not one of \('lora', 'full'\) for preference"):
         config_from_parameters({"METHOD": "distill"}, base=PreferenceConfig())
     good = [{"prompt": f"What is {a} plus 1?", "chosen": str(a + 1), "rejected": "x"} for a in range(8)]

@@ -115,7 +115,7 @@ def test_orpo_loss_and_rewards_equal_trls():
 
 @pytest.mark.parametrize("fields, message", [
     ({"loss_type": "hinge"}, r"loss_type='hinge' is not one of \('sigmoid', 'ipo'\)"),
-    ({"algorithm": "kto"}, r"algorithm='kto' is not one of \('dpo', 'orpo'\)"),
+    ({"algorithm": "ppo"}, r"algorithm='ppo' is not one of \('dpo', 'orpo', 'kto', 'simpo', 'reward'\)"),
     ({"beta": 0.0}, r"beta=0.0 must be a finite number > 0"),
     ({"label_smoothing": 0.5}, r"label_smoothing=0.5 must be a number in \[0, 0.5\)"),
     ({"loss_type": "ipo", "label_smoothing": 0.1}, r"label_smoothing=0.1 applies to loss_type='sigmoid' only"),

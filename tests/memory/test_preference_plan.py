@@ -42,5 +42,7 @@ def test_the_recipes_plan_follows_algorithm_and_precompute_ref(tmp_path):
 
     dpo, orpo, pre = peak(), peak(algorithm="orpo"), peak(precompute_ref=True)
     assert dpo.peak_bytes > pre.peak_bytes > orpo.peak_bytes
-    assert any("reference: precomputed" in n for n in pre.notes) and any("no reference (ORPO)" in n
+    assert any("reference: precomputed" in n for n in pre.notes) and any("no reference (ORPO, SimPO)" in n
                                                                            for n in orpo.notes)
+    # KTO's completions are two rows each with DPO's reference; SimPO has none, as ORPO.
+    assert peak(algorithm="kto").peak_bytes == dpo.peak_bytes and peak(algorithm="simpo").peak_bytes == orpo.peak_bytes

@@ -119,11 +119,13 @@ def test_a_prompt_shared_by_its_samples_runs_once_and_gives_the_repeated_prompts
     assert not torch.equal(got.ids[0], got.ids[1]) or not torch.equal(got.ids[3], got.ids[4])  # samples differ
 
 
-def test_the_cpus_live_rows_give_the_whole_batchs_tokens_and_share_a_kept_cache():
-    """On the CPU the decode runs the live rows only once half are done: the same tokens as the whole batch stepped
-    to the end (an eager `replay` sends the steps down the full-batch path). A call with a shared prompt pass and
-    one without, of the same decode shapes, keep one cache between them (GRPO's rollouts and held-out samples)."""
-    from tpu_helpers.models.replay import _KEPT
+def test_the_cpus_live_rows_give_the_whole_batchs_tokens_and_share_a_kept_cache(monkeypatch):
+    """On the CPU the decode runs the live rows only once half are done, with or without an eager backend's
+    `replay` (what every recipe passes: `backend.compile_step`, on the CPU the step itself): the same tokens as the
+    whole batch stepped to the end. A call with a shared prompt pass and one without, of the same decode shapes,
+    keep one cache between them (GRPO's rollouts and held-out samples)."""
+    from tpu_helpers.backend.base import Backend
+    from tpu_helpers.models.replay import _KEPT, lazy_steps
 
     model = random_model(FAMILIES["qwen2"].config(VOCAB, pad=0), seed=1)
     p = _prompt_rows()
@@ -134,18 +136,25 @@ def test_the_cpus_live_rows_give_the_whole_batchs_tokens_and_share_a_kept_cache(
     hook = model.register_forward_pre_hook(lambda m, a, k: decoded.append(k["input_ids"].shape[0])
                                            if k["input_ids"].shape[1] == 1 else None, with_kwargs=True)
     live = generate_ids(model, p.ids, p.mask, **kw)
-    narrowed = [n for n in decoded if n < 12]
+    first, narrowed = list(decoded), [n for n in decoded if n < 12]
     decoded.clear()
-    whole = generate_ids(model, p.ids, p.mask, replay=lambda step: step, loop=False, **kw)
+    replayed = generate_ids(model, p.ids, p.mask, replay=Backend().compile_step, loop=False, **kw)
+    assert decoded == first  # the recipes' eager replay runs the same live rows
+    decoded.clear()
+    with monkeypatch.context() as m:  # the reference: every row stepped to the end
+        m.setattr(decode, "_live_steps", lambda model, cache, st, fixed, steps, args:
+                  lazy_steps(decode.decode_step, model, cache, st, fixed, steps, lambda: None, args))
+        whole = generate_ids(model, p.ids, p.mask, replay=lambda step: step, loop=False, **kw)
+        rows = left_pad([r for r in p.ids.tolist() for _ in range(3)], p.ids.shape[1], 0)
+        rows.mask = p.mask.repeat_interleave(3, 0)
+        each = generate_ids(model, rows.ids, rows.mask, replay=lambda step: step, loop=False,
+                            **{**kw, "num_return_sequences": 1})
     hook.remove()
-    assert narrowed and set(decoded) == {12} and len(decoded) == 11  # the reference stepped every row to the end
+    assert narrowed and set(decoded) == {12} and len(decoded) == 2 * 11  # the references stepped every row
     assert (live.mask.sum(1) < 12).sum() > 6  # most rows ended early
-    assert torch.equal(live.ids, whole.ids) and torch.equal(live.mask, whole.mask)
-    torch.testing.assert_close(live.logprobs, whole.logprobs, atol=1e-5, rtol=1e-5)
-    rows = left_pad([r for r in p.ids.tolist() for _ in range(3)], p.ids.shape[1], 0)
-    rows.mask = p.mask.repeat_interleave(3, 0)
-    each = generate_ids(model, rows.ids, rows.mask, replay=lambda step: step, loop=False,
-                        **{**kw, "num_return_sequences": 1})
+    for got in (live, replayed):
+        assert torch.equal(got.ids, whole.ids) and torch.equal(got.mask, whole.mask)
+        torch.testing.assert_close(got.logprobs, whole.logprobs, atol=1e-5, rtol=1e-5)
     assert torch.equal(each.ids, whole.ids)
     assert len([k for k in _KEPT[model] if isinstance(k, tuple)]) == 1
     generation.release_caches(model)

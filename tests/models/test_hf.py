@@ -52,7 +52,7 @@ def test_teacher_with_another_vocabulary_is_refused(tiny_lm_dir):
 
     model, tok = hf.load_causal_lm(str(tiny_lm_dir))
     other = build_tiny_model(tok, vocab_size=600)
-    with pytest.raises(ConfigError, match=r"TEACHER='big' has a vocabulary of 600 tokens and the student 512"):
+    with pytest.raises(ConfigError, match=r"TEACHER='big' has a vocabulary of 600 tokens and MODEL='the student' 512"):
         check_same_vocab(model, other, "big")
 
 

@@ -13,6 +13,7 @@ import shutil
 
 import pytest
 
+from tpu_helpers.agents.examples import EXAMPLES
 from tpu_helpers.algorithms.episodes import transcript
 from tpu_helpers.config import config_from_parameters
 from tpu_helpers.launch.runner import declared_parameters, highlights, run_notebook
@@ -99,6 +100,21 @@ def test_every_target_preset_is_a_valid_agent_configuration(notebooks, target):
     config = config_from_parameters(TARGETS[target].params_for(NAME, declared), base=GRPOConfig())
     assert config.agentic and config.num_generations >= 2
     assert config.seq_len == config.max_prompt_len + config.turn_shape.width
+
+
+@pytest.mark.parametrize("dataset", sorted(EXAMPLES))
+def test_one_parameter_picks_an_example_with_its_environment_or_tools_and_reward(notebooks, dataset):
+    """`-p DATASET mul3` (or any example's name) over the notebook's defaults and any target's preset: the example
+    brings its environment or tools and its reward, so the Python tool needs no second parameter."""
+    declared = declared_parameters(notebooks[NAME])
+    example = EXAMPLES[dataset]
+    for target in sorted(t for t in TARGETS if NAME in TARGETS[t].notebooks):
+        params = {**declared, **TARGETS[target].params_for(NAME, declared), "DATASET": dataset}
+        config = config_from_parameters(params, base=GRPOConfig())
+        assert (config.environment, config.tools, config.rewards) == (
+            example.environment, example.tools, example.rewards), target
+    if dataset == "mul3":
+        assert config.tools == "tpu_helpers.agents.sandbox:python"
 
 
 def test_the_runner_shows_the_agent_figures_and_answers_without_a_reference(tmp_path):

@@ -18,6 +18,8 @@ pytestmark = pytest.mark.notebooks
 # The GGUF export where the gguf package is installed (the dev venv); a stack without it (latest) would have the setup
 # cell install it into its cached venv, which the stack test forbids.
 GGUF = importlib.util.find_spec("gguf") is not None
+# EVAL_TASKS where lm-eval is installed (the dev venv), for the same reason: the package's offline task, 4 documents.
+LM_EVAL = {"EVAL_TASKS": "sums", "EVAL_LIMIT": 4} if importlib.util.find_spec("lm_eval") is not None else {}
 
 TINY = {"STEPS": 40, "BATCH_SIZE": 16, "SEQ_LEN": 32, "EVAL_EVERY": 20, "WARMUP_STEPS": 5, "LR": 3e-3}
 
@@ -52,7 +54,8 @@ def _check(results, out_dir):
 
 
 def test_finetune_notebook_on_cpu_watched_in_tensorboard(notebooks, tmp_path):
-    results, out_dir = _run(notebooks, tmp_path, "cpu", TRACKERS="tensorboard", **({"EXPORT_GGUF": "q8_0"} if GGUF else {}))
+    results, out_dir = _run(notebooks, tmp_path, "cpu", TRACKERS="tensorboard", **({"EXPORT_GGUF": "q8_0"} if GGUF else {}),
+                            **LM_EVAL)
     report = _check(results, out_dir)
     assert report["device"].startswith("CPU")
     if GGUF:  # EXPORT_GGUF: the merged model once more, as a GGUF file beside it (test_gguf_export.py: its answers)
@@ -74,6 +77,11 @@ def test_finetune_notebook_on_cpu_watched_in_tensorboard(notebooks, tmp_path):
         prediction = json.dumps(first["prediction"])[1:-1]  # newlines shown as \n
         assert f"| {first['prompt']} | {first['answer']} | {prediction} |" in table
     assert f"samples/exact_match_after: {results['samples_after']['exact_match']}" in texts["summary"][-1][1]
+    if LM_EVAL:  # EVAL_TASKS: lm-eval on the model before and the merged export after, in results.json and the tracker
+        runs = results["eval_tasks"]
+        assert runs["after"]["model"] == results["exports"]["merged"] and runs["before"]["documents"] == {"sums": 4}
+        after = runs["after"]["scores"]["sums"]["exact_match,last_number"]
+        assert f"eval_tasks/sums/exact_match,last_number_after: {after}" in texts["summary"][-1][1]
 
 
 @pytest.mark.xla

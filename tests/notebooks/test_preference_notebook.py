@@ -73,7 +73,7 @@ def test_orpo_notebook_on_xla_cpu(notebooks, tmp_path):
     report, acc = _check(results, out_dir, 10)
     assert report["device"].startswith("XLA:CPU") and report["xla"]["problems"] == []
     text = (run.directory / "preference_llm.ipynb").read_text()
-    assert "no reference (ORPO)" in text and "preference accuracy" in text
+    assert "no reference (ORPO, SimPO)" in text and "preference accuracy" in text
     print(f"preference_llm (ORPO) on XLA:CPU: {report['seconds']:.1f} s of training, "
           f"{report['xla']['compilations']} compilations, accuracy {acc['before']['accuracy']:.2f} -> "
           f"{acc['after']['accuracy']:.2f}")
@@ -85,3 +85,28 @@ def test_every_target_preset_is_a_valid_preference_configuration(notebooks, targ
     assert set(TARGETS[target].notebooks["preference_llm"]) <= set(declared), target
     config = config_from_parameters(TARGETS[target].params_for("preference_llm", declared), base=PreferenceConfig())
     assert config.preference.algorithm in ("dpo", "orpo")
+
+
+def test_reward_model_notebook_prints_the_held_out_pair_accuracy_and_exports_a_classifier(notebooks, tmp_path):
+    """ALGORITHM "reward": the printed and saved held-out pair accuracy, and exports that load with plain
+    transformers as a sequence classifier (merged) and as its adapter with the head (PEFT)."""
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    results, out_dir, run = _run(notebooks, tmp_path, "cpu", ALGORITHM="reward", METHOD="lora", STEPS=10, LR=1e-2,
+                                 CENTER_REWARDS_COEFFICIENT=0.01)
+    acc = results["accuracy"]
+    assert acc["after"]["pairs"] == acc["before"]["pairs"] > 50 and acc["after"]["logp_accuracy"] is None
+    text = (run.directory / "preference_llm.ipynb").read_text()
+    printed = f"preference accuracy {round(acc['before']['accuracy'], 3)} -> {round(acc['after']['accuracy'], 3)}"
+    assert printed in text, printed  # the held-out pair accuracy, A -> B
+    ids = torch.tensor([[1, 87, 85, 269, 201, 400]])
+    merged = AutoModelForSequenceClassification.from_pretrained(results["exports"]["merged"]).eval()
+    base = json.loads((out_dir / "merged" / "tpu_helpers.json").read_text())["base_model"]
+    adapted = PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(base, num_labels=1),
+                                        results["exports"]["adapter"]).eval()
+    adapted.config.pad_token_id = merged.config.pad_token_id
+    with torch.no_grad():
+        score = merged(input_ids=ids).logits
+        torch.testing.assert_close(score, adapted(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
+    assert score.shape == (1, 1)

@@ -1,6 +1,6 @@
 """Every notebook opens on a fresh Colab or Kaggle runtime: the cell after the parameters is the same short setup cell
 (a minimal bootstrap that fetches the package when it is missing, then `platform.setup_notebook` with the notebook's
-own name and the parameters that ask for packages: QAT, TRACKERS, MODEL, EXPORT_GGUF), and REPO_URL and INSTALL are parameters. Running it: tests/stacks/test_colab_runtime.py."""
+own name and the parameters that ask for packages: QAT, TRACKERS, MODEL, EXPORT_GGUF, EVAL_TASKS), and REPO_URL and INSTALL are parameters. Running it: tests/stacks/test_colab_runtime.py."""
 
 from __future__ import annotations
 
@@ -39,9 +39,10 @@ def test_the_setup_cell_follows_the_parameters(name):
     n = len(BOOTSTRAP) + 1
     assert code[0].startswith("# Setup: ") and code[1:n] == BOOTSTRAP, code
     # What a parameter asks for is installed too: torchao for QAT, each tracker TRACKERS names, what MODEL needs, gguf
-    # for EXPORT_GGUF.
+    # for EXPORT_GGUF, lm_eval for EVAL_TASKS.
     asks = "".join(f", {arg}={param}" for arg, param in (("qat", "QAT"), ("trackers", "TRACKERS"), ("model", "MODEL"),
-                                                         ("export_gguf", "EXPORT_GGUF")) if param in params)
+                                                         ("export_gguf", "EXPORT_GGUF"), ("eval_tasks", "EVAL_TASKS"))
+                   if param in params)
     assert code[n].startswith(f'print(platform.setup_notebook("{name}", install=INSTALL{asks}))'), code
     assert len(code) == n + 1 and name in platform.NOTEBOOK_NEEDS
     # Nothing above the setup cell needs the package.

@@ -3,9 +3,13 @@ package's GGUF file, through the package's jobs on the CPU, each making it measu
 test). Every test prints its figures (`make test-real` repeats them at the end: tests/real/conftest.py):
 
 - LoRA SFT on the generated instruction task raises held-out exact match (the untrained model answers in sentences);
+- on-policy distillation from that SFT run (merged) into the base model, which answers the prompts itself, raises
+  the student's held-out exact match;
 - GRPO on the generated sums raises the held-out mean reward of the answer reward;
 - agent GRPO on the `Lockers` environment, after a brief SFT on its demonstrations, raises the held-out reward and
   tool-call success;
+- agent GRPO on `mul3` (products of 3-digit numbers) with the sandboxed `python` tool, after a brief SFT, takes the
+  held-out accuracy far above the base model's (which never calls the tool);
 - agent GRPO on `TreasureHunt`, from an SFT that follows its note only sometimes, raises the share of held-out
   episodes whose second call follows the first one's reply;
 - QAT int4 costs held-out loss, and a LoRA trained on the int4 base ends about where the same LoRA on the unquantized
@@ -35,6 +39,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]  # one_th
 SMOLLM2 = smollm2.SMOLLM2
 SYSTEM = "Answer with the number only."  # GRPO: the untrained model otherwise talks past 8 tokens more often
 HUNT_SFT_STEPS, HUNT_STEPS, HUNT_LR, HUNT_EPISODES = 12, 8, 1e-3, 24  # the feedback test (TreasureHunt)
+MUL3_SFT_STEPS, MUL3_STEPS, MUL3_LR, MUL3_EPISODES = 6, 2, 3e-4, 16  # the python tool test (mul3)
 
 
 def _lora_sft(tmp_path, name, **overrides):
@@ -48,18 +53,55 @@ def _lora_sft(tmp_path, name, **overrides):
     return Finetune(FinetuneConfig(**cfg))
 
 
-def test_lora_sft_teaches_the_real_model_the_held_out_task(smollm2_dir, tmp_path):
-    job = _lora_sft(tmp_path, "sft")
+@pytest.fixture(scope="module")
+def lora_sft_run(smollm2_dir, tmp_path_factory):
+    """The LoRA SFT run (held-out samples before and after) that the SFT test measures and the on-policy
+    distillation test takes as its teacher: run once for both (tests/runner_hooks.py SHARED)."""
+    job = _lora_sft(tmp_path_factory.mktemp("sft"), "sft")
     t0 = time.time()
     before = job.samples(32)
     job.train()
     after = job.samples(32)
+    return job, before, after, time.time() - t0
+
+
+def test_lora_sft_teaches_the_real_model_the_held_out_task(lora_sft_run, smollm2_dir):
+    job, before, after, seconds = lora_sft_run
     print(f"\nLoRA SFT, 20 steps of 8 x 48 tokens: held-out exact match {before['exact_match']:.2f} -> "
-          f"{after['exact_match']:.2f} ({time.time() - t0:.0f} s)")
+          f"{after['exact_match']:.2f} ({seconds:.0f} s)")
     for b, a in list(zip(before["rows"], after["rows"], strict=True))[:4]:
         print(f"  {b['prompt']!r} ({b['answer']}): {b['prediction']!r} -> {a['prediction']!r}")
     assert before["exact_match"] <= 0.1  # it answers in sentences ("The letter after c")
     assert after["exact_match"] >= before["exact_match"] + 0.3
+
+
+ONPOLICY_STEPS = 16
+
+
+def test_on_policy_distillation_from_a_fine_tuned_teacher_raises_the_students_held_out_exact_match(lora_sft_run,
+                                                                                                  tmp_path):
+    """On-policy distillation: the LoRA SFT run above, merged, is the teacher; the base model is the student, which
+    answers the training prompts itself (DISTILL_LAMBDA 1, TRL's GKD with lmbda 1: no answer of the dataset trains)
+    and learns the teacher's distribution on its own answers (forward KL, temperature 1). Its held-out exact match
+    rises by at least 0.2."""
+    from tpu_helpers.recipes.finetune import Finetune, FinetuneConfig
+
+    t0 = time.time()
+    teacher = lora_sft_run[0].export()["merged"]
+    job = Finetune(FinetuneConfig(
+        model=SMOLLM2, method="distill", teacher=teacher, distill_lambda=1.0, distill_beta=0.0,
+        distill_temperature=1.0, lora_targets="all-linear", lora_r=8, lora_alpha=16, steps=ONPOLICY_STEPS, lr=2e-3,
+        warmup_steps=1, batch_size=8, seq_len=48, eval_every=1000, save_every=1000, val_fraction=0.1,
+        max_records=600, export="last", max_new_tokens=4, device="cpu", out_dir=str(tmp_path / "student")))
+    before = job.samples(32)
+    job.train()
+    after = job.samples(32)
+    print(f"\non-policy distillation ({ONPOLICY_STEPS} steps of 8 answers of 4 tokens, forward KL): the student's "
+          f"held-out exact match {before['exact_match']:.2f} -> {after['exact_match']:.2f} (teacher "
+          f"{lora_sft_run[2]['exact_match']:.2f}; {time.time() - t0:.0f} s with the teacher's export)")
+    for b, a in list(zip(before["rows"], after["rows"], strict=True))[:4]:
+        print(f"  {b['prompt']!r} ({b['answer']}): {b['prediction']!r} -> {a['prediction']!r}")
+    assert after["exact_match"] >= before["exact_match"] + 0.2
 
 
 def test_grpo_raises_the_real_models_held_out_reward(smollm2_dir, tmp_path):
@@ -83,12 +125,9 @@ def test_grpo_raises_the_real_models_held_out_reward(smollm2_dir, tmp_path):
     assert after["reward"] >= before["reward"] + 0.3
 
 
-def test_agent_grpo_raises_the_real_models_held_out_tool_use(smollm2_dir, tmp_path):
-    """The agents notebook's `cpu` preset, as `--target cpu` runs it: GRPO on `Lockers` (agents.examples), whose
-    answer exists only inside the environment. A brief LoRA SFT on its demonstrations (START_FROM "sft", 4 steps of
-    8: the model calls the tool, often malformed), then GRPO on its own episodes raises the held-out reward and the
-    tool-call success. The prompt is 235 tokens (the fallback's tool instructions and schema), so a step of 8
-    episodes takes about a minute on one CPU thread."""
+def _agents_preset_job(**params):
+    """The GRPO job of the agents notebook's `cpu` preset, as `--target cpu -p NAME VALUE ...` runs it: the
+    notebook's defaults, the preset over them, then `params`."""
     from tests.support import NOTEBOOKS
     from tpu_helpers.config import config_from_parameters
     from tpu_helpers.launch.runner import declared_parameters
@@ -96,8 +135,26 @@ def test_agent_grpo_raises_the_real_models_held_out_tool_use(smollm2_dir, tmp_pa
     from tpu_helpers.recipes.grpo import GRPO, GRPOConfig
 
     declared = declared_parameters(NOTEBOOKS["agents_llm"])
-    params = {**declared, **TARGETS["cpu"].params_for("agents_llm", declared), "OUT_DIR": str(tmp_path / "agent")}
-    job = GRPO(config_from_parameters(params, base=GRPOConfig()))
+    merged = {**declared, **TARGETS["cpu"].params_for("agents_llm", declared), **params}
+    return GRPO(config_from_parameters(merged, base=GRPOConfig()))
+
+
+def _print_improved_episode(before: dict, after: dict) -> tuple:
+    """The first held-out episode whose reward rose, printed before and after as transcripts; () when none rose."""
+    pair = next(((b, a) for b, a in zip(before["rows"], after["rows"], strict=True) if a["reward"] > b["reward"]), ())
+    for when, row in zip(("before", "after"), pair, strict=True):
+        lines = row["transcript"].replace("\n", "\n    ")
+        print(f"  {when} ({row['prompt']!r}, reward {row['reward']:g}):\n    {lines}")
+    return pair
+
+
+def test_agent_grpo_raises_the_real_models_held_out_tool_use(smollm2_dir, tmp_path):
+    """The agents notebook's `cpu` preset, as `--target cpu` runs it: GRPO on `Lockers` (agents.examples), whose
+    answer exists only inside the environment. A brief LoRA SFT on its demonstrations (START_FROM "sft", 4 steps of
+    8: the model calls the tool, often malformed), then GRPO on its own episodes raises the held-out reward and the
+    tool-call success. The prompt is 235 tokens (the fallback's tool instructions and schema), so a step of 8
+    episodes takes about a minute on one CPU thread."""
+    job = _agents_preset_job(OUT_DIR=str(tmp_path / "agent"))
     cfg = job.config
     assert (cfg.model, cfg.start_from, cfg.device) == (SMOLLM2, "sft", "cpu")
     t0 = time.time()
@@ -113,12 +170,42 @@ def test_agent_grpo_raises_the_real_models_held_out_tool_use(smollm2_dir, tmp_pa
           f"tool calls per episode {before['tool_calls']:.2f} -> {after['tool_calls']:.2f} ({cfg.num_samples} "
           f"episodes; {time.time() - t0:.0f} s, SFT {sft_s:.0f} s); batch rewards "
           f"{[round(r, 2) for r in curves['reward']]}")
-    pair = next((b, a) for b, a in zip(before["rows"], after["rows"], strict=True) if a["reward"] > b["reward"])
-    for when, row in zip(("before", "after"), pair, strict=True):
-        lines = row["transcript"].replace("\n", "\n    ")
-        print(f"  {when} ({row['prompt']!r}, reward {row['reward']:g}):\n    {lines}")
+    _print_improved_episode(before, after)
     assert after["reward"] >= before["reward"] + 0.2
     assert after["tool_success"] >= before["tool_success"] + 0.1
+
+
+def test_agent_grpo_teaches_the_real_model_to_multiply_with_the_sandboxed_python_tool(smollm2_dir, tmp_path):
+    """DATASET "mul3" (agents.examples): the product of two 3-digit numbers, which SmolLM2 cannot work out in its
+    head, with the `python` tool that runs the model's code in the sandbox (agents/sandbox.py). The agents notebook's
+    `cpu` preset with that one parameter, cut to the fewest steps that show the margin: the base model never calls
+    the tool (it talks about the numbers instead), so its held-out accuracy is 0; a brief LoRA SFT on the example's
+    demonstrations (`print(A * B)`, then the printed number) and a few GRPO steps on its own episodes make it write
+    the code, read the sandbox's result and answer with it. The held-out pairs are the test split's (no pair of
+    training's)."""
+    params = {"DATASET": "mul3", "SFT_STEPS": MUL3_SFT_STEPS, "STEPS": MUL3_STEPS, "SAVE_EVERY": MUL3_STEPS,
+              "NUM_SAMPLES": MUL3_EPISODES, "LR": MUL3_LR}  # the preset's 1e-3 broke the calls of another seed's SFT
+    base = _agents_preset_job(**params, START_FROM=None, OUT_DIR=str(tmp_path / "base"))
+    assert base.config.tools == "tpu_helpers.agents.sandbox:python"  # the example brings its tool and reward
+    assert base.config.rewards == "tpu_helpers.agents.examples:mul3_reward"
+    t0 = time.time()
+    before = base.samples(MUL3_EPISODES)
+    del base
+    job = _agents_preset_job(**params, OUT_DIR=str(tmp_path / "agent"))
+    t1 = time.time()
+    job.start_source  # noqa: B018 (the SFT warm start, timed apart)
+    sft_s = time.time() - t1
+    job.train()
+    after = job.samples(MUL3_EPISODES)
+    print(f"\nmul3 with the sandboxed python tool, SFT {MUL3_SFT_STEPS} steps then {MUL3_STEPS} GRPO steps of 1 "
+          f"prompt x 8 episodes, lr {MUL3_LR:g}: held-out accuracy {before['reward']:.2f} (base SmolLM2) -> "
+          f"{after['reward']:.2f}, tool calls per episode {before['tool_calls']:.2f} -> {after['tool_calls']:.2f}, "
+          f"tool-call success {after['tool_success']:.2f} after ({MUL3_EPISODES} episodes; {time.time() - t0:.0f} s, "
+          f"SFT {sft_s:.0f} s); batch rewards {[round(r, 2) for r in job.curves()['reward']]}")
+    pair = _print_improved_episode(before, after)
+    shown = pair[1]["transcript"] if pair else ""
+    assert "call python(" in shown and "print(" in shown and "tool python: " in shown  # the code, then its result
+    assert after["reward"] >= before["reward"] + 0.5
 
 
 def test_agent_grpo_teaches_the_real_model_to_use_the_feedback_across_turns(smollm2_dir, tmp_path):
@@ -163,10 +250,7 @@ def test_agent_grpo_teaches_the_real_model_to_use_the_feedback_across_turns(smol
           f"tool calls per episode {before['tool_calls']:.2f} -> {after['tool_calls']:.2f} ({HUNT_EPISODES} "
           f"episodes; {time.time() - t0:.0f} s, SFT {sft_s:.0f} s); batch rewards "
           f"{[round(r, 2) for r in job.curves()['reward']]}")
-    pair = next(((b, a) for b, a in zip(before["rows"], after["rows"], strict=True) if a["reward"] > b["reward"]), ())
-    for when, row in zip(("before", "after"), pair, strict=True):
-        lines = row["transcript"].replace("\n", "\n    ")
-        print(f"  {when} ({row['prompt']!r}, reward {row['reward']:g}):\n    {lines}")
+    _print_improved_episode(before, after)
     assert follows(after) >= follows(before) + 0.2
     assert after["reward"] >= before["reward"] + 0.15
 

@@ -19,7 +19,9 @@ REWARD = "tests.algorithms.test_grpo:odd_first_character"  # a reward an untrain
 # after it (commit 1fb5343). Three were then re-recorded for fixes that change them by design: the cached
 # distillation's student tail is an exact logsumexp (was log(1 - sum), step 3 was 3.015127658843994), and GRPO
 # samples by Gumbel-max with the process index in its key (grpo was [0.0, 9.934107758624577e-09,
-# 0.0002988527121488005], grpo_full [0.0, 0.0, 0.0004716805706266314]). Exact but for float32 rounding: a refactor
+# 0.0002988527121488005], grpo_full [0.0, 0.0, 0.0004716805706266314]); the CPU's rollouts decode their live rows
+# with grouped-query attention, summed in another order (grpo_full was [2.98e-08, -0.12587374448776245,
+# 0.0005628947401419282]). Exact but for float32 rounding: a refactor
 # must run the same arithmetic in the same order, and the CPU's kernels round differently from one machine to another
 # (on an AMD EPYC lora's third loss is one ulp lower, 6.029869556427002), so a value may differ by a few ulps
 # (relative 1e-6, or 1e-7 absolute). A GRPO loss recorded below 1e-6 is zero in exact arithmetic: the first step is
@@ -31,7 +33,7 @@ RECORDED = {
     "distill": [3.2302467823028564, 3.138580083847046, 3.020907163619995],
     "distill_cache": [3.2302467823028564, 3.137737274169922, 3.0151278972625732],
     "grpo": [-9.934107758624577e-09, 0.00016230881738010794, 0.001048227190040052],
-    "grpo_full": [2.9802322387695312e-08, -0.12587374448776245, 0.0005628947401419282],
+    "grpo_full": [-1.9868215517249155e-08, -0.12587368488311768, 0.0005630239029414952],
 }
 
 COMMON = dict(device="cpu", steps=3, log_every=1, save_every=3, eval_every=3, eval_batches=1, xla_checks="off", seed=0)

@@ -118,13 +118,16 @@ def test_grpo_replays_its_policy_forward_with_the_lazy_losses(tmp_path, one_thre
     _same_losses(make)
 
 
-@pytest.mark.parametrize("algorithm, method", [("dpo", "lora"), ("orpo", "full")])
+@pytest.mark.parametrize("algorithm, method", [("dpo", "lora"), ("orpo", "full"), ("kto", "lora"),
+                                               ("simpo", "full")])
 def test_preference_tuning_replays_its_policy_forward_with_the_lazy_losses(tmp_path, one_thread, algorithm, method):
     from tpu_helpers.recipes.preference import Preference, PreferenceConfig
 
     def make(replay):
         torch.manual_seed(0)
-        cfg = PreferenceConfig(device="xla", steps=5, batch_size=2, grad_accum=2, seq_len=40, lr=3e-3, beta=0.5,
+        # KTO's and SimPO's policy forward is DPO's and ORPO's: rows of another length make their captures new.
+        cfg = PreferenceConfig(device="xla", steps=5, batch_size=2, grad_accum=2,
+                               seq_len=48 if algorithm in ("kto", "simpo") else 40, lr=3e-3, beta=0.5,
                                warmup_steps=1, log_every=1, save_every=100, eval_every=100, max_records=24,
                                val_fraction=0.2, lora_r=4, algorithm=algorithm, method=method, xla_checks="strict",
                                out_dir=str(tmp_path / f"pref-{replay}"), replay_steps=replay)

@@ -10,23 +10,29 @@ teacher's top-k written once; the settings, the losses, the teacher's top-k and 
 Both mix the hard-label loss with the soft one, alpha * CE + (1 - alpha) * T^2 * KL(teacher || student), summed
 over target tokens and averaged over the step's target tokens (`sft.CausalLMTrainer`); validation is the student's
 own next-token loss. The cached KL is over k + 1 buckets, the teacher's k tokens and the rest of the vocabulary as
-one tail, exact on both sides: docs/algorithms/distillation.md.
+one tail, exact on both sides. The live trainer is also on-policy distillation (TRL's GKD): in a share `lambda_` of
+the micro-batches the student answers the prompts itself (the package's KV-cached generation, fixed shapes) and
+learns the teacher's distribution on its own answers; `beta` makes the soft term a generalized Jensen-Shannon
+divergence (0 forward KL, 1 reverse KL): docs/algorithms/distillation.md.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import random
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from tpu_helpers.algorithms.rollouts import sampling_key
 from tpu_helpers.algorithms.sft import CausalLMTrainer, lm_logits
 from tpu_helpers.config import ConfigError
+from tpu_helpers.data.cuts import warn_cut
 from tpu_helpers.data.teacher_cache import TeacherCache, build_teacher_cache, cache_status
-from tpu_helpers.diagnostics.safe_ops import xla_safe_kl_div
-from tpu_helpers.models import lm_head, lora
+from tpu_helpers.models import lm_head, lora, quant4
+from tpu_helpers.models.generation import Sampling, generate_ids
 from tpu_helpers.training.batches import causal_lm_loss_sum
 
 TEACHER_KEYS = ("teacher_ids", "teacher_logp", "teacher_tail")
@@ -40,35 +46,55 @@ class DistillSettings:
 
     temperature: float = 2.0  # T, the softmax temperature of the soft loss
     alpha: float = 0.5  # the hard-label loss's weight; the soft loss gets 1 - alpha
+    lambda_: float = 0.0  # share of micro-batches the student answers itself (0: the dataset's answers, 1: on-policy)
+    beta: float = 0.0  # the soft term: 0 KL(teacher || student), 1 KL(student || teacher), between: generalized JSD
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
                 and self.temperature > 0):
             raise ConfigError(f"distill_temperature={self.temperature!r} must be a finite number > 0")
-        if not (isinstance(self.alpha, (int, float)) and 0.0 <= self.alpha <= 1.0):
-            raise ConfigError(f"distill_alpha={self.alpha!r} must be between 0 and 1")
+        for name in ("alpha", "lambda_", "beta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
+                raise ConfigError(f"distill_{name.rstrip('_')}={value!r} must be a number between 0 and 1")
+            object.__setattr__(self, name, float(value))
         object.__setattr__(self, "temperature", float(self.temperature))
-        object.__setattr__(self, "alpha", float(self.alpha))
+
+    @property
+    def on_policy(self) -> bool:
+        """Whether the student answers some prompts itself (lambda > 0)."""
+        return self.lambda_ > 0
 
     def mix(self, hard: torch.Tensor, soft: torch.Tensor) -> torch.Tensor:
         """alpha * hard-label loss + (1 - alpha) * soft loss (the soft one already scaled by T^2)."""
         return self.alpha * hard + (1.0 - self.alpha) * soft
 
 
-def check_same_vocab(student: torch.nn.Module, teacher: torch.nn.Module, teacher_name: str = "teacher") -> None:
+def check_same_vocab(student: torch.nn.Module, teacher: torch.nn.Module, teacher_name: str = "teacher",
+                     student_name: str = "the student", tokenizers: tuple[Any, Any] | None = None) -> None:
+    """A ConfigError naming both models where the teacher's vocabulary is not the student's: another size of
+    output layer, or (given `tokenizers`, the student's and the teacher's) another token for some id."""
     sv = student.get_output_embeddings().weight.shape[0]
     tv = teacher.get_output_embeddings().weight.shape[0]
+    same = "distillation compares logits token by token, so both must share one tokenizer (e.g. a larger model " \
+           "of the same family; a teacher of another tokenizer is out of scope)"
     if sv != tv:
-        raise ConfigError(f"TEACHER={teacher_name!r} has a vocabulary of {tv} tokens and the student {sv}; "
-                          "distillation compares logits token by token, so both must share one tokenizer "
-                          "(e.g. a larger model of the same family)")
+        raise ConfigError(f"TEACHER={teacher_name!r} has a vocabulary of {tv} tokens and MODEL={student_name!r} "
+                          f"{sv}; {same}")
+    if tokenizers is not None:
+        s_vocab, t_vocab = (tok.get_vocab() for tok in tokenizers)
+        if s_vocab != t_vocab:
+            differ = sorted(set(s_vocab.items()) ^ set(t_vocab.items()), key=lambda kv: (kv[1], kv[0]))[:3]
+            raise ConfigError(f"TEACHER={teacher_name!r} and MODEL={student_name!r} have different tokenizers "
+                              f"({len(t_vocab)} and {len(s_vocab)} tokens; e.g. {differ} are in one only); {same}")
 
 
 def frozen_teacher(teacher: torch.nn.Module, backend: Any) -> torch.nn.Module:
-    """The teacher frozen, in eval mode, bf16 where the backend computes in bf16, on the backend's device. Not a
-    submodule of the student: its weights stay out of the optimizer and the checkpoints."""
+    """The teacher frozen, in eval mode, bf16 where the backend computes in bf16 (a 4-bit teacher as it loaded: its
+    scales stay float32), on the backend's device. Not a submodule of the student: its weights stay out of the
+    optimizer and the checkpoints."""
     teacher.requires_grad_(False).eval()
-    if backend.precision == "bf16":
+    if backend.precision == "bf16" and not quant4.is_quantized(teacher):
         teacher = teacher.to(torch.bfloat16)
     return backend.move_model(teacher)
 
@@ -132,32 +158,132 @@ class TeacherTopK:
         return b.to_cpu(out)
 
 
+def prompt_lengths(labels: torch.Tensor) -> torch.Tensor:
+    """Each row's prompt: its tokens before the first trained one (the leading -100 labels), (B,) int64."""
+    return (labels != -100).long().argmax(-1)  # argmax: the first maximum (XLA lowers it; cumprod it does not)
+
+
+def left_padded_prompts(batch: dict, width: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask), (B, width) each: every row's prompt (`prompt_lengths`) moved to the right end of `width` columns,
+    padding on the left, as the KV-cached generation takes prompts; a prompt longer than `width` keeps its last
+    `width` tokens. A gather: fixed shapes, no host read."""
+    ids = batch["input_ids"]
+    length = prompt_lengths(batch["labels"]).unsqueeze(1)
+    source = torch.arange(width, device=ids.device).unsqueeze(0) - width + length  # the column each slot takes
+    real = (source >= 0) & (source < ids.shape[1])
+    taken = ids.gather(1, source.clamp(0, ids.shape[1] - 1))
+    return torch.where(real, taken, torch.full_like(taken, pad)), real.long()
+
+
 class DistillTrainer(CausalLMTrainer):
-    """Loss = alpha * hard-label CE + (1 - alpha) * T^2 * soft CE against a frozen teacher, per target token."""
+    """Loss = alpha * hard-label CE + (1 - alpha) * T^2 * D_beta(teacher, student) against a frozen teacher, per
+    target token (D_0 is KL(teacher || student), `lm_head.full_jsd`).
+
+    On-policy (`settings.lambda_` > 0): each micro-batch is, with probability lambda (seeded by SEED, the step and
+    the micro-batch: the same choices on a resumed run), the student's own answers to its prompts instead of the
+    dataset's: its first `max_new_tokens` tokens sampled at temperature 1 after the prompt (the row's tokens before
+    its first trained one, left-padded to `seq_len - max_new_tokens` columns), ended at a `stop_ids` token. There
+    is no reference answer, so their loss is the soft term alone, T^2 * D_beta; dataset micro-batches keep the mix.
+    Both kinds have one shape (a row of seq_len) and one loss graph, the weights given as data."""
 
     def __init__(self, *args: Any, teacher: torch.nn.Module, settings: DistillSettings,
-                 teacher_name: str = "teacher", **kwargs: Any) -> None:
+                 teacher_name: str = "teacher", stop_ids: Sequence[int] = (), pad_token_id: int = 0,
+                 max_new_tokens: int = 0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         check_same_vocab(self.raw_model, teacher, teacher_name)
         self.settings = settings
         self.teacher = frozen_teacher(teacher, self.backend)
+        self.weights: dict[tuple[int, bool], torch.Tensor] = {}
+        if settings.on_policy:
+            self._start_on_policy(list(stop_ids), pad_token_id, max_new_tokens)
+
+    def _start_on_policy(self, stop_ids: list[int], pad: int, max_new_tokens: int) -> None:
+        data = self.train_loader.dataset if self.train_loader else None
+        seq_len = getattr(data, "seq_len", None)
+        if getattr(data, "position_ids", None) is not None:
+            raise ConfigError(f"distill_lambda={self.settings.lambda_!r} with pack=True: the student answers each "
+                              "row's prompt, and a packed row holds several; set pack=False")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1 or (seq_len and max_new_tokens >= seq_len):
+            raise ConfigError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1 and below seq_len="
+                              f"{seq_len} for distill_lambda={self.settings.lambda_!r} (the student's answers take "
+                              "the last max_new_tokens columns of a row, its prompt the rest)")
+        self.stop_ids, self.pad, self.max_new_tokens = stop_ids, pad, max_new_tokens
+        # Each micro-batch's forward and backward a graph of its own: a step's graphs are then those of its
+        # micro-batches' kinds, each compiled once, whichever mix of them a step draws.
+        self.sync_each_micro_batch = True
+        self.prompt_width = (seq_len or max_new_tokens + 1) - max_new_tokens
+        if data is not None:
+            lengths = prompt_lengths(data.labels)
+            if bool((lengths == 0).any()):
+                raise ConfigError(f"distill_lambda={self.settings.lambda_!r}: {int((lengths == 0).sum())} training "
+                                  "rows have no prompt (every token trained: plain text records); on-policy "
+                                  "distillation needs prompt/completion or chat records, or distill_lambda=0")
+            warn_cut(setting="SEQ_LEN - MAX_NEW_TOKENS", limit=self.prompt_width,
+                     cut=int((lengths > self.prompt_width).sum()), total=len(lengths), longest=int(lengths.max()),
+                     what="prompts the student answers", verb="keeps the end of",
+                     lost="the student sees those prompts' last tokens only (lower MAX_NEW_TOKENS to keep more)")
+        # The (hard, soft) weights of each micro-batch, one tensor per micro-batch and kind: a step's graph takes
+        # each as an input of its own (one tensor fed to two micro-batches would make another graph).
+        a, device = self.settings.alpha, self.backend.device
+        self.weights = {(k, own): torch.tensor([0.0, 1.0] if own else [a, 1.0 - a]).to(device)
+                        for k in range(self.config.grad_accum) for own in (False, True)}
+
+    def answers_itself(self, micro: int) -> bool:
+        """Whether micro-batch `micro` of this step is the student's own answers: a draw of probability lambda,
+        seeded by SEED, the step and `micro` (no generator state: the same on a resumed run)."""
+        return random.Random(f"{self.config.seed}:{self.step}:{micro}").random() < self.settings.lambda_
+
+    def student_answers(self, batch: dict, micro: int) -> dict:
+        """`batch` as the student answers it: its prompts left-padded, the sampled answer after each (the package's
+        KV-cached generation: one prefill and one decode graph), labels on the answer's tokens up to its stop
+        token; the same keys and shapes as a dataset batch."""
+        b = self.backend
+        prompt, mask = left_padded_prompts(batch, self.prompt_width, self.pad)
+        b.sync()  # the prompts as data: the generation's captured graphs take them as they are
+        key = sampling_key(self.config.seed, self.step * self.config.grad_accum + micro, b)
+        with b.autocast():
+            gen = generate_ids(self.sampling_model, prompt, mask, max_new_tokens=self.max_new_tokens,
+                               eos_token_id=self.stop_ids, pad_token_id=self.pad, sampling=Sampling(1.0), seed=key,
+                               sync=b.sync, replay=b.compile_step, loop=b.compile_loop)
+        labels = torch.cat([torch.full_like(prompt, -100), torch.where(gen.mask.bool(), gen.ids,
+                                                                       torch.full_like(gen.ids, -100))], 1)
+        out = {"input_ids": torch.cat([prompt, gen.ids], 1), "attention_mask": torch.cat([mask, gen.mask.long()], 1),
+               "labels": labels}
+        b.sync()  # the rows as data: the same graphs whichever micro-batches of a step the student answers
+        return out
+
+    def micro_batches(self, batches: Iterator) -> list[dict]:
+        micro = super().micro_batches(batches)
+        if not self.settings.on_policy:
+            return micro
+        out = []
+        for k, batch in enumerate(micro):
+            own = self.answers_itself(k)
+            batch = self.student_answers(batch, k) if own else batch
+            out.append({**batch, "distill_weights": self.weights[k, own]})
+        return out
 
     def loss_sum(self, batch: dict) -> torch.Tensor:
-        chunked = lm_head.live_kd_sums(self.model, self.teacher, batch, self.settings.temperature,
+        s = self.settings
+        if "distill_weights" in batch:  # on-policy runs: left-padded rows need their positions
+            batch = {**batch, "position_ids": (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)}
+        chunked = lm_head.live_kd_sums(self.model, self.teacher, batch, s.temperature, beta=s.beta,
                                        chunk=getattr(self, "loss_chunk", None))
         if chunked is not None:
-            return self.settings.mix(*chunked)
-        logits = lm_logits(self.model, batch)
-        hard = causal_lm_loss_sum(logits, batch["labels"])
-        with torch.no_grad():
-            t_logits = lm_logits(self.teacher, batch)
-        t = self.settings.temperature
-        s_logp = torch.log_softmax(logits[:, :-1].float() / t, dim=-1)
-        t_logp = torch.log_softmax(t_logits[:, :-1].float() / t, dim=-1)
-        # Per position KL(teacher || student), summed over the vocabulary, kept only at target tokens.
-        kl = xla_safe_kl_div(s_logp, t_logp, reduction="none", log_target=True).sum(-1)
-        soft = (kl * (batch["labels"][:, 1:] != -100)).sum() * (t * t)
-        return self.settings.mix(hard, soft)
+            hard, soft = chunked
+        else:
+            logits = lm_logits(self.model, batch)
+            hard = causal_lm_loss_sum(logits, batch["labels"])
+            with torch.no_grad():
+                t_logits = lm_logits(self.teacher, batch)
+            t = s.temperature
+            # Per position D_beta(teacher, student) over the vocabulary, kept only at target tokens.
+            div = lm_head.full_jsd(logits[:, :-1].float() / t, t_logits[:, :-1].float() / t, s.beta)
+            soft = (div * (batch["labels"][:, 1:] != -100)).sum() * (t * t)
+        if "distill_weights" in batch:
+            w = batch["distill_weights"]
+            return w[0] * hard + w[1] * soft
+        return s.mix(hard, soft)
 
 
 class CachedDistillTrainer(CausalLMTrainer):

@@ -333,33 +333,31 @@ def episode_rewards(rewards: str | None, format_pattern: str) -> dict[str, Any]:
 
 
 def episode_prompts(runner: EpisodeRunner, records: Sequence[dict], *, max_prompt_len: int) -> tuple[Any, dict]:
-    """Each record's episode prompt as the rollout renders it (a fresh environment's reset, the tool schemas, the
-    model's template), left-padded: a `data.rl.PromptDataset` and its stats. A record whose prompt is longer than
-    `max_prompt_len` is left out, counted and said once (`data.cuts.warn_cut`); a record reset cannot take fails
-    here, naming it."""
+    """The records whose episode prompt (a fresh environment's reset, the tool schemas, the model's template) fits
+    `max_prompt_len`: a `data.rl.PromptDataset` of their indices alone (each episode renders its own prompt at its
+    reset, so nothing here is kept for the step) and the stats. Each record is reset and measured once, here, so
+    that a record whose prompt is too long is left out, counted and said once (`data.cuts.warn_cut`) before
+    training, and a record reset cannot take fails here, naming it."""
     from tpu_helpers.data.rl import PromptDataset
 
-    pad = runner.pad
-    ids, masks, index = [], [], []
+    index = []
     stats = {"records": len(records), "too_long": 0, "longest_prompt": 0}
     for k, record in enumerate(records):
         try:
             episode = runner.agent.start(record)
         except ConfigError as err:
             raise ConfigError(f"record {k}: {err}") from None
-        tokens = runner.chat.prompt_ids(episode.prompt, tools=episode.schemas)
-        stats["longest_prompt"] = max(stats["longest_prompt"], len(tokens))
-        if len(tokens) > max_prompt_len:
+        length = len(runner.chat.prompt_ids(episode.prompt, tools=episode.schemas))
+        stats["longest_prompt"] = max(stats["longest_prompt"], length)
+        if length > max_prompt_len:
             stats["too_long"] += 1
             continue
-        ids.append([pad] * (max_prompt_len - len(tokens)) + tokens)
-        masks.append([0] * (max_prompt_len - len(tokens)) + [1] * len(tokens))
         index.append(k)
-    if not ids:
+    if not index:
         raise ConfigError(f"no episode prompt fits MAX_PROMPT_LEN={max_prompt_len} tokens ({stats['records']} "
                           f"records, the longest {stats['longest_prompt']} tokens with the tool schemas); raise "
                           "MAX_PROMPT_LEN")
-    stats["prompts"] = len(ids)
+    stats["prompts"] = len(index)
     warn_cut(setting="MAX_PROMPT_LEN", limit=max_prompt_len, cut=stats["too_long"], total=stats["records"],
              longest=stats["longest_prompt"], what="episode prompts (with the tool schemas)", verb="drops")
-    return PromptDataset(torch.tensor(ids), torch.tensor(masks), torch.tensor(index)), stats
+    return PromptDataset(None, None, torch.tensor(index, dtype=torch.long)), stats

@@ -198,7 +198,7 @@ class GRPOTrainer(Trainer):
     def tokens_per_step(self) -> int:
         """The tokens the policy's forward runs a step: each row's completion columns, and each prompt once per group
         where the group shares it (`prompt_group`)."""
-        prompt = self.train_loader.dataset.input_ids.shape[1] if self.train_loader else 0
+        prompt = self.rollouts.prompt_width if self.train_loader else 0
         rows = self.settings.rows(self.config.batch_size) * self.backend.num_replicas
         group = self.prompt_group(self.settings.num_generations,
                                   slice(0, self.settings.rows(self.config.batch_size) // self.config.grad_accum))

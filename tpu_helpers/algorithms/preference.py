@@ -1,16 +1,19 @@
-"""Preference tuning (DPO, ORPO) on the package's Trainer: push a causal LM towards the chosen answer of each pair
-and away from the rejected one. One step (`PreferenceTrainer.train_step`): the log-probabilities of each
-micro-batch's pairs as 2B rows (chosen, then rejected) in one forward, the pair losses of
-`algorithms.preference_loss` against the reference (DPO) or the odds (ORPO, plus the chosen answers' NLL), a
-backward each, then the optimizer step; the step's loss is the mean over all its pairs.
+"""Preference tuning (DPO, ORPO, SimPO, KTO) on the package's Trainer: push a causal LM towards the chosen answer of
+each pair and away from the rejected one, or, for KTO, towards desirable completions and away from undesirable ones.
+One step (`PreferenceTrainer.train_step`): the log-probabilities of each micro-batch's B items as 2B rows in one
+forward (a pair's chosen and rejected rows; a KTO completion's row and its mismatched row for the KL estimate), the
+losses of `algorithms.preference_loss` against the reference (DPO, KTO) or from the mean log-probabilities (ORPO's
+odds, SimPO's margin; plus the chosen answers' NLL), a backward each, then the optimizer step; the step's loss is the
+mean over all its items.
 
     settings = PreferenceSettings(algorithm="dpo", beta=0.1, precompute_ref=True)   # algorithms.preference_loss
     trainer = PreferenceTrainer(model, pairs, val_pairs, config=cfg, settings=settings)  # data.preference rows
     report = trainer.fit()          # resume, signals, the run lock, the XLA detector as for SFT
 
-DPO's reference is the model with its adapter disabled under LoRA, else `ref_model`, a frozen copy; with
-`precompute_ref` its log-probabilities of every pair are computed once when `fit` starts and the copy dropped.
-Logged per log step: the loss, the mean chosen and rejected rewards, their margin and the preference accuracy.
+The reference (DPO, KTO) is the model with its adapter disabled under LoRA, else `ref_model`, a frozen copy; with
+`precompute_ref` its log-probabilities of every item's two rows are computed once when `fit` starts and the copy
+dropped. Logged per log step: the loss, the mean chosen (desirable) and rejected (undesirable) rewards, their margin,
+the preference accuracy (KTO: the share of completions whose reward has their label's sign) and KTO's KL estimate.
 More: docs/algorithms/preference.md.
 """
 
@@ -22,10 +25,11 @@ from typing import Any
 import torch
 
 from tpu_helpers.algorithms.preference_loss import (
+    KTOLoss,
     PairLoss,
     PreferenceSettings,
     dpo_loss,
-    orpo_loss,
+    kto_loss,
 )
 from tpu_helpers.config import ConfigError
 from tpu_helpers.data.loaders import fixed_batches
@@ -52,8 +56,24 @@ def batch_pair_logps(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor,
     return pair_logps(model, stack_pairs(batch))
 
 
+def _pair_sums(out: PairLoss) -> dict[str, torch.Tensor]:
+    c, r = out.chosen_rewards, out.rejected_rewards
+    n = torch.ones_like(c).sum()
+    return {"chosen": c.sum(), "rejected": r.sum(), "n_chosen": n, "n_rejected": n, "correct": (c > r).float().sum(),
+            "kl": torch.zeros_like(n)}
+
+
+def _kto_sums(out: KTOLoss, desirable: torch.Tensor) -> dict[str, torch.Tensor]:
+    d = desirable.bool()
+    rew, zero = out.rewards, torch.zeros_like(out.rewards)
+    right = torch.where(d, rew > 0, rew < 0)
+    return {"chosen": torch.where(d, rew, zero).sum(), "rejected": torch.where(d, zero, rew).sum(),
+            "n_chosen": d.float().sum(), "n_rejected": (~d).float().sum(), "correct": right.float().sum(),
+            "kl": out.kl}
+
+
 class PreferenceTrainer(Trainer):
-    """DPO or ORPO over pairs (see the module docstring)."""
+    """DPO, ORPO, SimPO or KTO (see the module docstring)."""
 
     # DPO's and IPO's losses fall towards 0 as the pairs separate, where a window of a few harder pairs is several
     # times the last one: the relative spike rule (training/guard/divergence.py) would stop sound runs. nan/inf still stop.
@@ -69,7 +89,8 @@ class PreferenceTrainer(Trainer):
         self.ref_model = None
         if settings.uses_reference and not lora.is_peft(model):
             if ref_model is None:
-                raise ConfigError("DPO without LoRA needs ref_model, a frozen copy of the starting model")
+                raise ConfigError(f"{settings.algorithm.upper()} without LoRA needs ref_model, a frozen copy of the "
+                                  "starting model")
             ref_model.requires_grad_(False).eval()
             if self.backend.precision == "bf16":
                 ref_model = ref_model.to(torch.bfloat16)
@@ -82,60 +103,69 @@ class PreferenceTrainer(Trainer):
 
     # ---- the step ---------------------------------------------------------------------------------------------
     def train_step(self, batches: Iterator) -> StepFigures:
-        """One optimizer step over grad_accum micro-batches of pairs: each micro-batch's pair losses (and ORPO's
-        chosen NLL) with a backward, then the optimizer step. The divisors are the whole step's (its pairs, its
+        """One optimizer step over grad_accum micro-batches: each micro-batch's losses (and the chosen NLL, ORPO's
+        and SimPO's) with a backward, then the optimizer step. The divisors are the whole step's (its items, its
         chosen tokens), counted up front: the gradients do not depend on grad_accum."""
         b, s = self.backend, self.settings
         micro = [next(batches) for _ in range(self.config.grad_accum)]
-        pairs = float(sum(m["input_ids"].shape[0] for m in micro))  # a host number: shapes are fixed
-        if not s.uses_reference:  # ORPO: every chosen token of the step weighs the same, as the package's SFT
+        items = float(sum(m["input_ids"].shape[0] for m in micro))  # a host number: shapes are fixed
+        if s.nll_weight:  # every chosen token of the step weighs the same, as the package's SFT
             count = sum((m["labels"][:, 0, 1:] != -100).sum() for m in micro).clamp(min=1).float()
         total, sums = None, None
         for batch in micro:
             with b.autocast():
-                out, nll, _ = self.pair_loss(batch)
-                loss = out.losses.sum() / pairs
-                if not s.uses_reference:
-                    loss = loss + nll / count
+                losses, figures, nll = self.pair_loss(batch)
+                loss = losses.sum() / items
+                if s.nll_weight:
+                    loss = loss + s.nll_weight * nll / count
             b.backward(loss)
             total = loss.detach() if total is None else total + loss.detach()
-            c, r = out.chosen_rewards, out.rejected_rewards
-            part = torch.stack([c.sum(), r.sum(), (c > r).float().sum()])
-            sums = part if sums is None else sums + part
-        device = {"chosen": sums[0], "rejected": sums[1], "correct": sums[2], "pairs": torch.ones_like(sums[0]) * pairs}
+            sums = figures if sums is None else {k: sums[k] + v for k, v in figures.items()}
+        device = {**sums, "pairs": torch.ones_like(sums["chosen"]) * items}
         return StepFigures(total, self.apply_gradients(), device=device)
 
-    def pair_loss(self, batch: dict, split: str = "train") -> tuple[PairLoss, torch.Tensor, torch.Tensor]:
-        """(per-pair loss, chosen NLL token sum, chosen token count) of one micro-batch of pairs."""
-        sums, counts, per_token = self.replayed(batch_pair_logps, self.model, batch)
-        chosen, rejected = sums.chunk(2)
-        n_chosen, n_rejected = counts.chunk(2)
+    def pair_loss(self, batch: dict, split: str = "train") -> tuple[torch.Tensor, dict[str, torch.Tensor],
+                                                                    torch.Tensor]:
+        """(per-item losses, the logged figures' sums, the chosen answers' summed NLL) of one micro-batch."""
+        sums, counts, _ = self.replayed(batch_pair_logps, self.model, batch)
+        first, second = sums.chunk(2)
         s = self.settings
+        zero = torch.zeros((), device=first.device)
         if not s.uses_reference:
-            out = orpo_loss(chosen / n_chosen.clamp(min=1), rejected / n_rejected.clamp(min=1), settings=s)
-            return out, -chosen.sum(), n_chosen.sum()
+            n_first, n_second = counts.chunk(2)
+            out = s.mean_losses(first / n_first.clamp(min=1), second / n_second.clamp(min=1), settings=s)
+            return out.losses, _pair_sums(out), -first.sum()
         if self.ref_tables is not None:
             ref = self.ref_tables[split][batch["index"]]
-            ref_chosen, ref_rejected = ref[:, 0], ref[:, 1]
+            ref_first, ref_second = ref[:, 0], ref[:, 1]
         else:
-            ref_chosen, ref_rejected = self.reference_logps(stack_pairs(batch)).float().chunk(2)
-        out = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, settings=s, chosen_tokens=n_chosen,
-                       rejected_tokens=n_rejected)
-        zero = torch.zeros((), device=chosen.device)
-        return out, zero, zero
+            ref_first, ref_second = self.reference_logps(stack_pairs(batch)).float().chunk(2)
+        if s.unpaired:  # KTO: a completion's row, then its mismatched row (the KL estimate's)
+            out = kto_loss(first, ref_first, second, ref_second, batch["desirable"], settings=s)
+            return out.losses, _kto_sums(out, batch["desirable"]), zero
+        n_first, n_second = counts.chunk(2)
+        out = dpo_loss(first, second, ref_first, ref_second, settings=s, chosen_tokens=n_first,
+                       rejected_tokens=n_second)
+        return out.losses, _pair_sums(out), zero
 
     def compute_loss(self, batch: Any) -> torch.Tensor:
-        """The loss of one batch of pairs (evaluation: the validation pairs)."""
-        out, nll, tokens = self.pair_loss(batch, split="val")
-        loss = out.losses.mean()
-        return loss if self.settings.uses_reference else loss + nll / tokens.clamp(min=1)
+        """The loss of one batch (evaluation: the validation pairs or completions)."""
+        losses, _, nll = self.pair_loss(batch, split="val")
+        if not self.settings.nll_weight:
+            return losses.mean()
+        tokens = (batch["labels"][:, 0, 1:] != -100).sum().clamp(min=1)
+        return losses.mean() + self.settings.nll_weight * nll / tokens
 
     def log_figures(self, sums: dict[str, float], steps: int) -> dict[str, float]:
-        """The window's reward sums as means per pair, and the share of pairs whose chosen reward is the higher."""
-        pairs = max(sums["pairs"], 1.0)
-        chosen, rejected = sums["chosen"], sums["rejected"]
-        return {"rewards/chosen": chosen / pairs, "rewards/rejected": rejected / pairs,
-                "rewards/margin": (chosen - rejected) / pairs, "rewards/accuracy": sums["correct"] / pairs}
+        """The window's reward sums as means per chosen and rejected answer (KTO: desirable and undesirable
+        completion), the share of items ranked right, and KTO's KL estimate (its mean over the micro-batches)."""
+        chosen = sums["chosen"] / max(sums["n_chosen"], 1.0)
+        rejected = sums["rejected"] / max(sums["n_rejected"], 1.0)
+        out = {"rewards/chosen": chosen, "rewards/rejected": rejected, "rewards/margin": chosen - rejected,
+               "rewards/accuracy": sums["correct"] / max(sums["pairs"], 1.0)}
+        if self.settings.unpaired:
+            out["kl"] = sums["kl"] / max(steps * self.config.grad_accum, 1)
+        return out
 
     # ---- the reference ----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -176,7 +206,7 @@ class PreferenceTrainer(Trainer):
         self.ref_model = None
 
     def reference_table(self, data: Any) -> torch.Tensor:
-        """The reference's summed log-probabilities (pairs, 2) of `data`, on the CPU (DPO only)."""
+        """The reference's summed log-probabilities (pairs, 2) of `data`, on the CPU (DPO and KTO)."""
         return self.backend.to_cpu(self._reference_rows(data))
 
     def fit(self):
@@ -187,9 +217,10 @@ class PreferenceTrainer(Trainer):
     # ---- held-out pairs ---------------------------------------------------------------------------------------
     @torch.no_grad()
     def score_pairs(self, data: Any, ref: torch.Tensor | None = None) -> dict:
-        """Over `data` (a PreferenceDataset), in fixed batches, one host read at the end: the policy's summed
-        log-probabilities of chosen and rejected (pairs, 2), and, for DPO with `ref` (pairs, 2) given, the
-        rewards. Returns {"logps", "rewards"} as CPU tensors (rewards None without a reference for DPO)."""
+        """Over `data` (a PreferenceDataset of pairs), in fixed batches, one host read at the end: the policy's summed
+        log-probabilities of chosen and rejected (pairs, 2), and the rewards: for DPO and KTO with `ref` (pairs, 2)
+        given, beta x the log-ratios; for ORPO and SimPO, their loss's from the mean log-probabilities. Returns
+        {"logps", "rewards"} as CPU tensors (rewards None without `ref` for DPO and KTO)."""
         b, rows, s = self.backend, self.loader_batch_size, self.settings
         was_training = self.model.training
         self.model.eval()
@@ -206,12 +237,12 @@ class PreferenceTrainer(Trainer):
         if s.uses_reference:
             rewards = None if ref is None else s.beta * (host["logps"] - ref)
         else:
-            rewards = s.orpo_lambda * host["means"]
+            out = s.mean_losses(host["means"][:, 0], host["means"][:, 1], settings=s)
+            rewards = torch.stack([out.chosen_rewards, out.rejected_rewards], 1)
         return {"logps": host["logps"], "rewards": rewards}
 
 
 def _gather(data: Any, idx: list[int]) -> dict:
     """Rows `idx` of a PreferenceDataset as one batch (the loader's collation, without a loader)."""
     t = torch.as_tensor(idx, dtype=torch.long)
-    return {"input_ids": data.input_ids[t], "attention_mask": data.attention_mask[t], "labels": data.labels[t],
-            "index": t}
+    return data.gather(t) | {"index": t}

@@ -2,6 +2,7 @@
 
     rewards = resolve_rewards("answer,format")                     # built-ins by name
     rewards = resolve_rewards(["answer", "my_pkg.rewards:brevity"])  # any callable by import path
+    rewards = resolve_rewards("answer,model:runs/rm/merged")          # and reward models
     scores = score(rewards, prompts, completions, {"answer": answers})  # {name: [float, ...]}, checked
 
 A reward is any callable `reward(prompts, completions, **fields) -> list[float]` with one number per completion,
@@ -10,7 +11,8 @@ agent episodes alike): it receives the records' other columns that its signature
 means "not applicable" (NaN, left out of the sum, as in TRL); a wrong count or a value that is not a finite number
 is an error naming the reward and the completion; a completion it raises on gets NaN and a warning naming both, and
 a reward that raises on every completion is an error. Import paths are `module:fn`, `path/to/file.py:fn` or
-`module.fn` (`agents.loading`, as ENVIRONMENT and TOOLS). The built-ins (`BUILTIN`: answer, format, number, length,
+`module.fn` (`agents.loading`, as ENVIRONMENT and TOOLS); `model:PATH` is a reward model's directory, scored on the
+device (`algorithms.reward_model.ModelReward`, as TRL takes a model for a reward function). The built-ins (`BUILTIN`: answer, format, number, length,
 overlong) never raise on a completion: one they cannot score gets 0. In full: docs/algorithms/grpo.md.
 """
 
@@ -24,6 +26,7 @@ from typing import Any
 
 from tpu_helpers.agents.environments import call_rewards
 from tpu_helpers.agents.loading import FORMS, load_object
+from tpu_helpers.algorithms.reward_model import PREFIX, ModelReward
 from tpu_helpers.config import ConfigError
 
 Reward = Callable[..., Sequence[float]]
@@ -160,9 +163,11 @@ def resolve_reward(name: str | Reward, *, format_pattern: str = DEFAULT_FORMAT) 
         return name, format_reward(format_pattern)
     if name in BUILTIN:
         return name, BUILTIN[name]()
+    if name.startswith(PREFIX):  # a reward model's directory, scored on the device (algorithms.reward_model)
+        return name, ModelReward(name[len(PREFIX):].strip())
     if ":" not in name and "." not in name:
-        raise ConfigError(f"REWARDS names {name!r}, which is no built-in reward ({', '.join(sorted(BUILTIN))}) nor "
-                          f"an import path ({FORMS}, e.g. 'my_module:my_reward')")
+        raise ConfigError(f"REWARDS names {name!r}, which is no built-in reward ({', '.join(sorted(BUILTIN))}), "
+                          f"import path ({FORMS}, e.g. 'my_module:my_reward') nor reward model ('{PREFIX}PATH')")
     return name, load_object(name, parameter="REWARDS")
 
 

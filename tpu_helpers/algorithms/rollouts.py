@@ -90,6 +90,7 @@ class AnswerRollouts:
         self._stops = stop_ids  # a callable: asked on first use (the model's end of turn, once it is loaded)
         self.max_prompt_len, self.system_prompt = max_prompt_len, system_prompt
         self.width = settings.max_new_tokens  # the completion's columns
+        self.prompt_width = max_prompt_len  # the prompt's columns
         self.records: list[dict] = []  # what the prompts' indices point into (`prompts`)
 
     @cached_property
@@ -162,7 +163,7 @@ class EpisodeRollouts:
 
     def __init__(self, runner: EpisodeRunner, settings: Any, *, backend: Any, seed: int = 0) -> None:
         self.runner, self.settings, self.backend, self.seed = runner, settings, backend, seed
-        self.width = runner.shape.width
+        self.width, self.prompt_width = runner.shape.width, runner.prompt_tokens
         self.records: list[dict] = []  # what the prompts' indices point into (`prompts`)
 
     def prompts(self, records: Sequence[dict]) -> tuple[Any, dict]:

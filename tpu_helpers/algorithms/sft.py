@@ -55,6 +55,8 @@ class CausalLMTrainer(Trainer):
             return chunked
         return causal_lm_loss_sum(lm_logits(self.model, batch), batch["labels"])
 
+    sync_each_micro_batch = False  # one graph per micro-batch (on-policy distillation's), not one per step
+
     # config.replay_steps: `loss_sum` (whatever a subclass makes it: distillation's) is captured and replayed.
     replays_steps = True
 
@@ -66,11 +68,17 @@ class CausalLMTrainer(Trainer):
         _check_lm_batch(batch)
         return self._loss_sum(batch) / target_tokens(batch["labels"]).clamp(min=1)
 
-    def train_step(self, batches: Iterator) -> StepFigures:
-        b = self.backend
+    def micro_batches(self, batches: Iterator) -> list[dict]:
+        """The step's grad_accum micro-batches, checked (on-policy distillation puts the student's answers in
+        some)."""
         micro = [next(batches) for _ in range(self.config.grad_accum)]
         for batch in micro:
             _check_lm_batch(batch)
+        return micro
+
+    def train_step(self, batches: Iterator) -> StepFigures:
+        b = self.backend
+        micro = self.micro_batches(batches)
         # All micro-batches are on the device already (one graph per step): count their target tokens first.
         count = sum(target_tokens(batch["labels"]) for batch in micro).clamp(min=1).float()
         total = None
@@ -79,4 +87,6 @@ class CausalLMTrainer(Trainer):
                 loss = self._loss_sum(batch) / count
             b.backward(loss)
             total = loss.detach() if total is None else total + loss.detach()
+            if self.sync_each_micro_batch:
+                b.sync()
         return StepFigures(total, self.apply_gradients())

@@ -11,7 +11,8 @@ memory estimates. The extras (pyproject.toml's optional-dependencies; a test kee
   `models.lora`, `models.hf_tiny`, `models.hf.load_causal_lm`);
 - `notebooks`: papermill, ipywidgets, nbformat, ipykernel, datasets: headless notebook runs, the tuning panel's
   widgets, hub datasets;
-- `gguf`: llama.cpp's gguf library: the GGUF export (EXPORT_GGUF, `models.gguf_export`).
+- `gguf`: llama.cpp's gguf library: the GGUF export (EXPORT_GGUF, `models.gguf_export`);
+- `eval`: lm-evaluation-harness: standard evaluation (EVAL_TASKS, `recipes.harness`).
 
 Light on purpose (no third-party import): modules call it at import time, before they need what it checks.
 """
@@ -25,6 +26,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "hf": ("transformers", "peft", "tokenizers", "safetensors"),
     "notebooks": ("papermill", "ipywidgets", "nbformat", "ipykernel", "datasets"),
     "gguf": ("gguf",),
+    "eval": ("lm_eval",),
 }
 
 

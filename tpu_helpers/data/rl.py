@@ -96,20 +96,26 @@ def prompt_text(tokenizer: Any, prompt: Any, system_prompt: str | None = None) -
 
 
 class PromptDataset(Dataset):
-    """Left-padded prompt rows and each row's record index (int64 tensors)."""
+    """Left-padded prompt rows and each row's record index (int64 tensors). Agent episodes render their own prompts
+    at every reset, so their dataset holds the record indices alone (`input_ids` and `attention_mask` None)."""
 
-    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, index: torch.Tensor) -> None:
+    def __init__(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                 index: torch.Tensor) -> None:
         self.input_ids, self.attention_mask, self.index = input_ids, attention_mask, index
 
     def __len__(self) -> int:
-        return self.input_ids.shape[0]
+        return self.index.shape[0]
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if self.input_ids is None:
+            return {"index": self.index[i]}
         return {"input_ids": self.input_ids[i], "attention_mask": self.attention_mask[i], "index": self.index[i]}
 
     def of_records(self, records: Collection[int]) -> PromptDataset:
         """The rows of the records whose index is in `records` (the others', e.g. held-out records', left out)."""
         keep = torch.tensor([int(i) in records for i in self.index.tolist()], dtype=torch.bool)
+        if self.input_ids is None:
+            return PromptDataset(None, None, self.index[keep])
         return PromptDataset(self.input_ids[keep], self.attention_mask[keep], self.index[keep])
 
 

@@ -17,18 +17,15 @@ from typing import Any
 
 import torch
 
-from tpu_helpers.memory.hf_plan import hf_finetune_estimate, meta_model
+from tpu_helpers.memory.hf_plan import (  # noqa: F401  (kv_cache_bytes re-exported)
+    decode_temporaries,
+    hf_finetune_estimate,
+    kv_cache_bytes,
+    meta_model,
+)
 from tpu_helpers.memory.report import MemoryEstimate
 from tpu_helpers.models.lm_head import planned_chunk
 from tpu_helpers.models.quant4 import QuantFormat
-
-
-def kv_cache_bytes(config: Any, rows: int, length: int, *, bytes_per_value: int = 2) -> int:
-    """Keys and values of every layer for `rows` sequences of `length` slots."""
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return 2 * config.num_hidden_layers * rows * length * kv_heads * head_dim * bytes_per_value
 
 
 def grpo_estimate(config: Any, prompts: int, *, num_generations: int, max_prompt_len: int, max_new_tokens: int,
@@ -56,7 +53,7 @@ def grpo_estimate(config: Any, prompts: int, *, num_generations: int, max_prompt
     saved_logits = 12 * V * (micro * seq - kept)
     reference = params * 2 if method == "full" and kl_beta > 0 else 0
     cache = kv_cache_bytes(config, rows, seq, bytes_per_value=width)
-    decode = 3 * rows * V * 4 + 2 * rows * heads * seq * 4
+    decode = decode_temporaries(config, rows, seq)
     prefill = prompts * max_prompt_len * (8 * h * width + heads * max_prompt_len * 4)  # once per group
     phases = {}
     for name, parts in step.phases.items():

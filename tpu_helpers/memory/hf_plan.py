@@ -36,6 +36,33 @@ def meta_model(config: Any) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(config)
 
 
+def kv_cache_bytes(config: Any, rows: int, length: int, *, bytes_per_value: int = 2) -> int:
+    """Keys and values of every layer for `rows` sequences of `length` slots."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * rows * length * kv_heads * head_dim * bytes_per_value
+
+
+def decode_temporaries(config: Any, rows: int, length: int) -> int:
+    """A decode step's float32 temporaries for `rows` sequences of `length` slots: its logits and their sampling
+    (three vocabulary-wide rows) and one layer's attention scores."""
+    return 3 * rows * config.vocab_size * 4 + 2 * rows * config.num_attention_heads * length * 4
+
+
+def frozen_bytes(config: Any, precision: str, fmt: QuantFormat | None = None,
+                 group_size: int = DEFAULT_GROUP_SIZE) -> int:
+    """A frozen model's weights (a teacher): 2 bytes each, or with `fmt` its linear layers but the head in 4 bits
+    (`models.quant4`, fp32 scales per `group_size`) and the rest in the compute dtype."""
+    model = meta_model(config)
+    params = sum(p.numel() for p in model.parameters())
+    if fmt is None:
+        return params * 2
+    linear = sum(m.in_features * m.out_features for m in quantized_linears(model).values())
+    compute = 2 if precision in ("bf16", "fp16") else 4
+    return (params - linear) * compute + int(linear * bytes_per_weight(group_size))
+
+
 def lora_parameter_count(model: torch.nn.Module, r: int, targets: list[str] | str) -> int:
     total = 0
     for name, mod in model.named_modules():
@@ -53,11 +80,15 @@ def hf_finetune_estimate(config: Any, batch_size: int, seq_len: int, *, method: 
                          teacher_config: Any = None, model: torch.nn.Module | None = None,
                          teacher_topk: int = 0, qat: str | None = None, loss_chunk: int | str = "auto",
                          quantize_base: str | QuantFormat | None = None,
-                         quantize_group_size: int = DEFAULT_GROUP_SIZE) -> MemoryEstimate:
+                         quantize_group_size: int = DEFAULT_GROUP_SIZE,
+                         teacher_quantize: str | QuantFormat | None = None,
+                         teacher_group_size: int = DEFAULT_GROUP_SIZE, answer_tokens: int = 0) -> MemoryEstimate:
     """Per-chip peak bytes of one fine-tuning step (see the module docstring); `teacher_topk` > 0: distillation
     from a cache of that many tokens per position (no teacher in the step); `qat`: fake-quantized linear weights;
     `loss_chunk`: the chunked loss's setting (LOSS_CHUNK; 0: the whole batch's logits); `quantize_base`: a 4-bit
-    frozen base (LoRA)."""
+    frozen base (LoRA); `teacher_quantize`: a live teacher in 4 bits; `answer_tokens` > 0: on-policy distillation,
+    the student answering a micro-batch's prompts with that many tokens (its KV cache and a decode step's
+    temporaries, a phase of its own before the step)."""
     check_choice("method", method, FINETUNE_METHODS)
     if qat is not None:
         check_choice("qat", qat, QAT_SCHEMES)
@@ -91,7 +122,8 @@ def hf_finetune_estimate(config: Any, batch_size: int, seq_len: int, *, method: 
         logits = 12 * s * b * V * (2 if live else 1) + (24 * s * b * teacher_topk if cached else 0)
     teacher = 0
     if method == "distill" and teacher_config is not None and not cached:
-        teacher = sum(p.numel() for p in meta_model(teacher_config).parameters()) * 2
+        t_fmt = None if teacher_quantize is None else as_format(teacher_quantize)
+        teacher = frozen_bytes(teacher_config, precision, t_fmt, teacher_group_size)
     notes = [f"{L} layers x {h} wide, {a} heads, vocab {V}, {s} tokens x {b} sequences per chip",
              f"{params:,} parameters, {trainable:,} trainable ({method})"]
     fake_quant = 0
@@ -110,9 +142,18 @@ def hf_finetune_estimate(config: Any, batch_size: int, seq_len: int, *, method: 
         notes.append(f"teacher from a cache: top-{teacher_topk} per position, no teacher in the step")
     kept = grads if grad_accum > 1 else 0  # the earlier micro-batches' gradients, while the next one runs
     held = {"params": weights + teacher, "optimizer": optimizer, "temporaries": dequantized}
-    return MemoryEstimate.from_phases("plan", b, {
+    phases = {
         "the start of the backward": {**held, "grads": kept, "activations": int(layers + logits + fake_quant)},
-        "the end of the backward": {**held, "grads": grads, "activations": int(per_layer)}}, notes=notes)
+        "the end of the backward": {**held, "grads": grads, "activations": int(per_layer)}}
+    if answer_tokens > 0:  # the student's answers, before the micro-batch's forward (their cache freed by then)
+        cache = kv_cache_bytes(config, b, s, bytes_per_value=2 if half else 4)
+        phases["the student's answers"] = {**held, "grads": kept, "activations": cache,
+                                           "temporaries": max(dequantized, decode_temporaries(config, b, s))}
+        notes.append(f"on-policy: the student answers {b} prompts with {answer_tokens} tokens, a KV cache of "
+                     f"{cache / 2**20:,.0f} MiB")
+    if teacher and teacher_quantize is not None:
+        notes.append(f"teacher in 4 bits ({as_format(teacher_quantize).name}): {teacher / 2**20:,.0f} MiB")
+    return MemoryEstimate.from_phases("plan", b, phases, notes=notes)
 
 
 def _four_bit_base(model: torch.nn.Module, weights: int, method: str, precision: str, fmt: QuantFormat | None,

@@ -1,12 +1,13 @@
-"""Memory plan for preference tuning (DPO, ORPO) of a Hugging Face causal LM, from its config alone.
+"""Memory plan for preference tuning (DPO, ORPO, SimPO, KTO) of a Hugging Face causal LM, from its config alone.
 
     est = preference_estimate(config, pairs=8, seq_len=512, method="lora", precision="bf16", reference=True)
     rep = memory_report(lambda b: preference_estimate(config, b, 512, ...), batch_size=8, hardware="v6e")
 
 Per chip, for B pairs per step: the fine-tuning step's (`hf_plan.hf_finetune_estimate`) at 2B / GRAD_ACCUM rows
-(chosen and rejected both go through the model), plus the reference: for DPO without PRECOMPUTE_REF the
-adapter-disabled model (LoRA) or a frozen bf16 copy (full), whose logits peak in its forward; precomputed, two
-float32 numbers per pair; none for ORPO. The peak is the largest of the step's moments and the reference's forward.
+(chosen and rejected both go through the model; KTO's B completions with their mismatched rows are 2B rows too),
+plus the reference: for DPO and KTO without PRECOMPUTE_REF the adapter-disabled model (LoRA) or a frozen bf16 copy
+(full), whose logits peak in its forward; precomputed, two float32 numbers per pair; none for ORPO and SimPO. The
+peak is the largest of the step's moments and the reference's forward.
 The terms in full: docs/guides/memory.md.
 """
 
@@ -57,6 +58,6 @@ def preference_estimate(config: Any, pairs: int, seq_len: int, *, method: str = 
     notes = [f"{pairs} pairs = {2 * pairs} rows of {seq_len} tokens per chip, {rows} rows per micro-batch",
              f"reference: {where}, its forward in every step" if reference else
              (f"reference: precomputed, {table / 2**20:,.2f} MiB for {precomputed_pairs} pairs" if precomputed_pairs
-              else "no reference (ORPO)"),
+              else "no reference (ORPO, SimPO)"),
              *[n for n in step.notes if not n.startswith("peak: ")]]
     return MemoryEstimate.from_phases("plan", pairs, phases, notes=notes)

@@ -299,9 +299,9 @@ def decode_steps(model: torch.nn.Module, cache: Any, st: tuple, fixed: tuple, st
     if looped is not None:
         sync()  # the loop's outputs become device data: each read of them would otherwise run it again
         return looped
+    if st[5].device.type == "cpu":  # an eager backend's replay runs the step as it is: the CPU's own steps instead
+        return _live_steps(model, cache, st, fixed, steps, args)
     if replay is None:
-        if st[5].device.type == "cpu":
-            return _live_steps(model, cache, st, fixed, steps, args)
         return lazy_steps(decode_step, model, cache, st, fixed, steps, sync, args)
     return replayed_steps(replay, decode_step, model, cache, st, fixed, steps, sync, args)
 

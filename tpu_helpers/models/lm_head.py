@@ -3,6 +3,7 @@
     loss = lm_loss_sum(model, batch)                                   # SFT: next-token CE summed over targets
     hard, soft = cached_kd_sums(model, batch, temperature=2.0)         # CE and top-k KD from a teacher cache
     hard, soft = live_kd_sums(model, teacher, batch, temperature=2.0)  # CE and full-vocabulary KD, live teacher
+    hard, soft = live_kd_sums(model, teacher, batch, 1.0, beta=0.5)    # the soft term a generalized JSD (GKD)
     logp = token_logps(model, ids, labels, temperature=1.0)            # per-token log-probs (DPO, ORPO)
     logp = completion_token_logps(model, ids, mask, n, temperature)    # the last n tokens' (GRPO)
     logp = completion_token_logps(model, ids, mask, n, T, group=G)     # runs of G rows of one prompt: it runs once
@@ -17,6 +18,7 @@ are chunked (`CHUNKABLE`) and when (LOSS_CHUNK, "auto" by default): docs/guides/
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -163,6 +165,20 @@ def full_kl(z: torch.Tensor, t_z: torch.Tensor) -> torch.Tensor:
                            log_target=True).sum(-1)
 
 
+def full_jsd(z: torch.Tensor, t_z: torch.Tensor, beta: float = 0.0) -> torch.Tensor:
+    """Per row generalized Jensen-Shannon divergence of the student's softmax(z) and the teacher's softmax(t_z),
+    TRL GKD's `generalized_jsd_loss` summed over the vocabulary: beta 0 is KL(teacher || student) (`full_kl`),
+    1 KL(student || teacher), between them beta KL(teacher || m) + (1 - beta) KL(student || m) with the mixture
+    m = beta teacher + (1 - beta) student. Elementwise ops only (XLA has no kl_div kernel)."""
+    if beta == 0:
+        return full_kl(z, t_z)
+    s_logp, t_logp = torch.log_softmax(z, -1), torch.log_softmax(t_z, -1)
+    if beta == 1:
+        return (torch.exp(s_logp) * (s_logp - t_logp)).sum(-1)
+    m = torch.logsumexp(torch.stack([s_logp + math.log1p(-beta), t_logp + math.log(beta)]), 0)
+    return beta * (torch.exp(t_logp) * (t_logp - m)).sum(-1) + (1 - beta) * (torch.exp(s_logp) * (s_logp - m)).sum(-1)
+
+
 # ---- the losses, from a model and a batch ----------------------------------------------------------------------------
 def _shifted(labels: torch.Tensor) -> torch.Tensor:
     """Each position's next-token target, flattened: labels[:, 1:] and -100 at every row's last position."""
@@ -229,9 +245,10 @@ def cached_kd_sums(model: torch.nn.Module, batch: dict, temperature: float, *, c
 
 
 def live_kd_sums(model: torch.nn.Module, teacher: torch.nn.Module, batch: dict, temperature: float, *,
-                 chunk: int | str | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(hard CE sum, T^2 * full KL sum) against a live teacher, whose logits are chunked too (its hidden states
-    come whole, without gradient); None: unchunked path (the student's or the teacher's head unknown)."""
+                 beta: float = 0.0, chunk: int | str | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(hard CE sum, T^2 * full divergence sum: `full_jsd` of `beta`, 0 the KL) against a live teacher, whose
+    logits are chunked too (its hidden states come whole, without gradient); None: unchunked path (the student's
+    or the teacher's head unknown)."""
     plan = _plan(model, batch, chunk)
     t_split = split_head(teacher) if plan is not None else None
     if plan is None or t_split is None:
@@ -246,7 +263,7 @@ def live_kd_sums(model: torch.nn.Module, teacher: torch.nn.Module, batch: dict, 
         with torch.no_grad():
             t_z = t_split.logits(th)
         hard = torch.nn.functional.cross_entropy(z, tgt, ignore_index=-100, reduction="sum")
-        soft = (full_kl(z / t, t_z / t) * (tgt != -100)).sum()
+        soft = (full_jsd(z / t, t_z / t, beta) * (tgt != -100)).sum()
         return torch.stack([hard, soft])
 
     sums = torch.stack(map_chunks(both, size, _hidden(split, batch), t_hidden, _shifted(batch["labels"]))).sum(0)

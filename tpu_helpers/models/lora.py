@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -60,13 +61,21 @@ def add_lora(model: torch.nn.Module, *, r: int = 8, alpha: int = 16, dropout: fl
         raise ConfigError(f"LORA_R={r!r} must be >= 1")
     if not 0.0 <= dropout < 1.0:
         raise ConfigError(f"LORA_DROPOUT={dropout!r} must be in [0, 1)")
+    # A reward model's head (`score`) trains whole next to the adapters: peft's SEQ_CLS keeps it in the adapter.
+    task = "SEQ_CLS" if _classifier(model) else "CAUSAL_LM"
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=parse_targets(model, targets),
-                        task_type="CAUSAL_LM")
+                        task_type=task)
     from tpu_helpers.models import quant4
 
     if quant4.is_quantized(model):  # a 4-bit base (QLoRA): peft's LoRA forward, a merge that dequantizes
         config._register_custom_module({quant4.Linear4bit: quant4.lora_layer_class()})
     return get_peft_model(model, config)
+
+
+def _classifier(model: torch.nn.Module) -> bool:
+    from tpu_helpers.models.reward_model import is_classifier
+
+    return is_classifier(model)
 
 
 def is_peft(model: torch.nn.Module) -> bool:
@@ -161,7 +170,11 @@ def export_adapter(model: torch.nn.Module, out_dir: str | os.PathLike, *, state:
     state = export_state(model) if state is None else state
 
     def write(tmp: Path) -> None:
-        model.save_pretrained(tmp, state_dict={}, safe_serialization=True)  # config and card; weights next
+        config = model.peft_config["default"]
+        if config.modules_to_save:  # a reward model's head: peft would look its weights up in the empty state dict
+            replace(config, inference_mode=True).save_pretrained(tmp)
+        else:
+            model.save_pretrained(tmp, state_dict={}, safe_serialization=True)  # config and card; weights next
         save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
 
     return atomic_dir(out_dir, write)
@@ -171,10 +184,13 @@ def export_merged(model: torch.nn.Module, tokenizer: Any, out_dir: str | os.Path
                   dtype: torch.dtype = torch.float32, state: dict | None = None, base_state: dict | None = None) -> Path:
     """A standalone model in safetensors: LoRA merged into a fresh CPU copy of the base (the live model is
     untouched). `state`: the model's `export_state`, when already taken; `base_state`: the base's weights to merge
-    into instead of `base_source`'s own (e.g. the fake-quantized values a QAT run trained its adapters on)."""
-    from transformers import AutoModelForCausalLM
+    into instead of `base_source`'s own (e.g. the fake-quantized values a QAT run trained its adapters on). A
+    reward model (`models.reward_model`) exports as a sequence classifier with its trained head."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     state = export_state(model) if state is None else state
+    classifier = _classifier(model)
+    auto, labels = (AutoModelForSequenceClassification, {"num_labels": 1}) if classifier else (AutoModelForCausalLM, {})
 
     def write(tmp: Path) -> None:
         if is_peft(model):
@@ -183,16 +199,18 @@ def export_merged(model: torch.nn.Module, tokenizer: Any, out_dir: str | os.Path
             adapter = Path(tempfile.mkdtemp(dir=tmp.parent))
             try:
                 export_adapter(model, adapter / "a", state=state)
-                base = AutoModelForCausalLM.from_pretrained(base_source, dtype=torch.float32)
+                base = auto.from_pretrained(base_source, dtype=torch.float32, **labels)
                 if base_state is not None:
                     base.load_state_dict({k: v.float() for k, v in base_state.items()})
                 merged = PeftModel.from_pretrained(base, adapter / "a").merge_and_unload()
             finally:
                 shutil.rmtree(adapter, ignore_errors=True)
         else:
-            merged = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+            merged = auto.from_config(model.config, dtype=torch.float32)
             merged.load_state_dict(state)
             merged.tie_weights()
+        if classifier:
+            merged.config.pad_token_id = model.config.pad_token_id  # where the head reads each row
         merged.to(dtype).save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)

@@ -50,19 +50,19 @@ GREEDY = Sampling()
 
 # ---- random numbers from a counter (no generator state) ------------------------------------------------------------
 def _mix(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finaliser (xor-shift-multiply) on int64 tensors holding values in [0, 2**32)."""
-    x = x ^ (x >> 16)
-    x = (x * _MUL[0]) & _M32
-    x = x ^ (x >> 15)
-    x = (x * _MUL[1]) & _M32
-    return x ^ (x >> 16)
+    """A 32-bit integer finaliser (xor-shift-multiply) on int64 tensors holding values in [0, 2**32); in place (`x`
+    is the result): the noise is a few passes over (rows, vocabulary) int64 tensors, where eager backends spend more
+    on allocating and paging in a new tensor per operation than on the arithmetic."""
+    x.bitwise_xor_(x >> 16).mul_(_MUL[0]).bitwise_and_(_M32)
+    x.bitwise_xor_(x >> 15).mul_(_MUL[1]).bitwise_and_(_M32)
+    return x.bitwise_xor_(x >> 16)
 
 
 def _key_hash(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     """One 32-bit value (an int64 scalar) from `seed` (int64, any shape: its entries are all mixed in) and `step`."""
     h = torch.zeros((), dtype=torch.long, device=seed.device)
     for k, part in enumerate([*seed.reshape(-1).unbind(0), step.reshape(())]):
-        h = _mix((h * _MUL[2 + k % 2] + (part & _M32) + k) & _M32)
+        h = _mix((h * _MUL[2 + k % 2] + (part & _M32) + k) & _M32)  # a new tensor each time: nothing aliased
     return h
 
 
@@ -75,18 +75,18 @@ def exponentials(seed: torch.Tensor, step: torch.Tensor, tokens: torch.Tensor, v
     winner with a chance below 6e-8. Integer arithmetic up to the float conversion: the same bits on every device."""
     h = _key_hash(seed, step)
     row = torch.arange(tokens.shape[0], device=tokens.device, dtype=torch.long).unsqueeze(-1)
-    cell = (row * vocab + tokens.long()) & _M32
-    hi = _mix(_mix((h + cell * _MUL[3]) & _M32) ^ ((cell + 1) & _M32))
-    lo = _mix(hi ^ _MUL[2]) >> 8  # fills in below hi's last bit (a function of hi: the marginal stays uniform)
-    v = hi.float() * (2.0 ** -32) + (lo.float() + 0.5) * (2.0 ** -56)
-    return -torch.log1p(-v.clamp(max=1.0 - 2.0 ** -24))
+    cell = (row * vocab + tokens.long()).bitwise_and_(_M32)
+    hi = _mix(_mix((cell * _MUL[3]).add_(h).bitwise_and_(_M32)).bitwise_xor_(cell.add_(1).bitwise_and_(_M32)))
+    lo = _mix(hi ^ _MUL[2]).bitwise_right_shift_(8)  # below hi's last bit (a function of hi: the marginal stays uniform)
+    v = hi.float().mul_(2.0 ** -32).add_(lo.float().add_(0.5).mul_(2.0 ** -56))
+    return v.clamp_(max=1.0 - 2.0 ** -24).neg_().log1p_().neg_()  # -log1p(-v)
 
 
 def _race(logp: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """The exponential race (Gumbel-max): the argmax of p / E, E ~ Exp(1) per entry, is entry i with probability
     p_i / sum(p), each entry on its own: no cumulative sum, whose float32 rounding near 1 (spacing 6e-8) could
     leave tokens below ~3e-8 of a 150k vocabulary undrawable. Entries with logp -inf never win."""
-    return (logp - noise.log()).argmax(-1)
+    return noise.log_().neg_().add_(logp).argmax(-1)  # logp - log(noise), in `noise` (a fresh tensor)
 
 
 def pick(logits: torch.Tensor, sampling: Sampling, key: tuple[torch.Tensor, torch.Tensor] | None

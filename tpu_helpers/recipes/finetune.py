@@ -9,7 +9,8 @@
 A sibling of GRPO and preference tuning on the shared Hugging Face job (`recipes.hf_job`). METHOD "lora" trains
 adapters on a frozen base, "full" every weight, "distill" a student against a frozen TEACHER run in every step or
 against TEACHER_CACHE, the teacher's top-k written once (`algorithms.distill`; its `DistillSettings` fields are this
-config's DISTILL_TEMPERATURE, ...). QAT fake-quantizes the base's linear weights (`models.qat`) and adds
+config's DISTILL_TEMPERATURE, ...; DISTILL_LAMBDA > 0 lets the student answer the prompts itself, MAX_NEW_TOKENS
+tokens, as TRL's GKD). QAT fake-quantizes the base's linear weights (`models.qat`) and adds
 a quantized export. Every parameter: docs/jobs/finetune.md.
 """
 
@@ -43,7 +44,7 @@ from tpu_helpers.data.sft import (
 )
 from tpu_helpers.data.teacher_cache import cache_identity
 from tpu_helpers.memory.hf_plan import hf_finetune_estimate
-from tpu_helpers.models import hf, lora, qat
+from tpu_helpers.models import hf, lora, qat, quant4
 from tpu_helpers.recipes.hf_job import HFJob, HFJobConfig, JobData
 
 # Here, not at the first from_pretrained: without transformers/peft the notebook stops at its first cell, saying what
@@ -70,6 +71,7 @@ class FinetuneConfig(HFJobConfig):
     teacher: str | None = None  # distill: a model with the student's vocabulary
     teacher_cache: str | None = None  # distill: a directory of the teacher's top-k per position (built when missing)
     teacher_top_k: int = 128  # distill from a cache: the teacher's most likely tokens kept per position
+    teacher_quantize: str | None = None  # nf4 | int4 | None: the live teacher's linear layers in 4 bits (QUANTIZE_BASE's)
     qat: str | None = None  # int4 | int8 | None: fake-quantized linear weights (LoRA on top, or full QAT)
     qat_group_size: int = 32  # QAT: input columns that share one scale
     pack: bool = False  # several examples per row (positions restart per example) instead of one padded row each
@@ -93,6 +95,16 @@ class FinetuneConfig(HFJobConfig):
             raise ConfigError(f"teacher_top_k={self.teacher_top_k!r} must be an integer >= 1 (at most the "
                               "vocabulary size)")
         self.distill = settings_from(self, DistillSettings)  # checked once; the distillation trainers take it
+        if self.distill.on_policy and (self.method != "distill" or self.teacher_cache is not None):
+            raise ConfigError(f"distill_lambda={self.distill_lambda!r}: the student's own answers are scored by a "
+                              f"teacher run live (method='distill' with TEACHER and teacher_cache=None); "
+                              f"method={self.method!r}, teacher_cache={self.teacher_cache!r}")
+        # The live teacher's 4-bit format, parsed once (QUANTIZE_BASE's formats and QUANTIZE_GROUP_SIZE).
+        self.teacher_format = None if self.teacher_quantize is None else quant4.as_format(self.teacher_quantize)
+        if self.teacher_quantize is not None and (self.method != "distill" or self.teacher_cache is not None):
+            raise ConfigError(f"teacher_quantize={self.teacher_quantize!r} loads a live teacher in 4 bits: it needs "
+                              f"method='distill' and teacher_cache=None; method={self.method!r}, "
+                              f"teacher_cache={self.teacher_cache!r}")
         if self.qat is not None:
             check_choice("qat", self.qat, QAT_SCHEMES)
         if self.qat is not None and self.quantize_base is not None:
@@ -135,7 +147,9 @@ class Finetune(HFJob):
         live = cfg.teacher and not cfg.uses_cache
         teacher = AutoConfig.from_pretrained(hf.resolve_model_source(cfg.teacher)) if live else None
         kwargs = dict(self.plan_options(), teacher_config=teacher,
-                      teacher_topk=cfg.teacher_top_k if cfg.uses_cache else 0, qat=cfg.qat)
+                      teacher_topk=cfg.teacher_top_k if cfg.uses_cache else 0, qat=cfg.qat,
+                      teacher_quantize=cfg.teacher_format, teacher_group_size=cfg.quantize_group_size,
+                      answer_tokens=cfg.max_new_tokens if cfg.distill.on_policy else 0)
         return lambda b: hf_finetune_estimate(model_config, b, cfg.seq_len, model=model, **kwargs)
 
     # ---- 2. model ----------------------------------------------------------------------------------------------
@@ -146,10 +160,17 @@ class Finetune(HFJob):
             qat.add_fake_quant(model, cfg.qat, cfg.qat_group_size)
 
     def _load_teacher(self) -> torch.nn.Module:
-        """TEACHER, frozen-ready (bf16 where the step computes in bf16), its vocabulary checked against MODEL's."""
+        """TEACHER, frozen-ready (bf16 where the step computes in bf16; TEACHER_QUANTIZE: its linear layers in 4
+        bits), its vocabulary and tokenizer checked against MODEL's."""
         cfg = self.config
-        teacher, _ = self.load(hf.resolve_model_source(cfg.teacher), frozen=True)
-        check_same_vocab(self.model, teacher, cfg.teacher)
+        source = hf.resolve_model_source(cfg.teacher)
+        if cfg.teacher_format is None:
+            teacher, tokenizer = self.load(source, frozen=True)
+        else:
+            dtype = torch.bfloat16 if self.backend.precision == "bf16" else None
+            teacher, tokenizer = hf.load_causal_lm(source, dtype=dtype, attn_implementation=cfg.attn_implementation,
+                                                   quantize=cfg.teacher_format, group_size=cfg.quantize_group_size)
+        check_same_vocab(self.model, teacher, cfg.teacher, str(cfg.model), (self.tokenizer, tokenizer))
         return teacher
 
     @cached_property
@@ -234,7 +255,10 @@ class Finetune(HFJob):
                                         settings=cfg.distill, **self.trainer_options())
         if cfg.method == "distill":
             return DistillTrainer(self.model, self.train_data, self.val_data, teacher=self.teacher,
-                                  settings=cfg.distill, teacher_name=cfg.teacher, **self.trainer_options())
+                                  settings=cfg.distill, teacher_name=cfg.teacher,
+                                  stop_ids=hf.eos_ids(self.tokenizer, self.model),
+                                  pad_token_id=self.tokenizer.pad_token_id, max_new_tokens=cfg.max_new_tokens,
+                                  **self.trainer_options())
         return CausalLMTrainer(self.model, self.train_data, self.val_data, **self.trainer_options())
 
     # ---- 6. export ---------------------------------------------------------------------------------------------

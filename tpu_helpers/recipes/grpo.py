@@ -7,12 +7,12 @@
     after = job.samples(); job.plot(); paths = job.export()   # reward, length, KL, loss; adapter + merged model
     job.save_results(before=before, after=after, paths=paths)    # results.json, loss.png and grpo.png (that figure)
 
-A sibling of fine-tuning on the shared Hugging Face job (`recipes.hf_job`: MODEL, METHOD "lora" or "full", LORA_*,
-checkpoints, exports). What GRPO adds: the algorithm's settings (`algorithms.grpo.GRPOSettings`, whose fields are
-this config's: NUM_GENERATIONS, KL_BETA, LOSS_TYPE, ...), START_FROM (None, "sft": a brief fine-tuning here first,
-an adapter, a model directory or a fine-tuning run's OUT_DIR), DATASET of prompts with answers (`data.rl`),
-REWARDS (`algorithms.rewards`) and MAX_PROMPT_LEN. BATCH_SIZE counts prompts per chip and step, each bringing
-NUM_GENERATIONS rows. Every parameter, and the method: docs/jobs/grpo.md and docs/algorithms/grpo.md.
+A sibling of fine-tuning on the shared Hugging Face job (`recipes.hf_job`: MODEL, METHOD, LORA_*, checkpoints,
+exports). What GRPO adds: the algorithm's settings (`algorithms.grpo.GRPOSettings`, whose fields are this config's:
+NUM_GENERATIONS, KL_BETA, LOSS_TYPE, ...), START_FROM (None, "sft": a brief fine-tuning here first, an adapter, a
+model directory or a fine-tuning run's OUT_DIR), DATASET of prompts with answers (`data.rl`), REWARDS
+(`algorithms.rewards`) and MAX_PROMPT_LEN. BATCH_SIZE counts prompts per chip and step, each bringing
+NUM_GENERATIONS rows. Every parameter: docs/jobs/grpo.md; the method: docs/algorithms/grpo.md.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from tpu_helpers.agents import ChatFormat
 from tpu_helpers.agents.examples import EXAMPLES
 from tpu_helpers.algorithms.episodes import AgentSettings, EpisodeRunner, episode_rewards
 from tpu_helpers.algorithms.grpo import GRPOSettings, GRPOTrainer
+from tpu_helpers.algorithms.reward_model import place_reward_models
 from tpu_helpers.algorithms.rewards import DEFAULT_FORMAT, resolve_rewards
 from tpu_helpers.algorithms.rollouts import AnswerRollouts, EpisodeRollouts
 from tpu_helpers.config import ConfigError, settings_fields, settings_from
@@ -82,8 +83,8 @@ class GRPOConfig(HFJobConfig):
     sft_steps: int = 150  # START_FROM "sft": fine-tuning steps (the instruction task; agents: the demonstrations)
     sft_dataset: str | None = None  # START_FROM "sft", agents: a file of your tool conversations (messages, tools)
     system_prompt: str | None = None
-    # Comma-separated built-in names (answer, format, number, length, overlong: agents score the final answer's
-    # text) or import paths of TRL-style reward functions; agents: empty for the environment's get_reward.
+    # Comma-separated built-in names (answer, format, number, length, overlong), import paths of TRL-style reward
+    # functions, or "model:PATH" (a reward model, scored on the device); agents: empty for the environment's.
     rewards: str = "answer"
     format_pattern: str = DEFAULT_FORMAT  # the regex of the "format" reward
     max_prompt_len: int = 32
@@ -262,6 +263,7 @@ class GRPO(HFJob):
         sft = FinetuneConfig(model=cfg.model, dataset=str(path), method="lora", lora_r=16, lora_alpha=32,
                              steps=cfg.sft_steps, batch_size=8, seq_len=seq_len,
                              lr=2e-3, warmup_steps=min(5, cfg.sft_steps // 5), eval_every=cfg.sft_steps,
+                             eval_batches=1,  # its validation loss is shown, not used: one batch
                              log_every=max(1, cfg.sft_steps // 10), save_every=cfg.sft_steps, out_dir=str(out),
                              device=cfg.device, precision=cfg.precision, sharding=cfg.sharding,
                              xla_checks=cfg.xla_checks, seed=cfg.seed, export_merged=True,
@@ -288,14 +290,14 @@ class GRPO(HFJob):
         """Where the step's rows come from (`algorithms.rollouts`), chosen here, once: agent episodes with
         ENVIRONMENT or TOOLS (the agent loaded once, by the config), else one answer per row."""
         cfg, tok = self.config, self.tokenizer
+        place_reward_models(cfg.reward_funcs, self.backend)  # REWARDS' reward models score on this run's device
         if cfg.agentic:
             runner = EpisodeRunner(cfg.agent.agent(cfg.reward_funcs), ChatFormat(tok), cfg.turn_shape,
                                    prompt_tokens=cfg.max_prompt_len, stop_ids=eos_ids(tok),
                                    pad_token_id=tok.pad_token_id, mask_truncated=cfg.mask_truncated)
             return EpisodeRollouts(runner, cfg.grpo, backend=self.backend, seed=cfg.seed)
-        return AnswerRollouts(tok, cfg.reward_funcs, cfg.grpo, stop_ids=lambda: eos_ids(tok, self.model),
-                              backend=self.backend, max_prompt_len=cfg.max_prompt_len, system_prompt=cfg.system_prompt,
-                              seed=cfg.seed)
+        return AnswerRollouts(tok, cfg.reward_funcs, cfg.grpo, stop_ids=lambda: eos_ids(tok, self.model), seed=cfg.seed,
+                              backend=self.backend, max_prompt_len=cfg.max_prompt_len, system_prompt=cfg.system_prompt)
 
     def load_data(self) -> JobData:
         """DATASET's records (an example environment's rows, or read), their prompts as the rollouts render them

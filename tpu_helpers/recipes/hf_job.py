@@ -11,9 +11,9 @@ Every part is built on first use (no call-order traps): `model` and `tokenizer` 
 model's config alone), `data` (DATASET read once), `export()` (the PEFT adapter, a merged safetensors model, and
 with EXPORT_GGUF a .gguf file of it for llama.cpp, Ollama and LM Studio: `models.gguf_export`, whose family check
 runs when the job is built). The held-out records (`hold_out`) never train: EVAL_DATASET's, a generated set's test
-split, or EVAL_SHARE of DATASET split off before training (seeded by SEED).
-QUANTIZE_BASE loads the frozen base in 4 bits (`models.quant4`; parsed once, `config.base_format`). The shared
-fields are checked here, once; a field of another recipe's config is refused by name.
+split, or EVAL_SHARE of DATASET split off before training (seeded by SEED). EVAL_TASKS scores the model before
+training and the merged export after with lm-evaluation-harness (`run_eval_tasks`, `recipes.harness`).
+QUANTIZE_BASE loads the frozen base in 4 bits (`models.quant4`). The shared settings: `recipes.hf_config`.
 """
 
 from __future__ import annotations
@@ -21,17 +21,16 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from tpu_helpers.backend.units import block_params
 from tpu_helpers.config import ConfigError, TrainConfig
 from tpu_helpers.core.atomic_io import atomic_write_text
-from tpu_helpers.core.choices import EXPORT_WEIGHTS, GGUF_TYPES, check_choice
+from tpu_helpers.core.choices import EXPORT_WEIGHTS, check_choice
 from tpu_helpers.core.hardware import format_bytes
 from tpu_helpers.core.sharding import is_sharded, mesh_shape
 from tpu_helpers.data.held_out import HeldOut, hold_out
@@ -39,114 +38,9 @@ from tpu_helpers.memory.hf_plan import gathered_bytes_per_param, meta_model
 from tpu_helpers.memory.per_chip import shard_estimate, sharding_plan
 from tpu_helpers.memory.report import MemoryEstimate, memory_report
 from tpu_helpers.models import gguf_export, hf, lm_head, lora, quant4
+from tpu_helpers.recipes import harness
 from tpu_helpers.recipes.base import Recipe
-from tpu_helpers.recipes.hub import check_repo_id
-
-
-@dataclass
-class JobData:
-    """What a Hugging Face job trains and samples on (`HFJob.data`)."""
-
-    train: Any  # the training rows (a Dataset of fixed-shape rows)
-    val: Any  # the validation rows, or None
-    stats: dict  # figures of the rows (counts, tokens, what was skipped)
-    held_out: HeldOut  # records with reference answers for `samples`, none of which trains
-    records: list[dict]  # DATASET's records as read
-
-
-@dataclass
-class HFJobConfig(TrainConfig):
-    """`TrainConfig` plus what every Hugging Face recipe has, each a notebook parameter of the same UPPER_CASE name.
-    The tokenizer is MODEL's own; DATASET is the recipe's data."""
-
-    preset: str = "tiny"  # unused here (the GPT's size); kept small so nothing large is implied
-    model: str = hf.TINY  # hub name, local dir written by save_pretrained, or "tiny" (offline, built locally)
-    method: str = "lora"  # lora | full (a recipe may allow more: `methods`)
-    lora_r: int = 8
-    lora_alpha: int = 16
-    lora_dropout: float = 0.0
-    lora_targets: str = "q_proj,k_proj,v_proj,o_proj"  # comma-separated linear names, or "all-linear"
-    quantize_base: str | None = None  # nf4 | int4 | None: QLoRA, the frozen base's linear layers in 4 bits (lora)
-    quantize_group_size: int = 64  # QUANTIZE_BASE: input columns that share one scale
-    max_records: int | None = None
-    # The held-out figures' records never train (docs/guides/data.md); a generated DATASET has its own test split.
-    eval_dataset: str | None = None  # records for the held-out figures, read like DATASET (a hub name: its test split)
-    eval_share: float = 0.1  # without EVAL_DATASET: the share of DATASET held out of training (seeded); 0: none
-    eval_records: int = 64  # held-out records at most: EVAL_DATASET's first ones, or EVAL_SHARE of DATASET
-    attn_implementation: str = hf.DEFAULT_ATTN  # sdpa | eager (see models/hf.py for the measured figures)
-    export_merged: bool = True
-    export: str = "best"  # best: the best checkpoint's weights (lowest validation loss) when training evaluated | last
-    export_gguf: str | None = None  # f16 | bf16 | q8_0: model-<type>.gguf beside merged/ (llama.cpp, Ollama, LM Studio)
-    num_samples: int = 8  # held-out prompts shown before and after training
-    max_new_tokens: int = 4  # tokens generated per answer
-    loss_chunk: int | str = "auto"  # tokens per chunk of the loss's logits (models/lm_head.py); 0: the whole batch's
-    push_to_hub: str | None = None  # a hub repo id "owner/name": the exports go there with a model card (recipes.hub)
-
-    methods: ClassVar[tuple[str, ...]] = ("lora", "full")
-    recipe: ClassVar[str] = "a Hugging Face job"  # how messages name the recipe
-
-    def __post_init__(self) -> None:
-        # The run's identity names the tokenizer: for a Hugging Face model it is the model's own.
-        self.tokenizer = self.model if isinstance(self.model, str) else self.tokenizer
-        super().__post_init__()
-        hf.check_model_name(self.model)  # a misspelt name fails here, not at the first download
-        if self.method not in self.methods:
-            raise ConfigError(f"method={self.method!r} is not one of {self.methods} for {self.recipe}")
-        check_choice("export", self.export, EXPORT_WEIGHTS)
-        if self.export_gguf is not None:
-            check_choice("export_gguf", self.export_gguf, GGUF_TYPES)
-            if not self.export_merged:
-                raise ConfigError(f"export_gguf={self.export_gguf!r} is written from the merged model: it needs "
-                                  "export_merged=True")
-        if self.lora_r < 0:
-            raise ConfigError(f"lora_r={self.lora_r!r} must be >= 1 (or 0 for full distillation)")
-        if self.method == "lora" and self.lora_r < 1:
-            raise ConfigError(f"lora_r={self.lora_r!r} must be >= 1 with method='lora'")
-        # The 4-bit format the base loads in (QUANTIZE_BASE), parsed once: the loading and the plan take it.
-        self.base_format = None if self.quantize_base is None else quant4.as_format(self.quantize_base)
-        if self.quantize_base is not None:
-            if self.method != "lora":
-                raise ConfigError(f"quantize_base={self.quantize_base!r} (QLoRA) freezes the base in 4 bits and "
-                                  f"trains LoRA adapters on it: it needs method='lora', not {self.method!r}")
-            if is_sharded(self.sharding):
-                raise ConfigError(f"quantize_base={self.quantize_base!r} with sharding={self.sharding!r}: a 4-bit "
-                                  "base is not sharded yet; use sharding='data' (a 7B 4-bit base fits one chip)")
-        if (isinstance(self.quantize_group_size, bool) or not isinstance(self.quantize_group_size, int)
-                or self.quantize_group_size < 2 or self.quantize_group_size % 2):
-            raise ConfigError(f"quantize_group_size={self.quantize_group_size!r} must be an even integer >= 2 that "
-                              "divides the width of every linear layer's input (e.g. 32, 64, 128)")
-        if self.max_records is not None and self.max_records < 1:
-            raise ConfigError(f"max_records={self.max_records!r} must be >= 1, or None for all")
-        self._check_held_out()
-        lm_head.check_loss_chunk(self.loss_chunk)
-        check_repo_id(self.push_to_hub)
-        for name in ("num_samples", "max_new_tokens"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 1")
-
-    def _check_held_out(self) -> None:
-        if not 0 <= self.eval_share < 1:
-            raise ConfigError(f"eval_share={self.eval_share!r} must be at least 0 and below 1 (the share of DATASET "
-                              "held out of training for the held-out figures; 0 for none)")
-        if isinstance(self.eval_records, bool) or not isinstance(self.eval_records, int) or self.eval_records < 1:
-            raise ConfigError(f"eval_records={self.eval_records!r} must be an integer >= 1 (held-out records at most)")
-        if self.eval_dataset is None:
-            return
-        if not isinstance(self.eval_dataset, str) or not self.eval_dataset.strip():
-            raise ConfigError(f"eval_dataset={self.eval_dataset!r}: give a local .jsonl/.json/.csv/.parquet file or a "
-                              "hub name, or None to hold out EVAL_SHARE of DATASET")
-        same = Path(self.eval_dataset).expanduser()
-        if same.is_file() and same.resolve() == Path(str(self.dataset)).expanduser().resolve():
-            raise ConfigError(f"eval_dataset={self.eval_dataset!r} is DATASET itself, whose records train; give a "
-                              "file of other records, or None to hold out EVAL_SHARE of DATASET")
-
-    @property
-    def uses_lora(self) -> bool:
-        return self.method == "lora"
-
-    @property
-    def lora_target_list(self) -> str | list[str]:
-        return self.lora_targets if self.lora_targets == "all-linear" else self.lora_targets.split(",")
+from tpu_helpers.recipes.hf_config import HFJobConfig, JobData  # noqa: F401  (re-exported: recipes import them here)
 
 
 class HFJob(Recipe):
@@ -160,6 +54,8 @@ class HFJob(Recipe):
         super().__init__(config, **kwargs)
         self.model_source = hf.resolve_model_source(config.model)  # MODEL, resolved
         self.exported: dict | None = None  # which weights the last export() took (the best checkpoint's or the last)
+        self.export_paths: dict[str, str] = {}  # what the last export() wrote
+        self.eval_runs: dict[str, dict] = {}  # EVAL_TASKS' scores: "before" and "after" (`run_eval_tasks`)
         if config.export_gguf is not None:  # now, not after training: the package and the model's family
             gguf_export.require_gguf()
             gguf_export.check_exportable(self.model_config())
@@ -378,6 +274,7 @@ class HFJob(Recipe):
         taken, self.exported = self.export_weights(trainer, model, weights or self.config.export)
         out = Path(out_dir or self.config.out_dir)
         paths = self.write_exports(model, out, self.config.export_merged if merged is None else merged, taken)
+        self.export_paths = paths
         if self.backend.is_main:
             atomic_write_text(out / "finetune.json", json.dumps(
                 {**self.config.to_dict(), "paths": paths, "weights": self.exported}, indent=1, default=str))
@@ -444,12 +341,44 @@ class HFJob(Recipe):
         calls with the output directory after the adapter and merged model; None for none."""
         return None
 
-    # ---- 6. results --------------------------------------------------------------------------------------------
+    # ---- 6. standard evaluation (EVAL_TASKS) ------------------------------------------------------------------
+    def run_eval_tasks(self, when: str) -> dict | None:
+        """EVAL_TASKS scored by lm-evaluation-harness (`recipes.harness`): `when` "before" on the model training
+        starts from, "after" on the merged export (`export()` first); kept for results.json and the trackers. None
+        without EVAL_TASKS, and on every process but the main one (which the others wait for)."""
+        check_choice("when", when, ("before", "after"))
+        settings = self.config.harness
+        if not settings.specs:
+            return None
+        if when == "after" and self.exported is None:
+            raise RuntimeError("run_eval_tasks('after') scores the merged export: call export() first")
+        if self.backend.is_main:
+            model = self.source if when == "before" else self.export_paths.get("merged")
+            if model is None:
+                raise RuntimeError("run_eval_tasks('after') scores the merged export, which the last export() did not "
+                                   "write (merged=False): call export() without it")
+            cuda = self.backend.name == "cuda"
+            self.eval_runs[when] = harness.evaluate(model, settings, device="cuda" if cuda else "cpu",
+                                                    dtype="auto" if cuda else "float32", seed=self.config.seed)
+        self.backend.barrier()
+        return self.eval_runs.get(when)
+
+    def eval_tasks_summary(self) -> str:
+        """EVAL_TASKS' scores, one "task metric A -> B" line each (before -> after), or why there are none."""
+        if not self.config.harness.specs:
+            return "EVAL_TASKS: none (lm-evaluation-harness task names or task YAML paths; docs/guides/evaluation.md)"
+        return harness.summary(self.eval_runs) or "EVAL_TASKS: not run yet (run_eval_tasks('before' / 'after'))"
+
+    # ---- 7. results --------------------------------------------------------------------------------------------
     def tracked_results(self, results: dict) -> dict:
-        """The samples before and after training as tables, for the trackers (a recipe adds its scores)."""
+        """The samples before and after training as tables, and EVAL_TASKS' scores, for the trackers (a recipe
+        adds its own scores)."""
         tables = {f"samples/{when}": (results.get(f"samples_{when}") or {}).get("rows") or []
                   for when in ("before", "after")}
-        return {"tables": tables, "values": {}}
+        values = {f"eval_tasks/{task}/{metric}_{when}": value
+                  for when, run in (results.get("eval_tasks") or {}).items() if when in ("before", "after")
+                  for task, metrics in run["scores"].items() for metric, value in metrics.items()}
+        return {"tables": tables, "values": values}
 
     def results(self, *, before: dict | None = None, after: dict | None = None, paths: dict | None = None,
                 plan: Any = None, **extra: Any) -> dict:
@@ -461,4 +390,11 @@ class HFJob(Recipe):
             held_out={"source": held.source, "records": len(held), "label": held.label()},
             parameters=self.parameter_summary(), plan=plan.to_dict() if plan is not None else None,
             sharding={"sharding": self.config.sharding, "chips": self.chips, "mesh": list(self.backend.mesh_shape)},
-            export_weights=self.exported, **extra)
+            export_weights=self.exported, **self._eval_tasks_results(), **extra)
+
+    def _eval_tasks_results(self) -> dict:
+        cfg = self.config.harness
+        if not self.eval_runs:
+            return {}
+        return {"eval_tasks": {"tasks": list(cfg.specs), "limit": cfg.limit, "fewshot": cfg.fewshot,
+                               "chat_template": cfg.chat_template, **self.eval_runs}}
