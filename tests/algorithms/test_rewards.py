@@ -5,13 +5,16 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from tpu_helpers.algorithms.rewards import (
     BUILTIN,
     extract_answer,
     normalize_answer,
+    parse_reward_weights,
     resolve_rewards,
     score,
+    summed_rewards,
 )
 from tpu_helpers.config import ConfigError
 
@@ -122,3 +125,33 @@ def test_rewards_load_from_a_file_path_as_environment_and_tools_do(tmp_path):
     r = resolve_rewards(f"answer, {tmp_path}/my_rewards.py:brevity")
     got = score(r, ["p", "q"], ["1", "22"], {"answer": ["1", "2"]})
     assert got == {"answer": [1.0, 0.0], f"{tmp_path}/my_rewards.py:brevity": [-1.0, -2.0]}
+
+
+def test_rewards_sum_weighted_as_trls_nansum_none_left_out():
+    values = {"answer": [1.0, math.nan, 0.0, math.nan], "model:rm": [2.5, -1.0, math.nan, math.nan]}
+    trl = (torch.tensor(list(values.values())).T * torch.tensor([1.0, 0.1])).nansum(1)  # GRPOTrainer's sum
+    assert summed_rewards(values, (1.0, 0.1)) == pytest.approx(trl.tolist())
+    assert summed_rewards(values) == pytest.approx([3.5, -1.0, 0.0, 0.0])
+    assert parse_reward_weights("1, 0.1") == parse_reward_weights([1, 0.1]) == (1.0, 0.1)
+    assert parse_reward_weights(None) is None
+    for bad in ("1,x", "", [float("inf")], [True]):
+        with pytest.raises(ConfigError, match=r"reward_weights=.* must be finite numbers, one per REWARDS entry"):
+            parse_reward_weights(bad)
+    with pytest.raises(ConfigError, match=r"2 weights .* for 1 rewards \(answer\)"):
+        summed_rewards({"answer": [1.0]}, (1.0, 2.0))
+
+
+def test_the_rollouts_total_leaves_a_none_out_and_weighs_each_reward(tmp_path):
+    from tpu_helpers.recipes.grpo import GRPO, GRPOConfig
+
+    (tmp_path / "my_rewards.py").write_text("def sometimes(completions, **kwargs):\n"
+                                            "    return [None if i % 2 else 1.0 for i in range(len(completions))]\n")
+    some_path = f"{tmp_path}/my_rewards.py:sometimes"
+    job = GRPO(GRPOConfig(start_from=None, rewards=f"number,{some_path}", reward_weights="0.5,3", max_records=16,
+                          max_prompt_len=24, max_new_tokens=3, out_dir=str(tmp_path / "run")), progress=False)
+    got = job.samples(4)
+    number, some = got["rewards"]["number"], got["rewards"][some_path]
+    assert math.isfinite(got["reward"]) and some == 1.0  # the mean of the values that apply
+    assert got["reward"] == pytest.approx(0.5 * number + 3 * 1.0 * 2 / 4)
+    with pytest.raises(ConfigError, match=r"REWARD_WEIGHTS='1' gives 1 weights for the 2 rewards \(answer, format\)"):
+        GRPOConfig(start_from=None, rewards="answer,format", reward_weights="1")

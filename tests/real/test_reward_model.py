@@ -9,7 +9,6 @@ unit in tests/runner_hooks.py's SHARED). Each test prints its figures (docs/benc
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import time
@@ -86,15 +85,10 @@ def test_the_reward_model_reaches_08_held_out_pair_accuracy(reward_model, smollm
     assert after["accuracy"] >= 0.8 and after["accuracy"] > before["accuracy"]
 
 
-# Measured 2026-12-03: the reward model's held-out score -2.92 -> 1.69, the answer reward 0.16 -> 0.16 (389 s). The
-# reward model ranks the form of an answer (a bare number over prose) far better than its arithmetic (0.62 on wrong
-# sums), and its scores span several units against the rule's 1: GRPO learns bare numbers, right or wrong (16 steps:
-# score 2.70 -> 7.10, answer 0.16 -> 0.06; rejected answers of digits that ramble on: 8 steps, 0.16 -> 0.16 again).
-# Known to fail, so CI's time budget leaves it out: TPU_HELPERS_KNOWN_FAILURES=1 runs it (about 3 minutes of one
-# core); fixed, it passes, the strict xfail fails, and both marks go.
-@pytest.mark.skipif(not os.environ.get("TPU_HELPERS_KNOWN_FAILURES"),
-                    reason="known to fail (the reward model is gamed); TPU_HELPERS_KNOWN_FAILURES=1 runs it")
-@pytest.mark.xfail(strict=True, reason="the reward model is gamed: its score rises, the answer reward does not")
+# The reward model ranks the form of an answer (a bare number over prose) far better than its arithmetic (0.62 on
+# wrong sums), and its scores span several units against the rule's 1: summed with weight 1 each, GRPO learns bare
+# numbers, right or wrong (its score rises, the answer reward does not). REWARD_WEIGHTS "1,0.1" (TRL's reward_weights)
+# puts the two on one scale: the rule leads and the reward model breaks its ties.
 def test_grpo_with_the_reward_model_raises_its_score_and_the_rule_reward(reward_model, tmp_path):
     from tpu_helpers.recipes.grpo import GRPO, GRPOConfig
 
@@ -102,13 +96,15 @@ def test_grpo_with_the_reward_model_raises_its_score_and_the_rule_reward(reward_
     job = GRPO(GRPOConfig(model=SMOLLM2, start_from=None, method="lora", lora_targets="all-linear", lora_r=16,
                           lora_alpha=32, steps=8, lr=1e-3, warmup_steps=1, batch_size=4, num_generations=8,
                           max_new_tokens=8, max_prompt_len=32, system_prompt=SYSTEM, log_every=1, save_every=8,
-                          device="cpu", rewards=f"answer,{rm}", out_dir=str(tmp_path / "grpo")), progress=False)
+                          device="cpu", rewards=f"answer,{rm}", reward_weights="1,0.1",
+                          out_dir=str(tmp_path / "grpo")), progress=False)
     t0 = time.time()
     before = job.samples(32)
     job.train()
     after = job.samples(32)
     b, a = before["rewards"], after["rewards"]
-    print(f"\nGRPO with REWARDS 'answer,model:PATH', 8 steps of 4 prompts x 8 answers: held-out reward model score "
+    print(f"\nGRPO with REWARDS 'answer,model:PATH' weighted 1 and 0.1, 8 steps of 4 prompts x 8 answers: held-out "
+          f"reward model score "
           f"{b[rm]:.2f} -> {a[rm]:.2f}, answer reward {b['answer']:.2f} -> {a['answer']:.2f} "
           f"({time.time() - t0:.0f} s)")
     for row in job.compare(before, after, 4):

@@ -35,7 +35,7 @@ import torch
 
 from tpu_helpers.agents import Agent, ChatFormat, Episode, call_reward, load_environments, load_tools
 from tpu_helpers.agents.tools import ToolStats
-from tpu_helpers.algorithms.rewards import BUILTIN, Reward, resolve_reward, reward_names
+from tpu_helpers.algorithms.rewards import BUILTIN, Reward, resolve_reward, reward_names, summed_rewards
 from tpu_helpers.config import ConfigError
 from tpu_helpers.core.choices import check_positive
 from tpu_helpers.data.cuts import warn_cut
@@ -266,12 +266,13 @@ class EpisodeRunner:
                    "truncated": sum(truncated) / n, "host_s_per_turn": host_s / max(1, max(used))}
         return EpisodeBatch(ids, mask, own, out.logprobs, episodes, truncated, used, tokens, figures, shared)
 
-    def score(self, episodes: Sequence[Episode], **keywords: Any) -> tuple[list[float], dict[str, list[float]]]:
-        """Each episode's summed reward (NaN terms left out, as TRL sums) and each source's values
-        (`agents.call_rewards`: an episode a reward raises on gets NaN, counted and warned about once)."""
+    def score(self, episodes: Sequence[Episode], weights: Sequence[float] | None = None,
+              **keywords: Any) -> tuple[list[float], dict[str, list[float]]]:
+        """Each episode's reward (`rewards.summed_rewards`: weighted by REWARD_WEIGHTS, NaN terms left out, as TRL
+        sums) and each source's values (`agents.call_rewards`: an episode a reward raises on gets NaN, counted and
+        warned about once)."""
         values = self.agent.rewards(episodes, warn=lambda m: self._warn("reward_failed", m), **keywords)
-        total = [sum(v for v in vals if not math.isnan(v)) for vals in zip(*values.values(), strict=True)]
-        return total, values
+        return summed_rewards(values, weights), values
 
 
 def final_text(completion: Sequence[dict]) -> str:

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from tpu_helpers.algorithms import grpo_loss
+from tpu_helpers.algorithms.rewards import parse_reward_weights
 from tpu_helpers.algorithms.rollouts import AnswerRollouts, EpisodeRollouts
 from tpu_helpers.config import ConfigError
 from tpu_helpers.core.choices import choose
@@ -59,11 +60,13 @@ class GRPOSettings:
     prompt_field: str = "prompt"  # the record field the prompts are read from
     answer_field: str = "answer"  # the record field holding the reference answer the rewards compare with
     disable_dropout: bool = True  # every dropout of the policy and reference at 0: ratio 1 on-policy, a clean KL
+    reward_weights: str | Sequence[float] | None = None  # one per REWARDS entry ("1,0.1", TRL's); None: 1 each
 
     # The choices above as the step calls them (registries of algorithms.grpo_loss), set once by __post_init__.
     loss: grpo_loss.LossType = field(**_PARSED)
     log_ratio: Callable = field(**_PARSED)
     scale: grpo_loss.Scale = field(**_PARSED)
+    weights: tuple[float, ...] | None = field(**_PARSED)  # REWARD_WEIGHTS as numbers (`rewards.summed_rewards`)
 
     def __post_init__(self) -> None:
         if not isinstance(self.disable_dropout, bool):
@@ -91,6 +94,7 @@ class GRPOSettings:
         object.__setattr__(self, "loss", choose("loss_type", self.loss_type, grpo_loss.LOSS_TYPES))
         object.__setattr__(self, "log_ratio", choose("importance", self.importance, grpo_loss.IMPORTANCE_LEVELS))
         object.__setattr__(self, "scale", choose("scale_rewards", self.scale_rewards, grpo_loss.SCALE_REWARDS))
+        object.__setattr__(self, "weights", parse_reward_weights(self.reward_weights))
 
     @property
     def sampling(self) -> Sampling:

@@ -18,6 +18,7 @@ overlong) never raise on a completion: one they cannot score gets 0. In full: do
 
 from __future__ import annotations
 
+import math
 import re
 import unicodedata
 import warnings
@@ -189,6 +190,33 @@ def score(rewards: dict[str, Reward], prompts: Sequence, completions: Sequence[s
     and a warning naming both, a reward that raises on every completion is a ConfigError. `fields`: the other
     keyword arguments (per-completion lists such as `answer`, or plain values such as `max_new_tokens`)."""
     return call_rewards(rewards, prompts=prompts, completions=completions, warn=warn or _warn, **fields)
+
+
+def parse_reward_weights(weights: str | Sequence[float] | None) -> tuple[float, ...] | None:
+    """REWARD_WEIGHTS as numbers: "1,0.1" or [1, 0.1] (TRL's reward_weights), one per REWARDS entry in its order;
+    None: each reward counts once."""
+    if weights is None:
+        return None
+    items = [w.strip() for w in weights.split(",")] if isinstance(weights, str) else list(weights)
+    try:
+        out = tuple(float(w) for w in items if not isinstance(w, bool))
+    except (TypeError, ValueError):
+        out = ()
+    if not out or len(out) < len(items) or not all(math.isfinite(w) for w in out):
+        raise ConfigError(f"reward_weights={weights!r} must be finite numbers, one per REWARDS entry (\"1,0.1\" or "
+                          "[1, 0.1], as TRL's reward_weights), or None for 1 each")
+    return out
+
+
+def summed_rewards(values: dict[str, Sequence[float]], weights: Sequence[float] | None = None) -> list[float]:
+    """Each completion's reward: the sum over the reward functions of value x weight, NaN values (None: not
+    applicable) left out, as TRL's GRPOTrainer sums (`nansum` of rewards x reward_weights)."""
+    if weights is not None and len(weights) != len(values):
+        raise ConfigError(f"reward_weights has {len(weights)} weights ({list(weights)}) for {len(values)} rewards "
+                          f"({', '.join(values)}): give one weight per REWARDS entry, in its order")
+    weights = weights if weights is not None else (1.0,) * len(values)
+    return [sum(w * v for w, v in zip(weights, row, strict=True) if not math.isnan(v))
+            for row in zip(*values.values(), strict=True)]
 
 
 def _warn(message: str) -> None:

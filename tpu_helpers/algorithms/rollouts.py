@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from tpu_helpers.algorithms.episodes import EpisodeRunner, episode_prompts, final_text, transcript
-from tpu_helpers.algorithms.rewards import Reward, score
+from tpu_helpers.algorithms.rewards import Reward, score, summed_rewards
 from tpu_helpers.config import ConfigError
 from tpu_helpers.data.loaders import fixed_batches
 from tpu_helpers.data.rl import build_prompt_dataset, prompt_and_answer
@@ -72,7 +72,7 @@ def score_completions(tokenizer: Any, rewards: dict[str, Reward], records: Seque
     fields.update(answer=[a for _, a in pairs], completion_tokens=lengths, max_new_tokens=settings.max_new_tokens)
     prompts = [p for p, _ in pairs]
     scores = score(rewards, prompts, texts, fields)
-    total = [sum(values) for values in zip(*scores.values(), strict=True)]
+    total = summed_rewards(scores, settings.weights)
     return {"total": total, "rewards": scores, "prompts": prompts, "completions": texts, "completion_tokens": lengths}
 
 
@@ -154,7 +154,7 @@ class AnswerRollouts:
                   "completion": c, "reward": t}
                  for p, r, c, t in zip(scored["prompts"], kept, scored["completions"], total, strict=True)]
         return {"reward": sum(total) / len(total), "completion_tokens": sum(lengths) / len(lengths),
-                "rewards": {k: sum(v) / len(v) for k, v in scored["rewards"].items()}, "rows": table}
+                "rewards": {k: nanmean(v) for k, v in scored["rewards"].items()}, "rows": table}
 
 
 class EpisodeRollouts:
@@ -182,7 +182,7 @@ class EpisodeRollouts:
             batch = self.runner.run(model, rows, backend=b, sampling=self.settings.sampling,
                                     seed=sampling_key(self.seed, index, b), group=g,
                                     reset_seed=f"{self.seed}:{index}:{b.rank}")
-        rewards, values = self.runner.score(batch.episodes)
+        rewards, values = self.runner.score(batch.episodes, weights=self.settings.weights)
         rollout = {"ids": batch.ids, "mask": batch.mask, "completion_mask": batch.own, "old_logp": batch.logprobs,
                    "group": batch.shared}
         return rollout, rewards, {**batch_figures(rewards, g, batch.tokens, values), **batch.figures}
@@ -200,7 +200,7 @@ class EpisodeRollouts:
                                    reset_seed=f"{self.seed}:{-1 - idx[0]}:{b.rank}")
             episodes += batch.episodes[:real]
             figures.append((real, batch.figures))
-        total, values = runner.score(episodes)
+        total, values = runner.score(episodes, weights=self.settings.weights)
         table = [{"prompt": e.prompt[-1]["content"], "answer": e.row.get(self.settings.answer_field),
                   "completion": final_text(e.completion), "transcript": transcript(e.completion), "reward": t}
                  for e, t in zip(episodes, total, strict=True)]

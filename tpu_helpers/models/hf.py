@@ -70,7 +70,8 @@ def check_model_name(model: Any, setting: str = "MODEL") -> None:
     old names without an organisation, such as 'gpt2'): otherwise it is almost surely a misspelt offline name, and
     the message says the nearest one."""
     kinds = (f"The offline models are {' and '.join(repr(m) for m in OFFLINE_MODELS)} (built locally, no network); a "
-             "local folder is one save_pretrained wrote (config.json and weights); a hub name is 'org/name', e.g. "
+             "local folder is one save_pretrained wrote (config.json and weights), or a run's OUT_DIR holding its "
+             "merged/ export; a hub name is 'org/name', e.g. "
              "'HuggingFaceTB/SmolLM2-135M-Instruct', and needs the internet or the Hugging Face cache.")
     if not isinstance(model, str) or not model.strip():
         raise ConfigError(f"{setting}={model!r} names no model. {kinds}")
@@ -78,8 +79,11 @@ def check_model_name(model: Any, setting: str = "MODEL") -> None:
         return
     path = Path(model).expanduser()
     if path.exists() or model.startswith((".", "/", "~")):
-        if not path.is_dir() or not (path / "config.json").is_file():
+        if exported_model_dir(path) is None:
             what = "without a config.json" if path.exists() else "that does not exist"
+            if (path / "adapter" / "adapter_config.json").is_file():
+                what = ("whose run exported a PEFT adapter but no merged model (rerun it with EXPORT_MERGED=True, or "
+                        "give GRPO's START_FROM the folder: it merges the adapter)")
             raise ConfigError(f"{setting}={model!r} is a local path {what}. {kinds}")
         return
     if "/" not in model:
@@ -109,7 +113,16 @@ def resolve_model_source(model: str, cache_dir: str | os.PathLike | None = None)
     if model == SMOLLM2:
         return str(smollm2_dir(cache_dir))
     path = Path(model).expanduser()
-    return str(path) if path.exists() else model
+    return str(exported_model_dir(path) or path) if path.exists() else model
+
+
+def exported_model_dir(path: Path) -> Path | None:
+    """The model a local folder holds: a run's OUT_DIR -> its merged/ export (what the next job of a chain starts
+    from), a folder save_pretrained wrote -> itself; None when it holds neither."""
+    for candidate in (path / "merged", path):
+        if (candidate / "config.json").is_file():
+            return candidate
+    return None
 
 
 def load_causal_lm(model: str, *, dtype: torch.dtype | None = None, attn_implementation: str | None = DEFAULT_ATTN,

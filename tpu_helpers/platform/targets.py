@@ -51,6 +51,8 @@ _FT = {
     "colab-v5e-1": {**_FT_QWEN, "METHOD": "lora", "BATCH_SIZE": 8, "GRAD_ACCUM": 2, "GRADIENT_CHECKPOINTING": True},
     "colab-v6e-1": {**_FT_QWEN, "METHOD": "lora", "BATCH_SIZE": 16, "GRADIENT_CHECKPOINTING": True},
     "tpuvm-v5e-8": {**_FT_QWEN, "METHOD": "full", "BATCH_SIZE": 8, "GRADIENT_CHECKPOINTING": True},
+    "kaggle-v5e-8": {**_FT_QWEN, "METHOD": "full", "BATCH_SIZE": 8, "GRADIENT_CHECKPOINTING": True,
+                     "OUT_DIR": "/kaggle/working/runs/finetune"},
 }
 
 # The GRPO notebook: the offline tiny model (a brief SFT, then generated sums) on CPU and XLA:CPU; on a TPU chip or

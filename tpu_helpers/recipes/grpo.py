@@ -148,6 +148,11 @@ class GRPOConfig(HFJobConfig):
         # The reward functions, parsed once (an unknown name fails here): episodes score their final answer's text.
         self.reward_funcs = episode_rewards(self.rewards, self.format_pattern) if self.agent.enabled else \
             resolve_rewards(self.rewards, format_pattern=self.format_pattern)
+        weights = self.grpo.weights
+        if weights is not None and len(weights) != len(self.reward_funcs):
+            raise ConfigError(f"REWARD_WEIGHTS={self.reward_weights!r} gives {len(weights)} weights for the "
+                              f"{len(self.reward_funcs)} rewards ({', '.join(self.reward_funcs)}): one per reward, "
+                              "in REWARDS' order")
 
 
 def check_context(config: Any, max_prompt_len: int, max_new_tokens: int) -> None:
@@ -193,9 +198,8 @@ class GRPO(HFJob):
         if cfg.start_from == SFT:
             return self._warm_start()
         path = Path(cfg.start_from).expanduser()
-        for candidate in (path / "merged", path):
-            if (candidate / "config.json").is_file():
-                return str(candidate)
+        if (model_dir := hf.exported_model_dir(path)) is not None:
+            return str(model_dir)
         adapter = path / "adapter" if (path / "adapter" / "adapter_config.json").is_file() else path
         if not (adapter / "adapter_config.json").is_file():
             raise ConfigError(f"START_FROM={cfg.start_from!r} holds no config.json (a model), no adapter_config.json "
