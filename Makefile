@@ -5,9 +5,10 @@
 # The virtual environment lives outside the clone, keyed by the lock file's hash, so a second call (or a second
 # clone) reuses it. Override its location with TPU_HELPERS_VENV_ROOT.
 # Also: make test-fast (the unit tier for the edit loop: no slow, notebook, browser or XLA tests, minutes), make
-# test-real (the offline real model's jobs, which make test leaves out), make test-stacks (the Colab, Kaggle, core
-# and newest-torch stacks, each in a venv of its own), make test-real-stacks (those two in one run, as CI does), make
-# lock (re-resolve every lock file; see stacks/stack_venv.py).
+# test-real (the offline real model's jobs, which make test leaves out), make test-long (its long proofs alone), make
+# test-stacks (the Colab, Kaggle, core and newest-torch stacks, each in a venv of its own), make test-real-stacks
+# (those two in one run, but the long proofs, as CI does), make lock (re-resolve every lock file; see
+# stacks/stack_venv.py).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 LOCK := requirements-dev.lock
 VENV_ROOT ?= $(or $(TPU_HELPERS_VENV_ROOT),$(HOME)/.cache/tpu_helpers)
@@ -27,7 +28,7 @@ XDIST := -n $(WORKERS) --dist loadfile
 FAST := not slow and not notebooks and not browser and not xla
 STACKS ?= colab kaggle core latest
 
-.PHONY: setup browser run pretrain-demo test test-fast test-real test-stacks test-real-stacks lock lint clean-runs \
+.PHONY: setup browser run pretrain-demo test test-fast test-real test-long test-stacks test-real-stacks lock lint clean-runs \
 	print-venv docs help
 
 setup: $(STAMP)  ## build the dev venv from the lock (first call only; later calls reuse it)
@@ -108,11 +109,20 @@ test-stacks: setup browser  ## the stack profiles in venvs of their own (STACKS=
 	TPU_HELPERS_STACK_VENVS=$$venvs $(PY) -m pytest tests/stacks $(XDIST) --durations=10 $(PYTEST_ARGS)
 
 # make test-real and make test-stacks in one pytest run (.ci/run): their jobs of minutes go out longest first to the
-# same two workers, which stay busy to the end instead of each run ending on one long test while a core idles.
-test-real-stacks: setup browser  ## make test-real and make test-stacks in one pytest run, as CI does
+# same two workers, which stay busy to the end instead of each run ending on one long test while a core idles. The
+# real model's `long` proofs (over 10 minutes of a core each under CI's load: the agents' SFT warm starts on rows of
+# 300+ tokens) are left to make test-long, so that CI's whole run keeps within its budget.
+test-real-stacks: setup browser  ## make test-real (but its long proofs) and make test-stacks in one pytest run, as CI does
 	PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	venvs=$$($(STACK_VENVS)) && \
-	TPU_HELPERS_STACK_VENVS=$$venvs $(PY) -m pytest tests/real tests/stacks $(XDIST) --durations=15 $(PYTEST_ARGS)
+	TPU_HELPERS_STACK_VENVS=$$venvs $(PY) -m pytest tests/real tests/stacks -m "not long" $(XDIST) --durations=15 \
+	$(PYTEST_ARGS)
+
+# The real model's long proofs alone (tests/real, marked long): the agents trained over several turns and with the
+# sandboxed tool, each after a LoRA SFT warm start (about 15 to 30 minutes of a core each).
+test-long: setup  ## the real model's long proofs alone (agents over several turns; CI leaves them out)
+	PYTHONWARNINGS=ignore $(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m pytest tests/real -m long $(XDIST) --durations=10 $(PYTEST_ARGS)
 
 # Re-resolve requirements-dev.lock and stacks/*.lock at the newest versions the ranges and pins allow (uv pip compile;
 # LOCK_ARGS=--keep keeps current pins where the inputs allow). Commit the locks with a green make test and test-stacks.

@@ -1,4 +1,4 @@
-"""A post-training chain on the tiny model (docs/guides/chain.md): SFT -> GRPO -> SimPO -> on-policy distillation,
+"""A post-training chain on the tiny model (docs/jobs/chain.md): SFT -> GRPO -> SimPO -> on-policy distillation,
 each job starting from the last one's OUT_DIR as the notebooks take it (GRPO's START_FROM; MODEL and TEACHER of the
 preference and fine-tuning jobs), and each starting from exactly the weights the last one exported. A folder that
 holds only an adapter is refused as MODEL, saying what would work."""

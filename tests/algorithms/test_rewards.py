@@ -153,5 +153,5 @@ def test_the_rollouts_total_leaves_a_none_out_and_weighs_each_reward(tmp_path):
     number, some = got["rewards"]["number"], got["rewards"][some_path]
     assert math.isfinite(got["reward"]) and some == 1.0  # the mean of the values that apply
     assert got["reward"] == pytest.approx(0.5 * number + 3 * 1.0 * 2 / 4)
-    with pytest.raises(ConfigError, match=r"REWARD_WEIGHTS='1' gives 1 weights for the 2 rewards \(answer, format\)"):
+    with pytest.raises(ConfigError, match=r"REWARD_WEIGHTS='1' gives 1 weights for the rewards answer, format: one"):
         GRPOConfig(start_from=None, rewards="answer,format", reward_weights="1")

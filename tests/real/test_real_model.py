@@ -7,11 +7,11 @@ test). Every test prints its figures (`make test-real` repeats them at the end: 
   the student's held-out exact match;
 - GRPO on the generated sums raises the held-out mean reward of the answer reward;
 - agent GRPO on the `Lockers` environment, after a brief SFT on its demonstrations, raises the held-out reward and
-  tool-call success;
+  tool-call success (`long`: `make test-long` runs it, CI does not);
 - agent GRPO on `mul3` (products of 3-digit numbers) with the sandboxed `python` tool, after a brief SFT, takes the
   held-out accuracy far above the base model's (which never calls the tool);
 - agent GRPO on `TreasureHunt`, from an SFT that follows its note only sometimes, raises the share of held-out
-  episodes whose second call follows the first one's reply;
+  episodes whose second call follows the first one's reply (`long`);
 - QAT int4 costs held-out loss, and a LoRA trained on the int4 base ends about where the same LoRA on the unquantized
   base does;
 - QLoRA: an NF4 base costs held-out loss, and 8 LoRA steps on it end about where they end on the fp32 base;
@@ -148,6 +148,7 @@ def _print_improved_episode(before: dict, after: dict) -> tuple:
     return pair
 
 
+@pytest.mark.long  # over 10 minutes of a core under CI's load: make test-long, not CI (Makefile)
 def test_agent_grpo_raises_the_real_models_held_out_tool_use(smollm2_dir, tmp_path):
     """The agents notebook's `cpu` preset, as `--target cpu` runs it: GRPO on `Lockers` (agents.examples), whose
     answer exists only inside the environment. A brief LoRA SFT on its demonstrations (START_FROM "sft", 4 steps of
@@ -208,6 +209,7 @@ def test_agent_grpo_teaches_the_real_model_to_multiply_with_the_sandboxed_python
     assert after["reward"] >= before["reward"] + 0.5
 
 
+@pytest.mark.long  # over 10 minutes of a core under CI's load: make test-long, not CI (Makefile)
 def test_agent_grpo_teaches_the_real_model_to_use_the_feedback_across_turns(smollm2_dir, tmp_path):
     """`TreasureHunt` (agents.examples): the box the question names holds a note naming the box with the code, the
     others hold wrong codes, so an episode earns its reward when its second call goes where its first call's reply

@@ -148,11 +148,9 @@ class GRPOConfig(HFJobConfig):
         # The reward functions, parsed once (an unknown name fails here): episodes score their final answer's text.
         self.reward_funcs = episode_rewards(self.rewards, self.format_pattern) if self.agent.enabled else \
             resolve_rewards(self.rewards, format_pattern=self.format_pattern)
-        weights = self.grpo.weights
-        if weights is not None and len(weights) != len(self.reward_funcs):
+        if (weights := self.grpo.weights) is not None and len(weights) != len(self.reward_funcs):
             raise ConfigError(f"REWARD_WEIGHTS={self.reward_weights!r} gives {len(weights)} weights for the "
-                              f"{len(self.reward_funcs)} rewards ({', '.join(self.reward_funcs)}): one per reward, "
-                              "in REWARDS' order")
+                              f"rewards {', '.join(self.reward_funcs)}: one per reward, in REWARDS' order")
 
 
 def check_context(config: Any, max_prompt_len: int, max_new_tokens: int) -> None:
@@ -384,10 +382,7 @@ class GRPO(HFJob):
         """The held-out completions before and after as tables, and their mean rewards (agents: also the turns per
         episode and the tool-call success), for the trackers."""
         tracked = super().tracked_results(results)
-        for when, value in (results.get("reward") or {}).items():
-            if value is not None:
-                tracked["values"][f"samples/reward_{when}"] = value
-        for key, _ in AGENT_CURVES:  # agent mode: the held-out turns per episode and tool-call success rate
+        for key in ("reward", *(k for k, _ in AGENT_CURVES)):  # agents: also turns per episode and tool success
             for when, value in (results.get(key) or {}).items():
                 if value is not None:
                     tracked["values"][f"samples/{key}_{when}"] = value

@@ -16,8 +16,7 @@ trainer.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from tpu_helpers.core.lazy import lazy_exports
 
 _EXPORTS = {
     "Callback": "tpu_helpers.core.callbacks",
@@ -30,8 +29,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tpu_helpers.training' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
