@@ -92,7 +92,6 @@ class GRPOConfig(HFJobConfig):
     steps: int = 200
     lr: float = 2e-3
     warmup_steps: int = 10
-    log_every: int = 10
     save_every: int = 100
     out_dir: str = "runs/grpo"
 

@@ -80,7 +80,6 @@ class PreferenceConfig(HFJobConfig):
     warmup_steps: int = 10
     eval_every: int = 50
     eval_batches: int = 4
-    log_every: int = 10
     save_every: int = 50
     out_dir: str = "runs/preference"
 
