@@ -80,7 +80,7 @@ UNIT_SECONDS = {
     f"{_RM}@reward_model": 350,  # the reward model (207 s of one core), then GRPO rewarded by it (140 s)
     # the agents' proofs, beside another real test (2026-12-03): each SFT step of 8 rows of 300+ tokens 88 s
     f"{_REAL}::test_agent_grpo_teaches_the_real_model_to_use_the_feedback_across_turns": 1643,  # long: make test-long
-    f"{_REAL}::test_agent_grpo_teaches_the_real_model_to_multiply_with_the_sandboxed_python_tool": 857,
+    f"{_REAL}::test_agent_grpo_teaches_the_real_model_to_multiply_with_the_sandboxed_python_tool": 857,  # long
     f"{_REAL}::test_agent_grpo_raises_the_real_models_held_out_tool_use": 600,  # long
     # seconds of one thread on a quiet machine: the 20 SFT steps with their samples, then 16 distillation steps
     f"{_REAL}@lora_sft_run": 230,  # the SFT test and on-policy distillation from its run, sharing it

@@ -9,7 +9,7 @@ test). Every test prints its figures (`make test-real` repeats them at the end: 
 - agent GRPO on the `Lockers` environment, after a brief SFT on its demonstrations, raises the held-out reward and
   tool-call success (`long`: `make test-long` runs it, CI does not);
 - agent GRPO on `mul3` (products of 3-digit numbers) with the sandboxed `python` tool, after a brief SFT, takes the
-  held-out accuracy far above the base model's (which never calls the tool);
+  held-out accuracy far above the base model's (which never calls the tool; `long`);
 - agent GRPO on `TreasureHunt`, from an SFT that follows its note only sometimes, raises the share of held-out
   episodes whose second call follows the first one's reply (`long`);
 - QAT int4 costs held-out loss, and a LoRA trained on the int4 base ends about where the same LoRA on the unquantized
@@ -176,6 +176,7 @@ def test_agent_grpo_raises_the_real_models_held_out_tool_use(smollm2_dir, tmp_pa
     assert after["tool_success"] >= before["tool_success"] + 0.1
 
 
+@pytest.mark.long  # over 10 minutes of a core under CI's load: make test-long, not CI (Makefile)
 def test_agent_grpo_teaches_the_real_model_to_multiply_with_the_sandboxed_python_tool(smollm2_dir, tmp_path):
     """DATASET "mul3" (agents.examples): the product of two 3-digit numbers, which SmolLM2 cannot work out in its
     head, with the `python` tool that runs the model's code in the sandbox (agents/sandbox.py). The agents notebook's
