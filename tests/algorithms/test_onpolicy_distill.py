@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.algorithms.test_distill_loss import _batch, _lm  # the tiny student and teacher, a batch of them
 from tests.support import StepCounters
 from tpu_helpers.algorithms.distill import (
     DistillSettings,
@@ -23,25 +24,6 @@ from tpu_helpers.recipes.finetune import Finetune, FinetuneConfig
 
 gkd = pytest.importorskip("trl.experimental.gkd")
 TRL_JSD = gkd.GKDTrainer.generalized_jsd_loss
-
-
-def _lm(seed: int):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=1, use_cache=False))
-
-
-def _batch(seed: int = 2):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 64, (3, 12), generator=g)
-    mask = torch.ones_like(ids)
-    labels = ids.clone()
-    labels[:, :5] = -100
-    labels[2, 9:] = -100
-    mask[2, 9:] = 0
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
