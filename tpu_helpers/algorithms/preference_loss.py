@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from tpu_helpers.config import ConfigError
-from tpu_helpers.core.choices import check_choice, choose
+from tpu_helpers.core.choices import check_choice, choose, is_finite_number
 
 # DPO scores pairs against a reference model; ORPO by their odds and SimPO by their mean log-probabilities, without
 # one; KTO scores single completions labelled desirable or not against the reference; "reward" trains a reward
@@ -86,11 +86,11 @@ class PreferenceSettings:
         object.__setattr__(self, "pair_losses", choose("loss_type", self.loss_type, DPO_LOSSES))
         for name in ("beta", "orpo_lambda"):
             value = getattr(self, name)
-            if not _finite(value) or value <= 0:
+            if not is_finite_number(value) or value <= 0:
                 raise ConfigError(f"{name}={value!r} must be a finite number > 0")
         for name in ("desirable_weight", "undesirable_weight", "simpo_gamma", "cpo_alpha"):
             value = getattr(self, name)
-            if not _finite(value) or value < 0:
+            if not is_finite_number(value) or value < 0:
                 raise ConfigError(f"{name}={value!r} must be a finite number >= 0")
         if self.desirable_weight == 0 and self.undesirable_weight == 0:
             raise ConfigError("desirable_weight=0 and undesirable_weight=0: KTO would learn nothing; give either > 0")
@@ -104,8 +104,7 @@ class PreferenceSettings:
             raise ConfigError(f"label_smoothing={ls!r} applies to loss_type='sigmoid' only; "
                               f"loss_type={self.loss_type!r}")
         crc = self.center_rewards_coefficient
-        if crc is not None and (isinstance(crc, bool) or not isinstance(crc, (int, float)) or not math.isfinite(crc)
-                                or crc < 0):
+        if crc is not None and (not is_finite_number(crc) or crc < 0):
             raise ConfigError(f"center_rewards_coefficient={crc!r} must be None or a finite number >= 0 (TRL's "
                               "RewardConfig: e.g. 0.01)")
         if crc is not None and self.algorithm != "reward":
@@ -116,10 +115,6 @@ class PreferenceSettings:
         if self.precompute_ref and not self.uses_reference:
             raise ConfigError(f"precompute_ref=True: {self.algorithm.upper()} has no reference model; set it False "
                               "(or algorithm='dpo' or 'kto')")
-
-
-def _finite(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 class PairLoss(NamedTuple):
@@ -159,7 +154,6 @@ def orpo_loss(chosen_mean_logps: torch.Tensor, rejected_mean_logps: torch.Tensor
     lam = settings.orpo_lambda
     losses = -lam * F.logsigmoid(orpo_log_odds(chosen_mean_logps, rejected_mean_logps))
     return PairLoss(losses, lam * chosen_mean_logps.float().detach(), lam * rejected_mean_logps.float().detach())
-
 
 
 def simpo_loss(chosen_mean_logps: torch.Tensor, rejected_mean_logps: torch.Tensor, *,

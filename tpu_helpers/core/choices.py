@@ -14,6 +14,7 @@ DPO's loss, QUANTIZE_BASE) is a registry beside that code instead (`algorithms.g
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -117,6 +118,11 @@ def check_trackers(value: str) -> str:
         raise ConfigError(f"trackers={value!r}: unknown tracker(s) {', '.join(repr(n) for n in unknown)}; known: "
                           f"{', '.join(TRACKERS)} (comma separated, or '' for none)")
     return ",".join(dict.fromkeys(names))
+
+
+def is_finite_number(value: Any) -> bool:
+    """Whether `value` is an int or float that is finite (a bool is not a number here)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def check_positive(name: str, value: Any) -> None:

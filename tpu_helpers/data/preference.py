@@ -19,7 +19,6 @@ answer, TRL's rotation by one), which KTO's KL estimate scores; `pair_up` makes 
 from __future__ import annotations
 
 import json
-import math
 import random
 import warnings
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ import torch
 from torch.utils.data import Dataset
 
 from tpu_helpers.config import ConfigError
+from tpu_helpers.core.choices import is_finite_number
 from tpu_helpers.data.cuts import warn_cut
 from tpu_helpers.data.sft import DEFAULT_DATASET, check_chat_template, instruction_records, load_records
 
@@ -316,7 +316,7 @@ def _margins(records: Sequence[dict], where: str, numbers: Sequence[int] | None)
     out = []
     for k, record in enumerate(records):
         value = record.get("margin")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == math.inf:
+        if not is_finite_number(value):
             raise ConfigError(f"{where} {numbers[k] if numbers is not None else k}: margin={value!r}; with a "
                               "'margin' column every record needs a finite number there (TRL's RewardTrainer)")
         out.append(float(value))
