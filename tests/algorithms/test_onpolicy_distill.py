@@ -1,7 +1,8 @@
 """On-policy distillation (TRL's GKD) in the fine-tuning recipe: the generalized JSD against TRL's own
 `generalized_jsd_loss` (values and gradients, chunked and whole), the student's answers as training rows, a strict
-XLA:CPU run that compiles nothing after warm-up, a 4-bit teacher and the memory plan's generation phase, and bad
-input (a teacher of another vocabulary or tokenizer, settings out of range)."""
+XLA:CPU run in plain distillation's graphs whatever the mix of micro-batches (nothing compiled after warm-up), a
+4-bit teacher and the memory plan's generation phase, and bad input (a teacher of another vocabulary or tokenizer,
+settings out of range)."""
 
 from __future__ import annotations
 
@@ -139,23 +140,39 @@ def test_fully_on_policy_distillation_lowers_the_divergence_on_the_students_answ
 
 
 @pytest.mark.xla
-def test_strict_xla_on_policy_distillation_compiles_nothing_after_warm_up(tmp_path):
+def test_strict_xla_on_policy_distillation_trains_in_the_graphs_of_plain_distillation_whatever_the_mix(tmp_path):
     from tests.support import XLA_BACKEND
 
-    counters = StepCounters()
-    job = _job(tmp_path, "xla", backend=XLA_BACKEND, callbacks=[counters], steps=6, grad_accum=2, seed=3,
-               distill_lambda=0.5, distill_alpha=0.5, gradient_checkpointing=True, log_every=3)
-    # Which micro-batches the student answers (seed 3): one of each kind in steps 1 and 2, in either order (the
-    # generation's warm-up takes two calls), then both, then one again: every mix after the warm-up.
-    kinds = [[job.trainer.answers_itself(k) for k in range(2)] for job.trainer.step in range(6)]
-    job.trainer.step = 0
-    assert kinds == [[False, True], [True, False], [True, True], [True, True], [True, True], [True, False]], kinds
-    report = job.train()  # xla_checks="strict": a recompilation or an undeclared host read after warm-up raises
-    steps = counters.steps
-    assert all(s["compilations"] == 0 for k, s in steps.items() if k > 2), steps
-    assert report.xla["problems"] == [] and report.xla["cpu_fallback_ops"] == {}
-    print(f"on-policy distillation strict on XLA:CPU: compilations per step "
-          f"{[steps[k]['compilations'] for k in sorted(steps)]}, student micro-batches {kinds}")
+    def run(name, lambda_, draws=None):
+        counters = StepCounters()
+        job = _job(tmp_path / name, "xla", backend=XLA_BACKEND, callbacks=[counters], steps=len(kinds), grad_accum=2,
+                   seed=3, distill_lambda=lambda_, distill_alpha=0.5, gradient_checkpointing=True, log_every=3)
+        trainer, generating = job.trainer, [0]
+        if draws is not None:  # which micro-batches the student answers, step by step
+            trainer.answers_itself = lambda k: draws[trainer.step][k]
+            answers = trainer.student_answers
+
+            def counted(*args):  # the compilations of the generation, apart from the training step's
+                before = trainer.backend.metrics()["compilations"]
+                out = answers(*args)
+                generating[0] += trainer.backend.metrics()["compilations"] - before
+                return out
+            trainer.student_answers = counted
+        report = job.train()  # xla_checks="strict": a recompilation or an undeclared host read after warm-up raises
+        assert report.xla["problems"] == [] and report.xla["cpu_fallback_ops"] == {}
+        steps = [counters.steps[k]["compilations"] for k in sorted(counters.steps)]
+        assert all(c == 0 for c in steps[2:]), (name, steps)
+        return steps, generating[0]
+
+    # The first step draws no student answers (the generation still compiles there, not when it first runs), then
+    # every mix of the two kinds: one graph per step whichever micro-batches the student answers.
+    kinds = [[False, False], [False, False], [True, True], [True, False], [False, True], [True, True]]
+    on_policy, generation = run("on", 0.5, kinds)
+    plain, none = run("plain", 0.0)
+    assert none == 0 and generation > 0
+    assert sum(on_policy) - generation == sum(plain), (on_policy, generation, plain)
+    print(f"on-policy distillation strict on XLA:CPU: compilations per step {on_policy} ({generation} of them the "
+          f"generation's), plain distillation {plain}; student micro-batches {kinds}")
 
 
 def test_a_4bit_teacher_runs_and_the_plan_counts_it_with_the_students_kv_cache(tmp_path):

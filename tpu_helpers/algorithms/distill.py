@@ -208,9 +208,7 @@ class DistillTrainer(CausalLMTrainer):
                               f"{seq_len} for distill_lambda={self.settings.lambda_!r} (the student's answers take "
                               "the last max_new_tokens columns of a row, its prompt the rest)")
         self.stop_ids, self.pad, self.max_new_tokens = stop_ids, pad, max_new_tokens
-        # Each micro-batch's forward and backward a graph of its own: a step's graphs are then those of its
-        # micro-batches' kinds, each compiled once, whichever mix of them a step draws.
-        self.sync_each_micro_batch = True
+        self.generations = 0  # the student's answers so far in this process (the generation compiles in two)
         self.prompt_width = (seq_len or max_new_tokens + 1) - max_new_tokens
         if data is not None:
             lengths = prompt_lengths(data.labels)
@@ -238,6 +236,7 @@ class DistillTrainer(CausalLMTrainer):
         KV-cached generation: one prefill and one decode graph), labels on the answer's tokens up to its stop
         token; the same keys and shapes as a dataset batch."""
         b = self.backend
+        self.generations += 1
         prompt, mask = left_padded_prompts(batch, self.prompt_width, self.pad)
         b.sync()  # the prompts as data: the generation's captured graphs take them as they are
         key = sampling_key(self.config.seed, self.step * self.config.grad_accum + micro, b)
@@ -256,9 +255,14 @@ class DistillTrainer(CausalLMTrainer):
         micro = super().micro_batches(batches)
         if not self.settings.on_policy:
             return micro
+        draws = [self.answers_itself(k) for k in range(len(micro))]
+        if self.backend.compiles_graphs:
+            # The generation's graphs compile over its first two calls: make them in the run's first step whatever
+            # it draws (answers thrown away), so that no later step compiles when the student first answers.
+            for _ in range(2 - self.generations - sum(draws)):
+                self.student_answers(micro[0], 0)
         out = []
-        for k, batch in enumerate(micro):
-            own = self.answers_itself(k)
+        for k, (batch, own) in enumerate(zip(micro, draws, strict=True)):
             batch = self.student_answers(batch, k) if own else batch
             out.append({**batch, "distill_weights": self.weights[k, own]})
         return out
@@ -266,7 +270,7 @@ class DistillTrainer(CausalLMTrainer):
     def loss_sum(self, batch: dict) -> torch.Tensor:
         s = self.settings
         if "distill_weights" in batch:  # on-policy runs: left-padded rows need their positions
-            batch = {**batch, "position_ids": (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)}
+            batch = {**batch, "position_ids": lm_head.mask_positions(batch["attention_mask"])}
         chunked = lm_head.live_kd_sums(self.model, self.teacher, batch, s.temperature, beta=s.beta,
                                        chunk=getattr(self, "loss_chunk", None))
         if chunked is not None:

@@ -132,7 +132,7 @@ def completion_logps(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tens
     chunked = lm_head.completion_token_logps(model, ids, mask, completion, temperature, group=group)
     if chunked is not None:
         return chunked
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    positions = lm_head.mask_positions(mask)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,
                    logits_to_keep=completion + 1).logits[:, :-1].float() / temperature
     tokens = ids[:, -completion:].unsqueeze(-1)

@@ -55,8 +55,6 @@ class CausalLMTrainer(Trainer):
             return chunked
         return causal_lm_loss_sum(lm_logits(self.model, batch), batch["labels"])
 
-    sync_each_micro_batch = False  # one graph per micro-batch (on-policy distillation's), not one per step
-
     # config.replay_steps: `loss_sum` (whatever a subclass makes it: distillation's) is captured and replayed.
     replays_steps = True
 
@@ -87,6 +85,4 @@ class CausalLMTrainer(Trainer):
                 loss = self._loss_sum(batch) / count
             b.backward(loss)
             total = loss.detach() if total is None else total + loss.detach()
-            if self.sync_each_micro_batch:
-                b.sync()
         return StepFigures(total, self.apply_gradients())

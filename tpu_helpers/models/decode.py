@@ -28,7 +28,7 @@ import torch
 from tpu_helpers.backend import generation_hooks
 from tpu_helpers.backend.base import no_sync
 from tpu_helpers.config import ConfigError
-from tpu_helpers.models.lm_head import cache_argument
+from tpu_helpers.models.lm_head import cache_argument, mask_positions
 from tpu_helpers.models.replay import lazy_steps, looped_steps, replayed_steps
 from tpu_helpers.models.sampling import Sampling, pick
 
@@ -241,7 +241,7 @@ def prefill(model: torch.nn.Module, cache: Any, tensors: tuple, room: int, width
     # generated slot already written (the causal condition below).
     valid = torch.cat([prompt_mask.bool(), torch.ones((prompt_mask.shape[0], room), dtype=torch.bool,
                                                       device=device)], 1)
-    slot_pos = torch.cat([(prompt_mask.cumsum(-1) - 1).clamp(min=0),
+    slot_pos = torch.cat([mask_positions(prompt_mask),
                           prompt_mask.sum(-1, keepdim=True) + torch.arange(room, device=device)], 1)
     seen = width if repeats > 1 else total  # a shared prompt's pass gets back its own keys only (`_static_layer`)
     slots = torch.arange(total, device=device)

@@ -34,6 +34,7 @@ from tpu_helpers.models.decode import (  # noqa: F401  (Generated re-exported: w
     sliding_window,
     text_config,
 )
+from tpu_helpers.models.lm_head import mask_positions
 from tpu_helpers.models.replay import kept_cache, release_caches, replayed_prefill  # noqa: F401  (re-exported)
 from tpu_helpers.models.sampling import GREEDY, Sampling, exponentials, pick  # noqa: F401  (re-exported)
 
@@ -179,7 +180,7 @@ def generate_ids_uncached(model: torch.nn.Module, input_ids: torch.Tensor, atten
         cols = torch.arange(total, device=device)
         pos = torch.full((1,), width, dtype=torch.long).to(device)  # data, not a constant: one graph for all steps
         for _ in range(max_new_tokens):
-            position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+            position_ids = mask_positions(mask)
             logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits
             nxt = logits.index_select(1, pos - 1).squeeze(1).argmax(-1)
             here = (cols == pos).unsqueeze(0)

@@ -299,6 +299,13 @@ def cache_argument(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
+def mask_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Each column's position among its row's real tokens (mask 1), 0 on left padding: the position_ids of
+    left-padded rows. The cumulative sum's dtype is named: torch_xla hashes a mask sent from the host (its dtype
+    recorded) apart from one a graph made (none recorded), so rows of both kinds would otherwise trace two graphs."""
+    return (mask.cumsum(-1, dtype=torch.long) - 1).clamp(min=0)
+
+
 def completion_hidden(split: LMHead, ids: torch.Tensor, mask: torch.Tensor, completion: int,
                       group: int = 1) -> torch.Tensor:
     """The final hidden states (rows, completion, d) that predict the last `completion` tokens of left-padded `ids`.
@@ -307,7 +314,7 @@ def completion_hidden(split: LMHead, ids: torch.Tensor, mask: torch.Tensor, comp
     second pass through the model's own cache; the gradient flows back through both). The same values, computed
     over rows / group + rows x completion tokens instead of rows x all. The caller keeps it out of checkpointed
     blocks: a recomputed layer would append to the cache twice."""
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    positions = mask_positions(mask)
     if group > 1:
         p = ids.shape[1] - completion
         first = split.backbone(input_ids=ids[::group, :p], attention_mask=mask[::group, :p],

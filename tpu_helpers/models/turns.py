@@ -45,6 +45,7 @@ from tpu_helpers.models.decode import (
     sliding_window,
 )
 from tpu_helpers.models.generation import check_generation_support
+from tpu_helpers.models.lm_head import mask_positions
 from tpu_helpers.models.replay import kept_cache, replayed_prefill
 from tpu_helpers.models.sampling import GREEDY, Sampling
 
@@ -200,7 +201,7 @@ class Turns:
         a = s.start(turn - 1) + s.turn_tokens
         self.tool_ids[:, a:a + C] = torch.where(tool_valid, chunk[:, 1:], self.pad)
         self.tool_mask[:, a:a + C] = tool_valid
-        slot_pos = (self.valid.long().cumsum(-1) - 1).clamp(min=0)
+        slot_pos = mask_positions(self.valid)
         done = ~torch.tensor(list(active), dtype=torch.bool)
         start = torch.tensor(prev + s.turn_tokens - 1, dtype=torch.long)  # 0-d, as the cache's
         step = torch.tensor([s.start(turn)], dtype=torch.long)
