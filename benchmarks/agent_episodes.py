@@ -12,9 +12,10 @@ The episodes: the offline Lockers environment (agents.examples), `--rows` episod
 `generate` side runs each conversation on its own, as TRL does), the prompts rendered with the tool schemas
 through the model's template, sampled at temperature 1 with MAX_TURNS rounds of tool calls, TURN_TOKENS tokens per
 turn and TOOL_TOKENS of tool text. An untrained model rarely writes a well-formed call, so the calls are scripted
-here: a turn whose sampled token ids sum to an even number counts as a call to `open_locker` with the row's locker
-(the rest of the episode, the tool run, the template's tool text, the cache and the turns are real); both sides use
-the same rule, so they run the same number of turns. Each device runs in its own process (PJRT_DEVICE=CPU for XLA:CPU).
+here: a row's first `sum(prompt ids) % 3` turns count as calls to `open_locker`, the next as its answer (the rest of
+the episode, the tool run, the template's tool text, the cache and the turns are real). The rule reads the row, not
+the sampled tokens, so both sides run the same turns (a turn that runs out of tokens still ends its episode on
+either side). Each device runs in its own process (PJRT_DEVICE=CPU for XLA:CPU).
 Printed per side and device: episodes per second over the batches after the first, and per second of the main
 thread's CPU time (on the CPU the arithmetic of one thread: the figure a busy machine does not skew; on XLA the
 host's own work, XLA:CPU computing on threads of its own), the mean turns per episode, the
@@ -36,17 +37,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _scripted(chat):
-    """The parse both sides use: a call to open_locker when the turn's token ids sum to an even number, else the
-    text."""
+    """The parse both sides use: a row's first `sum(prompt ids) % 3` turns call open_locker, its next one answers
+    with the turn's text. Keyed by the row's prompt list (`prefix`, one object a row; `parse.reset()` before each
+    batch), not by the sampled tokens: both sides then run the same turns, whatever each samples."""
     from tpu_helpers.agents import Parsed
 
+    turns_of: dict[int, int] = {}
+
     def parse(ids, *, prefix=None, tools=None, locker="red"):
-        ids = list(ids)
-        if ids and sum(ids) % 2 == 0:
+        turn = turns_of.get(id(prefix), 0)
+        turns_of[id(prefix)] = turn + 1
+        if turn < sum(prefix) % 3:
             return Parsed({"role": "assistant", "content": "", "tool_calls": [
                 {"type": "function", "function": {"name": "open_locker", "arguments": {"name": locker}}}]})
-        return Parsed({"role": "assistant", "content": chat.tokenizer.decode(ids, skip_special_tokens=True)})
+        return Parsed({"role": "assistant", "content": chat.tokenizer.decode(list(ids), skip_special_tokens=True)})
 
+    parse.reset = turns_of.clear
     return parse
 
 
@@ -70,8 +76,7 @@ def _setup(args, device):
     shape = TurnShape(args.turn_tokens, args.tool_tokens, args.max_turns)
     runner = EpisodeRunner(agent, chat, shape, prompt_tokens=args.prompt_tokens, stop_ids=hf.eos_ids(tok, model),
                            pad_token_id=tok.pad_token_id)
-    rule = _scripted(chat)
-    chat.parse = lambda ids, **kw: rule(ids, **kw)
+    chat.parse = _scripted(chat)
     if args.stop_every:  # the tiny model never writes its end of turn: a share of the vocabulary ends a turn
         runner.stop_ids = [t for t in range(len(tok)) if t % args.stop_every == 0]
     if args.rows % args.group:
@@ -80,11 +85,19 @@ def _setup(args, device):
     return torch, model, tok, b, chat, runner, rows
 
 
+def _hf_sampling(temperature: float) -> dict:
+    """`generate`'s arguments for the package's Sampling(temperature): plain sampling, or greedy at 0."""
+    if temperature == 0:
+        return {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
+    return {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+
+
 def _hf_episodes(torch, model, tok, chat, runner, rows, args) -> tuple[list[int], float]:
     """The same episodes with `generate` over each row's whole conversation every turn (no cache kept between
     turns), the same parse, tools and tool text: (turns per episode, host seconds outside generate)."""
     episodes = [runner.agent.start(r) for r in rows]
     convo = [chat.prompt_ids(e.prompt, tools=e.schemas) for e in episodes]
+    prompts = [list(c) for c in convo]  # the rows' keys in the scripted parse, as the runner passes them
     active, turns, host = [True] * len(rows), [0] * len(rows), 0.0
     stop = set(runner.stop_ids)
     for k in range(runner.shape.answers):
@@ -96,15 +109,18 @@ def _hf_episodes(torch, model, tok, chat, runner, rows, args) -> tuple[list[int]
         mask = torch.tensor([[0] * (width - len(convo[i])) + [1] * len(convo[i]) for i in live])
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=runner.shape.turn_tokens,
-                                 do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=list(stop),
+                                 **_hf_sampling(args.temperature), eos_token_id=list(stop),
                                  pad_token_id=tok.pad_token_id)[:, width:].tolist()
         t0 = time.perf_counter()
         for i, row in zip(live, out, strict=True):
             turns[i] += 1
             own = row[:next((j + 1 for j, t in enumerate(row) if t in stop), len(row))]
             convo[i] += own
-            parsed = chat.parse(own)
-            if not parsed.message.get("tool_calls") or k == runner.shape.max_turns or own[-1] not in stop:
+            if own[-1] not in stop:  # the turn ran out of tokens: the episode ends unparsed, as in the runner
+                active[i] = False
+                continue
+            parsed = chat.parse(own, prefix=prompts[i])
+            if not parsed.message.get("tool_calls") or k == runner.shape.max_turns:
                 active[i] = False
                 continue
             episodes[i].answer(parsed.message)
@@ -126,10 +142,11 @@ def child(args) -> None:
         for k in range(args.batches):
             batch_rows = rows[k * args.rows:(k + 1) * args.rows]
             before = b.metrics().get("compilations", 0)
+            chat.parse.reset()
             t0, c0 = time.perf_counter(), time.thread_time()
             if side == "package":
                 seed = torch.tensor([0, k], dtype=torch.long).to(b.device)
-                batch = runner.run(model, batch_rows, backend=b, sampling=Sampling(1.0), seed=seed,
+                batch = runner.run(model, batch_rows, backend=b, sampling=Sampling(args.temperature), seed=seed,
                                    group=args.group)
                 b.to_cpu(batch.own)
                 turns += batch.turns
@@ -161,6 +178,9 @@ def main() -> None:
     p.add_argument("--turn-tokens", type=int, default=40)
     p.add_argument("--tool-tokens", type=int, default=32)
     p.add_argument("--max-turns", type=int, default=2)
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="0: greedy on both sides, so that they end the same turns (sampled, a turn that runs out of "
+                        "tokens differs by chance and a second turn costs a whole decode)")
     p.add_argument("--stop-every", type=int, default=0, help="tokens id %% N == 0 end a turn (the tiny model)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--child", default=None)

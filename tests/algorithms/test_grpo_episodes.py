@@ -19,6 +19,7 @@ import torch
 
 from tests.support import StepCounters, StopAt, assert_same_trainable_weights
 from tpu_helpers.agents import ChatFormat, Parsed
+from tpu_helpers.algorithms import episodes
 from tpu_helpers.algorithms.episodes import EpisodeRunner
 from tpu_helpers.recipes.grpo import GRPO, GRPOConfig
 
@@ -117,7 +118,9 @@ def test_an_episodes_slots_hold_its_conversation_and_the_loss_mask_only_the_mode
                        seed=torch.tensor([0, 0, 0]))
     assert max(batch.turns) == 3 and min(batch.turns) == 1, batch.turns  # answered at once, and after two calls
     assert batch.figures["tool_calls"] > 0 and batch.figures["tool_success"] == 1.0
-    width = job.config.max_prompt_len
+    # On the CPU the prompts take the batch's longest width, not MAX_PROMPT_LEN's (XLA keeps it: the strict test).
+    width = max(len(runner.chat.prompt_ids(e.prompt, tools=e.schemas)) for e in batch.episodes)
+    assert width < job.config.max_prompt_len and batch.ids.shape[1] == width + runner.shape.width
     for i, e in enumerate(batch.episodes):
         used = batch.mask[i].bool()
         ids = batch.ids[i][used].tolist()
@@ -160,7 +163,8 @@ def test_a_groups_episodes_share_their_prompt_pass_and_a_group_whose_prompts_dif
                                                with_kwargs=True)
     got = run(rows, 2)
     hook.remove()
-    assert passes[0] == (3, job.config.max_prompt_len)  # one prompt pass per group of 2
+    longest = max(len(runner.chat.prompt_ids(e.prompt, tools=e.schemas)) for e in got.episodes)
+    assert passes[0] == (3, longest)  # one prompt pass per group of 2 (on the CPU, as wide as the longest prompt)
     for a, c in ((got.ids, want.ids), (got.mask, want.mask), (got.own, want.own)):
         assert torch.equal(a, c)
     torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=1e-5)
@@ -189,13 +193,16 @@ def test_every_loss_type_trains_on_episodes_on_policy_at_its_first_step(tmp_path
 
 
 @pytest.mark.xla
-def test_strict_xla_agent_grpo_compiles_nothing_after_warm_up(tmp_path, tool_tiny_dir, scripted):
+def test_strict_xla_agent_grpo_compiles_nothing_after_warm_up(tmp_path, tool_tiny_dir, scripted, monkeypatch):
     from tests.support import XLA_BACKEND
 
-    counters = StepCounters()
+    counters, widths = StepCounters(), []
+    left_pad = episodes.left_pad
+    monkeypatch.setattr(episodes, "left_pad", lambda rows, width, pad: widths.append(width) or left_pad(rows, width, pad))
     job = GRPO(_job(tmp_path, tool_tiny_dir, "xla", steps=4).config, backend=XLA_BACKEND, progress=False,
                callbacks=[counters])
     report = job.train()  # strict: a recompilation after warm-up raises
+    assert set(widths) == {job.config.max_prompt_len}  # on XLA every batch's prompts are MAX_PROMPT_LEN wide
     steps = counters.steps
     # Step 2 compiles the optimizer's steady-state update, as in single-turn GRPO (tests/algorithms/test_grpo.py);
     # the turns, whatever each episode's length, compile nothing after the first step's episodes.

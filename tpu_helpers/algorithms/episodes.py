@@ -194,7 +194,10 @@ class EpisodeRunner:
                                          f"{self.prompt_tokens}: its first tokens are cut")
             prompts.append(ids[-self.prompt_tokens:])
         shared = self._shared(prompts, group)
-        p = left_pad(prompts[::shared], self.prompt_tokens, self.pad)
+        # Graphs (XLA) and captured decode loops (CUDA) keep MAX_PROMPT_LEN's width: one shape for every batch. The
+        # CPU runs whatever shape comes, so there the prompts take the batch's longest: no pass over padding.
+        fixed = b.compiles_graphs or b.compile_loop() is not None
+        p = left_pad(prompts[::shared], self.prompt_tokens if fixed else max(map(len, prompts)), self.pad)
         turns = Turns(model, p.ids.to(b.device), p.mask.to(b.device), s, eos_token_id=self.stop_ids,
                       pad_token_id=self.pad, sampling=sampling, seed=seed, sync=b.sync, replay=b.compile_step,
                       loop=b.compile_loop, num_return_sequences=shared)
