@@ -4,6 +4,7 @@
                            prompt_tokens=256, stop_ids=eos_ids(tokenizer, model), pad_token_id=tokenizer.pad_token_id)
     batch = runner.run(model, rows, backend=b, sampling=s, seed=key)     # one episode per row
     batch.ids, batch.mask             # (rows, P + width): prompt, the model's turns, tool text; the slots in use
+                                      # (P: prompt_tokens on XLA and CUDA, the batch's longest prompt on the CPU)
     batch.own, batch.logprobs         # (rows, width): the model's own tokens (the loss mask) and their log-probs
     rewards, figures = runner.score(batch.episodes)   # TRL-style reward functions; a failing one is counted, NaN
 
